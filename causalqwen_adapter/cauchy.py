@@ -1,0 +1,137 @@
+"""Cauchy / one-vs-rest math of DESIGN.md §2 — the one place it lives.
+
+Shipped as remote code: imports only torch. Every other module (the model, the chunked
+training loss, generation) calls these functions instead of re-deriving the formulas.
+"""
+
+import math
+
+import torch
+
+INFERENCE_MODES = ("compatible", "standard", "sampling", "causal")
+
+_LOG_PI = math.log(math.pi)
+
+
+def softplus_inverse(y: float) -> float:
+    """Exact softplus⁻¹(y) = log(expm1(y)), in the form that stays finite for large y."""
+    if y <= 0:
+        raise ValueError(f"softplus⁻¹ is defined for y > 0, got {y}")
+    return y + math.log(-math.expm1(-y))
+
+
+def fuse_noise(
+    loc_U: torch.Tensor,
+    scale_U: torch.Tensor,
+    b_noise: torch.Tensor,
+    mode: str = "standard",
+    temperature: float = 1.0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noise fusion of DESIGN §2.2; returns (loc_U', scale_U').
+
+    training / ``standard``: the noise widens the scale,  scale_U + T·|b_noise|;
+    ``sampling``: the noise shifts the location, loc_U + T·|b_noise|⊙ε with ε ~ Cauchy(0, 1)
+    (``noise`` is ε; drawn here when not given);
+    ``causal`` (and ``compatible``, whose score ignores the scale): no noise.
+    """
+    if mode in ("causal", "compatible") or temperature == 0:
+        return loc_U, scale_U
+    if mode == "standard":
+        return loc_U, scale_U + temperature * b_noise.abs()
+    if mode == "sampling":
+        if noise is None:
+            noise = sample_standard_cauchy(loc_U.shape, dtype=loc_U.dtype, device=loc_U.device)
+        return loc_U + temperature * b_noise.abs() * noise, scale_U
+    raise ValueError(f"unknown inference mode {mode!r}: choose one of {', '.join(INFERENCE_MODES)}")
+
+
+def sample_standard_cauchy(shape, *, dtype=None, device=None, generator=None) -> torch.Tensor:
+    """ε ~ Cauchy(0, 1) by inverse CDF: tan(π (u − ½)), u ~ U(0, 1)."""
+    u = torch.rand(shape, dtype=torch.float32, device=device, generator=generator)
+    return torch.tan(math.pi * (u - 0.5)).to(dtype or torch.float32)
+
+
+def cauchy_linear(
+    loc_U: torch.Tensor,
+    scale_U: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    abs_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cauchy linear stability: U ~ Cauchy(loc, scale) ⇒ W U + b ~ Cauchy(W loc + b, |W| scale).
+
+    ``abs_weight`` lets callers pass a cached |W| (inference); it must equal ``weight.abs()``.
+    """
+    loc_S = torch.nn.functional.linear(loc_U, weight, bias)
+    scale_S = torch.nn.functional.linear(scale_U, weight.abs() if abs_weight is None else abs_weight)
+    return loc_S, scale_S
+
+
+def ovr_standardize(loc_S: torch.Tensor, scale_S: torch.Tensor, threshold) -> torch.Tensor:
+    """x_k = (loc_S_k − C_k) / scale_S_k."""
+    return (loc_S - threshold) / scale_S
+
+
+def ovr_log_probs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log P_k, log(1 − P_k)) for the OvR probability P_k = ½ + atan(x_k)/π.
+
+    Through the atan2 forms P = atan2(1, −x)/π and 1 − P = atan2(1, x)/π: neither side
+    rounds to 0 for large |x| (atan2(1, x) ≈ 1/x), so no clamping is needed.
+    """
+    one = torch.ones((), dtype=x.dtype, device=x.device)
+    log_p = torch.log(torch.atan2(one, -x)) - _LOG_PI
+    log_not_p = torch.log(torch.atan2(one, x)) - _LOG_PI
+    return log_p, log_not_p
+
+
+def ovr_probs(x: torch.Tensor) -> torch.Tensor:
+    """P_k = ½ + atan(x_k)/π, as atan2(1, −x)/π."""
+    return torch.atan2(torch.ones((), dtype=x.dtype, device=x.device), -x) / math.pi
+
+
+def ovr_token_losses(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position OvR binary cross-entropy summed over the vocabulary (DESIGN §2.3).
+
+    ℓ = Σ_k −log(1 − P_k) + [−log P_y + log(1 − P_y)], with no one-hot tensor.
+    ``x``: [..., V] standardized scores; ``targets``: [...] valid token ids. Returns [...].
+    """
+    log_p, log_not_p = ovr_log_probs(x)
+    y = targets.unsqueeze(-1)
+    return -log_not_p.sum(-1) - log_p.gather(-1, y).squeeze(-1) + log_not_p.gather(-1, y).squeeze(-1)
+
+
+def ovr_loss(
+    loc_S: torch.Tensor,
+    scale_S: torch.Tensor,
+    threshold,
+    labels: torch.Tensor,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """The OvR loss on already computed scores: float32 math, sum over the vocabulary,
+    mean over valid targets (or sum / ``num_items_in_batch`` under gradient accumulation).
+
+    ``labels`` are aligned with the scores (already shifted). This form materialises
+    [tokens × V]; the trainer uses the chunked form in ``losses.py``.
+    """
+    vocab = loc_S.shape[-1]
+    labels = labels.reshape(-1)
+    valid = labels != ignore_index
+    check_labels(labels[valid], vocab)
+    x = ovr_standardize(loc_S.reshape(-1, vocab)[valid].float(), scale_S.reshape(-1, vocab)[valid].float(),
+                        threshold.float() if torch.is_tensor(threshold) else threshold)
+    total = ovr_token_losses(x, labels[valid]).sum()
+    if num_items_in_batch is None:
+        num_items_in_batch = valid.sum()
+    return total / num_items_in_batch
+
+
+def check_labels(valid_labels: torch.Tensor, vocab_size: int) -> None:
+    """Labels other than −100 must index the vocabulary."""
+    if valid_labels.numel() and (valid_labels.min() < 0 or valid_labels.max() >= vocab_size):
+        bad = valid_labels[(valid_labels < 0) | (valid_labels >= vocab_size)][0].item()
+        raise ValueError(
+            f"label {bad} is outside the vocabulary [0, {vocab_size}); use -100 for positions "
+            "that carry no target (prompt, padding)"
+        )

@@ -1,0 +1,633 @@
+"""CausalQwen: causal heads (abduction → action → OvR) on a frozen Qwen2 backbone (DESIGN.md §2).
+
+Read top to bottom: the three head modules, then the model. The heads are an adapter:
+`save_pretrained` writes only their tensors plus this file and the files it imports, and
+`from_pretrained` loads the base named in the config, then the heads.
+
+Shipped as remote code: imports only the standard library, torch, transformers and safetensors.
+"""
+
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, GenerationConfig, GenerationMixin, PreTrainedModel, Qwen2ForCausalLM, Qwen2Model
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.modeling_outputs import ModelOutput
+from transformers.utils import cached_file, logging
+
+from .cauchy import INFERENCE_MODES, cauchy_linear, fuse_noise, ovr_log_probs, ovr_loss, ovr_probs, ovr_standardize, softplus_inverse
+from .configuration_causalqwen import CausalQwenConfig
+
+logger = logging.get_logger(__name__)
+
+ADAPTER_WEIGHTS_NAME = "model.safetensors"
+_BACKBONE_PREFIX = "model."
+# Hub/loading kwargs transformers' Auto classes hand to `from_pretrained`; they address the adapter repo.
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+
+
+# --------------------------------------------------------------------------------------- heads
+
+
+class AbductionNetwork(nn.Module):
+    """z ↦ Cauchy individual U: loc_U = W_loc z + b_loc, scale_U = softplus(W_scale z + b_scale)."""
+
+    def __init__(self, hidden_size: int, causal_size: int):
+        super().__init__()
+        self.loc = nn.Linear(hidden_size, causal_size)
+        self.scale = nn.Linear(hidden_size, causal_size)
+
+    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loc(z), F.softplus(self.scale(z))
+
+    @torch.no_grad()
+    def reset_parameters(self, gamma_init: float) -> None:
+        """Identity when C == H (U starts at z with constant scale γ₀); Xavier otherwise."""
+        if self.loc.in_features == self.loc.out_features:
+            self.loc.weight.copy_(torch.eye(self.loc.out_features))
+            self.scale.weight.zero_()
+        else:
+            nn.init.xavier_uniform_(self.loc.weight)
+            nn.init.xavier_uniform_(self.scale.weight)
+            self.scale.weight.mul_(0.1)
+        self.loc.bias.zero_()
+        self.scale.bias.fill_(softplus_inverse(gamma_init))
+
+
+class ActionNetwork(nn.Module):
+    """Cauchy linear law U ↦ S: loc_S = W_A loc_U' + b_A, scale_S = scale_U' |W_A|ᵀ, after noise fusion."""
+
+    def __init__(self, causal_size: int, vocab_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, causal_size))
+        self.bias = nn.Parameter(torch.empty(vocab_size))
+        self.b_noise = nn.Parameter(torch.empty(causal_size))
+        self._abs_weight_cache = None  # (key, |W|) for inference; never saved
+
+    def forward(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
+        loc_U, scale_U = fuse_noise(loc_U, scale_U, self.b_noise, mode, temperature, noise)
+        return cauchy_linear(loc_U, scale_U, self.weight, self.bias, self._cached_abs_weight())
+
+    def _cached_abs_weight(self) -> torch.Tensor | None:
+        """|W_A| kept across decode steps when no gradient flows; rebuilt when W_A changes."""
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            self._abs_weight_cache = None
+            return None
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
+            self._abs_weight_cache = (key, w.detach().abs())
+        return self._abs_weight_cache[1]
+
+    @torch.no_grad()
+    def reset_parameters(self, b_noise_init: float, weight=None, bias=None) -> None:
+        """W_A ← a copy of the base lm_head (random when none is given), b_A ← its bias or 0."""
+        if weight is None:
+            nn.init.normal_(self.weight, std=0.02)
+        else:
+            self.weight.copy_(weight)
+        if bias is None:
+            self.bias.zero_()
+        else:
+            self.bias.copy_(bias)
+        self.b_noise.fill_(b_noise_init)
+
+
+class OvRClassifier(nn.Module):
+    """One-vs-rest thresholds C_k: a scalar buffer, or one learnable value per vocabulary entry."""
+
+    def __init__(self, vocab_size: int, threshold_init: float, learnable: bool):
+        super().__init__()
+        self.threshold_init = threshold_init
+        if learnable:
+            self.threshold = nn.Parameter(torch.empty(vocab_size))
+        else:
+            self.register_buffer("threshold", torch.empty(()), persistent=False)
+
+    def forward(self, loc_S: torch.Tensor, scale_S: torch.Tensor) -> torch.Tensor:
+        """Standardized scores x_k = (loc_S_k − C_k) / scale_S_k in float32."""
+        return ovr_standardize(loc_S.float(), scale_S.float(), self.threshold.float())
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.threshold.fill_(self.threshold_init)
+
+
+# --------------------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class CausalQwenModelOutput(ModelOutput):
+    """Cauchy parameters of the individual U and of the decision scores S at the kept positions."""
+
+    loc_U: torch.FloatTensor | None = None
+    scale_U: torch.FloatTensor | None = None
+    loc_S: torch.FloatTensor | None = None
+    scale_S: torch.FloatTensor | None = None
+    last_hidden_state: torch.FloatTensor | None = None
+    past_key_values: object | None = None
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
+
+
+@dataclass
+class CausalQwenCausalLMOutput(ModelOutput):
+    """`logits` are loc_S in `compatible` mode and log P_k (OvR) in the other modes."""
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    loc_U: torch.FloatTensor | None = None
+    scale_U: torch.FloatTensor | None = None
+    loc_S: torch.FloatTensor | None = None
+    scale_S: torch.FloatTensor | None = None
+    past_key_values: object | None = None
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
+
+
+# --------------------------------------------------------------------------------------- model
+
+
+class CausalQwenPreTrainedModel(PreTrainedModel):
+    config_class = CausalQwenConfig
+    config: CausalQwenConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Qwen2DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def _init_weights(self, module):
+        if isinstance(module, AbductionNetwork):
+            module.reset_parameters(self.config.gamma_init)
+        elif isinstance(module, ActionNetwork):
+            module.reset_parameters(self.config.b_noise_init)
+        elif isinstance(module, OvRClassifier):
+            module.reset_parameters()
+        else:
+            super()._init_weights(module)
+
+
+class CausalQwenModel(CausalQwenPreTrainedModel):
+    """Qwen2 backbone + causal heads; returns the Cauchy parameters of U and S (what `AutoModel` loads)."""
+
+    def __init__(self, config: CausalQwenConfig, backbone: Qwen2Model | None = None):
+        super().__init__(config)
+        if backbone is not None:
+            # An already-loaded backbone: mark it so post_init's weight initialisation leaves it alone.
+            for module in backbone.modules():
+                module._is_hf_initialized = True
+        self.model = backbone if backbone is not None else Qwen2Model(config.text_config)
+        self.model.requires_grad_(False)  # frozen by default: the heads are what trains
+        text = config.text_config
+        self.abduction = AbductionNetwork(text.hidden_size, config.causal_size)
+        self.action = ActionNetwork(config.causal_size, text.vocab_size)
+        self.ovr = OvRClassifier(text.vocab_size, config.ovr_threshold_init, config.learnable_threshold)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    # ------------------------------------------------------------------ forward
+
+    def _run_backbone(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+    def causal_heads(self, z, inference_mode="standard", causal_temperature=1.0, noise=None):
+        """z ↦ (loc_U, scale_U, loc_S, scale_S): abduction, then the action network's noise fusion and linear law."""
+        z = z.to(self.action.weight.dtype)
+        loc_U, scale_U = self.abduction(z)
+        loc_S, scale_S = self.action(loc_U, scale_U, inference_mode, causal_temperature, noise)
+        return loc_U, scale_U, loc_S, scale_S
+
+    def _resolve_mode(self, inference_mode, causal_temperature):
+        mode = self.config.inference_mode if inference_mode is None else inference_mode
+        temperature = self.config.causal_temperature if causal_temperature is None else causal_temperature
+        if mode not in INFERENCE_MODES:
+            raise ValueError(f"inference_mode={mode!r} is not a mode: choose one of {', '.join(INFERENCE_MODES)}")
+        if temperature < 0:
+            raise ValueError(f"causal_temperature must be >= 0, got {temperature}")
+        return mode, temperature
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        logits_to_keep=0,
+        inference_mode=None,
+        causal_temperature=None,
+        **kwargs,
+    ) -> CausalQwenModelOutput:
+        mode, temperature = self._resolve_mode(inference_mode, causal_temperature)
+        outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+        z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
+        loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, mode, temperature)
+        return CausalQwenModelOutput(
+            loc_U=loc_U,
+            scale_U=scale_U,
+            loc_S=loc_S,
+            scale_S=scale_S,
+            last_hidden_state=outputs.last_hidden_state,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_base(cls, base, *, revision=None, dtype="auto", device_map=None, **config_overrides):
+        """Attach fresh causal heads (seed initialisation) to a Qwen2 base.
+
+        `base` is a Hub id, a local folder, or a loaded `Qwen2ForCausalLM`. `config_overrides` are
+        `CausalQwenConfig` fields (`causal_size`, `gamma_init`, ...); Hub options go to the base loader.
+        """
+        hub_kwargs = {k: config_overrides.pop(k) for k in _HUB_KWARGS if k in config_overrides and k != "revision"}
+        _check_config_overrides(config_overrides)
+        if isinstance(base, (str, os.PathLike)):
+            base_name = str(base)
+            _check_is_qwen2(AutoConfig.from_pretrained(base_name, revision=revision, **hub_kwargs), base_name)
+            base = Qwen2ForCausalLM.from_pretrained(base_name, revision=revision, dtype=dtype, device_map=device_map, **hub_kwargs)
+        elif isinstance(base, Qwen2ForCausalLM):
+            base_name = base.config.name_or_path
+        else:
+            raise TypeError(
+                f"base must be a Hub id, a local folder or a loaded Qwen2ForCausalLM, got {type(base).__name__}; "
+                "CausalQwen attaches to Qwen2-architecture checkpoints only"
+            )
+        config = cls.config_class(
+            base_model_name_or_path=base_name, base_model_revision=revision, text_config=base.config, **config_overrides
+        )
+        lm_head = base.get_output_embeddings()
+        model = cls._assemble(config, base.model)
+        with torch.no_grad():
+            model.abduction.reset_parameters(config.gamma_init)
+            model.action.reset_parameters(config.b_noise_init, lm_head.weight, lm_head.bias)
+        model.generation_config = base.generation_config
+        model.__dict__["_base_lm_head"] = lm_head  # for verify_initialization; kept out of the module tree, never saved
+        return model
+
+    @classmethod
+    def _assemble(cls, config, backbone):
+        """Build the model around a loaded backbone; the heads are allocated but not initialised."""
+        with torch.device("meta"):  # no wasted initialisation of vocabulary-sized heads
+            model = cls(config, backbone=backbone)
+        anchor = backbone.norm.weight
+        for name in ("abduction", "action", "ovr"):
+            head = getattr(model, name).to(dtype=anchor.dtype)
+            head.to_empty(device=anchor.device)
+            setattr(model, name, head)
+        if config.learnable_threshold:  # thresholds stay float32 like the loss math
+            model.ovr.float()
+        model.ovr.reset_parameters()  # a scalar threshold is config, not an adapter tensor: set it here
+        return model
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors an adapter folder stores: every persistent tensor outside the backbone."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(_BACKBONE_PREFIX)}
+
+    def adapter_keys(self) -> set[str]:
+        return {k for k in self.state_dict(keep_vars=True) if not k.startswith(_BACKBONE_PREFIX)}
+
+    # ------------------------------------------------------------------ saving
+
+    def save_pretrained(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False, **kwargs):
+        """Write the adapter folder of DESIGN §3 atomically: config, adapter tensors, remote code.
+
+        A new folder appears complete or not at all; files in an existing folder are swapped with
+        `config.json` last, so an interrupted save leaves a folder that refuses to load, never one
+        that loads wrong. Other files in the folder (a trainer's checkpoints) are left untouched.
+        """
+        _reject_unknown(kwargs, ("safe_serialization", "max_shard_size", "variant"), "save_pretrained")
+        if kwargs.get("safe_serialization") is False or kwargs.get("variant"):
+            raise ValueError("adapters are always saved as a single `model.safetensors`: drop safe_serialization/variant")
+        if push_to_hub:
+            raise NotImplementedError("push_to_hub from save_pretrained is not supported yet: call model.push_to_hub(repo_id)")
+        target = Path(save_directory)
+        if target.exists() and not target.is_dir():
+            raise FileExistsError(f"cannot save the adapter to {target}: it is an existing file, not a folder")
+        if not is_main_process:
+            return
+        if not self.config.base_model_name_or_path:
+            raise ValueError(
+                "config.base_model_name_or_path is empty, so the adapter could not find its base when loaded: "
+                "set model.config.base_model_name_or_path to the base's Hub id or folder"
+            )
+        tensors = self.adapter_state_dict() if state_dict is None else {
+            k: v for k, v in state_dict.items() if not k.startswith(_BACKBONE_PREFIX)
+        }
+        _check_keys(set(tensors), self.adapter_keys(), "the state_dict to save")
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            self._write_adapter_files(staging, tensors)
+            _install_folder(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _write_adapter_files(self, folder: Path, tensors: dict) -> None:
+        config = self.config.to_dict()
+        config["architectures"] = ["CausalQwenForCausalLM"]
+        config["auto_map"] = {
+            "AutoConfig": "configuration_causalqwen.CausalQwenConfig",
+            "AutoModel": "modeling_causalqwen.CausalQwenModel",
+            "AutoModelForCausalLM": "modeling_causalqwen.CausalQwenForCausalLM",
+        }
+        config["dtype"] = str(self.action.weight.dtype).removeprefix("torch.")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, folder / ADAPTER_WEIGHTS_NAME,
+                  metadata={"format": "pt"})
+        for source in _remote_code_files():
+            shutil.copyfile(source, folder / Path(source).name)
+        if getattr(self, "generation_config", None) is not None:
+            self.generation_config.save_pretrained(folder)
+        # config.json is the commit marker: written last, swapped in last.
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, base_model=None, base_model_revision=None,
+                        config=None, dtype="auto", device_map=None, **kwargs):
+        """Load the base named in the adapter's config (or `base_model`), then the adapter's heads.
+
+        `pretrained_model_name_or_path` is an adapter folder or Hub id (files resolved through
+        transformers' `cached_file`, so the Hub cache and `HF_HUB_OFFLINE=1` work). `base_model`
+        may be a Hub id, a folder or a loaded `Qwen2ForCausalLM`/`Qwen2Model`.
+        """
+        if model_args:
+            raise TypeError(f"{cls.__name__}.from_pretrained takes no extra positional arguments, got {model_args}")
+        adapter = str(pretrained_model_name_or_path)
+        hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+        hub_kwargs = {k: v for k, v in hub_kwargs.items() if v is not None}
+        for key in ("trust_remote_code", "_from_auto", "adapter_kwargs", "code_revision", "_commit_hash"):
+            kwargs.pop(key, None)  # bookkeeping transformers' Auto classes pass along
+        if "torch_dtype" in kwargs:
+            dtype = kwargs.pop("torch_dtype")
+        if not isinstance(config, CausalQwenConfig):
+            config = cls.config_class.from_pretrained(adapter, **hub_kwargs)
+        weights_file = cached_file(adapter, ADAPTER_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+        if weights_file is None:
+            raise OSError(
+                f"{adapter} has no {ADAPTER_WEIGHTS_NAME}: it is not a complete CausalQwen adapter "
+                "(was the save interrupted?). Save it again with save_pretrained."
+            )
+
+        base_hub_kwargs = {k: v for k, v in hub_kwargs.items() if k not in ("revision", "subfolder")}
+        backbone, base_name = _load_backbone(
+            config, base_model, base_model_revision, dtype, device_map, {**base_hub_kwargs, **kwargs}
+        )
+        _check_base_matches(config, backbone.config, base_name)
+        config.text_config = backbone.config
+        if base_model is not None and isinstance(base_model, (str, os.PathLike)):
+            config.base_model_name_or_path = str(base_model)
+            config.base_model_revision = base_model_revision
+        model = cls._assemble(config, backbone)
+        model._load_adapter_weights(weights_file)
+        model.generation_config = _load_generation_config(adapter, hub_kwargs, backbone)
+        model.name_or_path = adapter
+        model.eval()
+        return model
+
+    def _load_adapter_weights(self, weights_file: str) -> None:
+        try:
+            tensors = load_file(weights_file)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise OSError(f"cannot read adapter weights {weights_file}: {err}. The file is corrupt; save the adapter again.") from err
+        _check_keys(set(tensors), self.adapter_keys(), weights_file)
+        own = self.state_dict(keep_vars=True)
+        for key, value in tensors.items():
+            if tuple(value.shape) != tuple(own[key].shape):
+                raise ValueError(
+                    f"{weights_file}: {key} has shape {tuple(value.shape)} but this config expects "
+                    f"{tuple(own[key].shape)}; the adapter and its config.json do not belong together"
+                )
+        self.load_state_dict(tensors, strict=False)
+
+    # ------------------------------------------------------------------ checks
+
+    @torch.no_grad()
+    def verify_initialization(self, input_ids, attention_mask=None, base_model=None) -> dict[str, float]:
+        """Seed 001's verification: how far the fresh CausalQwen is from its base.
+
+        Compares against `base_model` when given (a separately loaded `Qwen2ForCausalLM`), else
+        against the base lm_head kept by `from_base` on the shared backbone.
+        """
+        z = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, "standard", 1.0)
+        probs = ovr_probs(self.ovr(loc_S, scale_S))
+        if base_model is not None:
+            base_out = base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            z_base, base_logits = base_out.hidden_states[-1], base_out.logits
+        elif getattr(self, "_base_lm_head", None) is not None:
+            z_base = z
+            base_logits = self._base_lm_head(z.to(self._base_lm_head.weight.dtype))
+        else:
+            raise ValueError("this model was not built by from_base: pass base_model=<the Qwen2ForCausalLM base> to compare against")
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        z, z_base, base_logits, probs = z[mask].float(), z_base[mask].float(), base_logits[mask].float(), probs[mask]
+        loc_U, scale_U, loc_S = loc_U[mask].float(), scale_U[mask].float(), loc_S[mask].float()
+        log_q = F.log_softmax(loc_S, -1)
+        return {
+            "feature_diff": (_rel_diff(z, z_base)),
+            "loc_U_vs_z": _rel_diff(loc_U, z) if loc_U.shape == z.shape else float("nan"),
+            "scale_U_mean": scale_U.mean().item(),
+            "scale_U_std": scale_U.std().item() if scale_U.numel() > 1 else 0.0,
+            "logits_diff": _rel_diff(loc_S, base_logits),
+            "kl_to_base": (log_q.exp() * (log_q - F.log_softmax(base_logits, -1))).sum(-1).mean().item(),
+            "ovr_prob_mean": probs.mean().item(),
+            "ovr_prob_max": probs.max().item(),
+            "ovr_prob_min": probs.min().item(),
+            "ovr_prob_sum": probs.sum(-1).mean().item(),
+        }
+
+
+class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
+    """CausalQwen as a causal LM: `logits` per the inference mode (DESIGN §2.4), OvR loss with `labels`."""
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        inference_mode=None,
+        causal_temperature=None,
+        **kwargs,
+    ) -> CausalQwenCausalLMOutput:
+        mode, temperature = self._resolve_mode(inference_mode, causal_temperature)
+        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError("labels need scores at every position: call with logits_to_keep=0")
+        num_items_in_batch = kwargs.get("num_items_in_batch")
+        outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+        z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
+
+        loss = None
+        if labels is not None:
+            # The loss always scores with the training fusion (standard, T = 1), whatever mode the logits use.
+            loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, "standard", 1.0)
+            loss = ovr_loss(loc_S, scale_S, self.ovr.threshold, _shift_labels(labels), num_items_in_batch)
+            if (mode, temperature) not in (("standard", 1.0), ("compatible", temperature)):
+                loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, mode, temperature)
+        else:
+            loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, mode, temperature)
+
+        logits = loc_S if mode == "compatible" else ovr_log_probs(self.ovr(loc_S, scale_S))[0]
+        return CausalQwenCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            loc_U=loc_U,
+            scale_U=scale_U,
+            loc_S=loc_S,
+            scale_S=scale_S,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _keep_positions(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The positions the heads score: the last `logits_to_keep` (0 = all), or the given indices."""
+    if isinstance(logits_to_keep, int):
+        return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:]
+    return hidden[:, logits_to_keep]
+
+
+def _shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Position t predicts token t + 1, like every transformers causal LM; the last position has no target."""
+    return F.pad(labels, (0, 1), value=-100)[..., 1:]
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _remote_code_files() -> list[str]:
+    """This file and every file it imports relatively (the configuration, the Cauchy math)."""
+    this = inspect.getfile(CausalQwenModel)
+    return [this] + sorted(get_relative_import_files(this))
+
+
+def _check_config_overrides(overrides: dict) -> None:
+    fields = set(CausalQwenConfig.__dataclass_fields__) - {"text_config", "base_model_name_or_path", "base_model_revision"}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"unknown CausalQwenConfig field(s) {unknown}; valid fields: {sorted(fields - set(dir(PreTrainedModel)))}")
+
+
+def _reject_unknown(kwargs: dict, allowed: tuple, where: str) -> None:
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
+
+
+def _check_is_qwen2(base_config, name) -> None:
+    if getattr(base_config, "model_type", None) != "qwen2":
+        raise ValueError(
+            f"{name} is a {getattr(base_config, 'model_type', type(base_config).__name__)!r} checkpoint, not Qwen2: "
+            "CausalQwen heads attach to Qwen2-architecture bases (Qwen2, Qwen2.5, Qwen2.5-Coder, ...)"
+        )
+
+
+def _check_base_matches(config: CausalQwenConfig, base_config, base_name) -> None:
+    for field in ("hidden_size", "vocab_size"):
+        have, want = getattr(base_config, field), getattr(config.text_config, field)
+        if have != want:
+            raise ValueError(
+                f"base checkpoint {base_name} has {field} {have}, the adapter expects {want}: "
+                "pass the base the adapter was trained on (base_model=...)"
+            )
+
+
+def _check_keys(found: set, expected: set, where) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{where} does not hold the adapter tensors this config describes: missing {missing}, unexpected "
+            f"{unexpected}. An adapter stores only head tensors; check learnable_threshold/causal_size in config.json."
+        )
+
+
+def _load_backbone(config, base_model, base_model_revision, dtype, device_map, loader_kwargs):
+    """The base's Qwen2 decoder (no lm_head: the adapter brings its own action weights)."""
+    if isinstance(base_model, Qwen2ForCausalLM):
+        return base_model.model, base_model.config.name_or_path
+    if isinstance(base_model, Qwen2Model):
+        return base_model, base_model.config.name_or_path
+    if base_model is not None and not isinstance(base_model, (str, os.PathLike)):
+        raise TypeError(f"base_model must be a Hub id, a folder or a loaded Qwen2 model, got {type(base_model).__name__}")
+    name = str(base_model) if base_model is not None else config.base_model_name_or_path
+    revision = base_model_revision if base_model is not None else config.base_model_revision
+    if not name:
+        raise ValueError("the adapter's config names no base (base_model_name_or_path is empty): pass base_model=...")
+    hub = {k: v for k, v in loader_kwargs.items() if k in _HUB_KWARGS}
+    base_config = AutoConfig.from_pretrained(name, revision=revision, **hub)
+    _check_is_qwen2(base_config, name)
+    _check_base_matches(config, base_config, name)
+    return Qwen2Model.from_pretrained(name, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs), name
+
+
+def _load_generation_config(adapter, hub_kwargs, backbone):
+    for source in (adapter, backbone.config.name_or_path):
+        try:
+            return GenerationConfig.from_pretrained(source, **(hub_kwargs if source == adapter else {}))
+        except OSError:
+            continue
+    return GenerationConfig.from_model_config(backbone.config)
+
+
+def _install_folder(staging: Path, target: Path) -> None:
+    """Move a fully written staging folder into place (see save_pretrained for the guarantees)."""
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    marker = target / "config.json"
+    if marker.exists():
+        marker.unlink()  # from here until the end the folder refuses to load instead of mixing old and new
+    for item in staging.iterdir():
+        if item.name == "config.json":
+            continue
+        dest = target / item.name
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(item, dest)
+    os.replace(staging / "config.json", marker)
+
+
+__all__ = ["CausalQwenPreTrainedModel", "CausalQwenModel", "CausalQwenForCausalLM", "AbductionNetwork", "ActionNetwork", "OvRClassifier"]
