@@ -69,8 +69,14 @@ def cauchy_linear(
 
 
 def ovr_standardize(loc_S: torch.Tensor, scale_S: torch.Tensor, threshold) -> torch.Tensor:
-    """x_k = (loc_S_k − C_k) / scale_S_k."""
-    return (loc_S - threshold) / scale_S
+    """x_k = (loc_S_k − C_k) / scale_S_k.
+
+    A vocabulary row of W_A that is all zeros (a padding embedding) gives scale_S_k = 0, a
+    degenerate law for which x is 0/0. The scale is floored at the smallest normal float, which
+    changes no other value and makes such a token sit exactly at its threshold (P = ½) or far
+    on its side of it, never NaN.
+    """
+    return (loc_S - threshold) / scale_S.clamp_min(torch.finfo(scale_S.dtype).tiny)
 
 
 def ovr_log_probs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -291,7 +291,13 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         model = cls._assemble(config, base.model)
         with torch.no_grad():
             model.abduction.reset_parameters(config.gamma_init)
-            model.action.reset_parameters(config.b_noise_init, lm_head.weight, lm_head.bias)
+            weight = lm_head.weight
+            if config.causal_size != config.text_config.hidden_size:
+                # W_A = W_base · W_loc⁺ keeps loc_S = W_base z exactly when C > H (W_loc⁺ W_loc = I)
+                # and as the least-squares best when C < H.
+                pinv = torch.linalg.pinv(model.abduction.loc.weight.double())
+                weight = (weight.double() @ pinv).to(weight.dtype)
+            model.action.reset_parameters(config.b_noise_init, weight, lm_head.bias)
         model.generation_config = base.generation_config
         model.__dict__["_base_lm_head"] = lm_head  # for verify_initialization; kept out of the module tree, never saved
         return model
@@ -394,6 +400,17 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         if "torch_dtype" in kwargs:
             dtype = kwargs.pop("torch_dtype")
         if not isinstance(config, CausalQwenConfig):
+            if cached_file(adapter, "config.json", _raise_exceptions_for_missing_entries=False, **hub_kwargs) is None:
+                raise OSError(
+                    f"{adapter} has no config.json: it is not a complete CausalQwen adapter (an interrupted "
+                    "save leaves it so). Save it again with save_pretrained."
+                )
+            config_dict, _ = cls.config_class.get_config_dict(adapter, **hub_kwargs)
+            if config_dict.get("model_type") != cls.config_class.model_type:
+                raise ValueError(
+                    f"{adapter} is a {config_dict.get('model_type')!r} checkpoint, not a CausalQwen adapter: "
+                    f"to attach fresh heads to a base use {cls.__name__}.from_base({adapter!r})"
+                )
             config = cls.config_class.from_pretrained(adapter, **hub_kwargs)
         weights_file = cached_file(adapter, ADAPTER_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
         if weights_file is None:

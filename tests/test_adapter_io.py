@@ -1,0 +1,284 @@
+"""The adapter folder (DESIGN §3): what save_pretrained writes, what loads it, and what it refuses."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import causalqwen_adapter.modeling_causalqwen as modeling
+from causalqwen_adapter import CausalQwenForCausalLM
+
+from conftest import TINY_VOCAB, save_tiny_qwen2
+
+ADAPTER_KEYS = {
+    "abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight", "abduction.scale.bias",
+    "action.weight", "action.bias", "action.b_noise",
+}
+
+
+@pytest.fixture
+def trained_like(tiny_base):
+    """Heads moved away from their initialisation, so a load that re-initialises would show."""
+    model = CausalQwenForCausalLM.from_base(tiny_base)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and not name.endswith("b_noise"):
+                p.add_(torch.randn_like(p) * 0.01)
+    return model
+
+
+def _outputs(model, input_ids):
+    with torch.no_grad():
+        out = model(input_ids)
+    return {k: out[k] for k in ("logits", "loc_U", "scale_U", "loc_S", "scale_S")}
+
+
+def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_path):
+    trained_like.save_pretrained(tmp_path / "adapter")
+    folder = tmp_path / "adapter"
+    assert {p.name for p in folder.iterdir()} == {
+        "config.json", "model.safetensors", "generation_config.json",
+        "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py",
+    }
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == ADAPTER_KEYS
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "causalqwen"
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_causalqwen.CausalQwenConfig",
+        "AutoModel": "modeling_causalqwen.CausalQwenModel",
+        "AutoModelForCausalLM": "modeling_causalqwen.CausalQwenForCausalLM",
+    }
+    assert config["base_model_name_or_path"] == str(trained_like.config.base_model_name_or_path)
+    assert config["text_config"]["model_type"] == "qwen2"
+    # the remote code imports nothing of this package
+    for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py"):
+        assert "causalqwen_adapter" not in (folder / name).read_text()
+
+
+def test_round_trip_is_bit_exact(trained_like, tmp_path, input_ids):
+    trained_like.save_pretrained(tmp_path / "adapter")
+    loaded = CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+    for key, value in trained_like.adapter_state_dict().items():
+        assert torch.equal(loaded.adapter_state_dict()[key], value), key
+    assert torch.all(loaded.action.b_noise == 0.1)  # a bare nn.Parameter survives transformers' init
+    before, after = _outputs(trained_like.eval(), input_ids), _outputs(loaded, input_ids)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_learnable_threshold_is_saved(tied_base, tmp_path, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base, learnable_threshold=True, ovr_threshold_init=0.5)
+    assert model.ovr.threshold.shape == (TINY_VOCAB,) and torch.all(model.ovr.threshold == 0.5)
+    with torch.no_grad():
+        model.ovr.threshold.normal_()
+    model.save_pretrained(tmp_path / "a")
+    assert set(load_file(tmp_path / "a" / "model.safetensors")) == ADAPTER_KEYS | {"ovr.threshold"}
+    loaded = CausalQwenForCausalLM.from_pretrained(tmp_path / "a")
+    assert torch.equal(loaded.ovr.threshold, model.ovr.threshold)
+
+
+def test_save_into_existing_folder_keeps_other_files(trained_like, tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text("{}")
+    trained_like.save_pretrained(folder)
+    trained_like.save_pretrained(folder)  # and again, over the first save
+    assert (folder / "trainer_state.json").exists() and (folder / "config.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+REMOTE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["causalqwen_adapter"] = None  # any import of the package now fails
+    try:
+        import causalqwen_adapter
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("causalqwen_adapter is importable")
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    adapter, input_ids, out = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3]
+    lm = AutoModelForCausalLM.from_pretrained(adapter, trust_remote_code=True)
+    base = AutoModel.from_pretrained(adapter, trust_remote_code=True)
+    assert type(lm).__module__.startswith("transformers_modules"), type(lm).__module__
+    with torch.no_grad():
+        a, b = lm(input_ids), base(input_ids)
+    torch.save({"lm": {k: a[k] for k in ("logits", "loc_U", "scale_U", "loc_S", "scale_S")},
+                "model": {k: b[k] for k in ("loc_U", "scale_U", "loc_S", "scale_S")},
+                "class": type(base).__name__}, out)
+    """
+)
+
+
+def _run_isolated(script: str, *args, env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_MODULES_CACHE": str(Path(args[-1]).parent / "modules"), **(env or {})}
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=Path(args[-1]).parent)
+
+
+def test_remote_code_loads_without_the_package(trained_like, tmp_path, input_ids):
+    trained_like.save_pretrained(tmp_path / "adapter")
+    torch.save(input_ids, tmp_path / "ids.pt")
+    proc = _run_isolated(REMOTE_SCRIPT, tmp_path / "adapter", tmp_path / "ids.pt", tmp_path / "out.pt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    expected = _outputs(trained_like.eval(), input_ids)
+    assert got["class"] == "CausalQwenModel"
+    for key, value in expected.items():
+        assert torch.equal(got["lm"][key], value), key
+        if key != "logits":
+            assert torch.equal(got["model"][key], value), key
+
+
+def _publish_to_offline_cache(cache: Path, repo_id: str, folder: Path, commit: str) -> None:
+    """Lay a folder out the way huggingface_hub's cache stores a downloaded repo snapshot."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_loads_by_hub_id_from_the_offline_cache(tiny_base, tmp_path, input_ids):
+    cache = tmp_path / "hub"
+    _publish_to_offline_cache(cache, "someone/tiny-qwen2", tiny_base, "a" * 40)
+    model = CausalQwenForCausalLM.from_base(tiny_base)
+    model.config.base_model_name_or_path = "someone/tiny-qwen2"  # as if built from the Hub id
+    model.save_pretrained(tmp_path / "adapter")
+    _publish_to_offline_cache(cache, "someone/tiny-causal-adapter", tmp_path / "adapter", "b" * 40)
+    torch.save(input_ids, tmp_path / "ids.pt")
+    proc = _run_isolated(REMOTE_SCRIPT, "someone/tiny-causal-adapter", tmp_path / "ids.pt", tmp_path / "out.pt",
+                         env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    expected = _outputs(model.eval(), input_ids)
+    for key, value in expected.items():
+        assert torch.equal(got["lm"][key], value), key
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_base_with_other_hidden_or_vocab_size_is_refused(tied_base, tmp_path):
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(tmp_path / "adapter")
+    wide = save_tiny_qwen2(tmp_path / "wide", hidden_size=48)
+    with pytest.raises(ValueError, match="hidden_size 48, the adapter expects 32: pass the base the adapter"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter", base_model=wide)
+    big_vocab = save_tiny_qwen2(tmp_path / "vocab", vocab_size=256)
+    with pytest.raises(ValueError, match="vocab_size 256, the adapter expects 128"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter", base_model=big_vocab)
+
+
+def test_non_qwen2_base_in_adapter_config_is_refused(tied_base, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "llama")
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="not Qwen2"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter", base_model=tmp_path / "llama")
+
+
+def test_missing_weights_file_is_refused(tied_base, tmp_path):
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(tmp_path / "adapter")
+    (tmp_path / "adapter" / "model.safetensors").unlink()
+    with pytest.raises(OSError, match="has no model.safetensors"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+
+
+def test_corrupt_weights_file_is_refused(tied_base, tmp_path):
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(OSError, match="corrupt"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected", "shape"])
+def test_weights_file_with_wrong_keys_is_refused(tied_base, tmp_path, change):
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "model.safetensors"
+    tensors = load_file(weights)
+    if change == "missing":
+        del tensors["action.b_noise"]
+        match = r"missing \['action.b_noise'\]"
+    elif change == "unexpected":
+        tensors["model.norm.weight"] = torch.ones(32)
+        match = r"unexpected \['model.norm.weight'\]"
+    else:
+        tensors["action.bias"] = torch.zeros(TINY_VOCAB + 1)
+        match = "action.bias has shape"
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=match):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+
+
+def test_a_plain_base_is_not_an_adapter(tied_base):
+    with pytest.raises(ValueError, match="'qwen2' checkpoint, not a CausalQwen adapter.*from_base"):
+        CausalQwenForCausalLM.from_pretrained(tied_base)
+
+
+def test_save_to_an_existing_file_is_refused(tied_base, tmp_path):
+    target = tmp_path / "adapter"
+    target.write_text("not a folder")
+    with pytest.raises(FileExistsError, match="existing file"):
+        CausalQwenForCausalLM.from_base(tied_base).save_pretrained(target)
+    assert target.read_text() == "not a folder"
+
+
+def test_interrupted_save_leaves_nothing_that_loads_wrong(tied_base, tmp_path, monkeypatch):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    # a new folder: interrupted while writing tensors → no folder at all, no staging left
+    monkeypatch.setattr(modeling, "save_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    # an existing adapter: interrupted while swapping files in → the folder refuses to load
+    model.save_pretrained(tmp_path / "old")
+    real_replace = os.replace
+    calls = []
+
+    def replace_then_die(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(modeling.os, "replace", replace_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(tmp_path / "old")
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="no config.json"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "old")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_save_without_a_base_reference_is_refused(tied_base, tmp_path):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    model.config.base_model_name_or_path = ""
+    with pytest.raises(ValueError, match="base_model_name_or_path is empty"):
+        model.save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_auto_config_reads_the_adapter(tied_base, tmp_path):
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(tmp_path / "adapter")
+    config = AutoConfig.from_pretrained(tmp_path / "adapter", trust_remote_code=True)
+    assert config.model_type == "causalqwen" and config.get_text_config(decoder=True).model_type == "qwen2"

@@ -1,0 +1,194 @@
+"""The heads' initialisation and forward against the base model and a float64 reference (DESIGN §2)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2ForCausalLM
+
+from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
+from causalqwen_adapter.cauchy import softplus_inverse
+
+from conftest import TINY_HIDDEN, TINY_VOCAB
+
+
+def test_softplus_inverse_is_exact():
+    for gamma in (1e-3, 0.5, 1.0, 10.0, 50.0):
+        b = softplus_inverse(gamma)
+        assert F.softplus(torch.tensor(b, dtype=torch.float64)).item() == pytest.approx(gamma, rel=1e-12)
+    with pytest.raises(ValueError):
+        softplus_inverse(0.0)
+
+
+def test_loc_S_equals_base_logits(tiny_base, input_ids):
+    base = Qwen2ForCausalLM.from_pretrained(tiny_base).eval()
+    model = CausalQwenForCausalLM.from_base(tiny_base).eval()
+    with torch.no_grad():
+        out = model(input_ids, inference_mode="compatible")
+        expected = base(input_ids).logits
+    assert (out.loc_S - expected).abs().max().item() <= 1e-5
+    assert torch.equal(out.logits, out.loc_S)  # compatible mode: logits are loc_S
+
+
+def test_fresh_heads_follow_the_seed_initialisation(tiny_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tiny_base, gamma_init=3.0, b_noise_init=0.25)
+    base = Qwen2ForCausalLM.from_pretrained(tiny_base)
+    assert torch.equal(model.abduction.loc.weight, torch.eye(TINY_HIDDEN))
+    assert torch.count_nonzero(model.abduction.scale.weight) == 0
+    assert torch.equal(model.action.weight, base.lm_head.weight)
+    assert model.action.weight.data_ptr() != base.lm_head.weight.data_ptr()  # a copy, not the base tensor
+    assert torch.count_nonzero(model.action.bias) == 0
+    assert torch.all(model.action.b_noise == 0.25)
+    with torch.no_grad():
+        scale_U = model(input_ids).scale_U
+    assert torch.allclose(scale_U, torch.full_like(scale_U, 3.0), rtol=1e-6)
+
+
+def test_causal_size_different_from_hidden(tied_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base, causal_size=12)
+    assert model.abduction.loc.weight.shape == (12, TINY_HIDDEN)
+    assert model.action.weight.shape == (TINY_VOCAB, 12)
+    bound = math.sqrt(6 / (12 + TINY_HIDDEN))  # Xavier-uniform bound; W_scale is 0.1 × Xavier
+    assert model.abduction.loc.weight.abs().max() <= bound
+    assert model.abduction.scale.weight.abs().max() <= 0.1 * bound
+    assert model.abduction.scale.weight.abs().max() > 0
+    assert torch.count_nonzero(model.abduction.loc.bias) == 0
+    with torch.no_grad():
+        out = model(input_ids)
+    assert out.loc_S.shape == (2, 9, TINY_VOCAB) and torch.isfinite(out.logits).all()
+
+
+def test_causal_size_above_hidden_still_reproduces_base_logits(tied_base, input_ids):
+    base = Qwen2ForCausalLM.from_pretrained(tied_base).eval()
+    model = CausalQwenForCausalLM.from_base(tied_base, causal_size=2 * TINY_HIDDEN).eval()
+    with torch.no_grad():
+        diff = (model(input_ids, inference_mode="compatible").logits - base(input_ids).logits).abs().max()
+    assert diff.item() <= 1e-5
+
+
+def test_backbone_frozen_heads_trainable(tied_base):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(model.adapter_keys())
+    assert all(not n.startswith("model.") for n in trainable)
+
+
+def _reference_forward(model, input_ids, mode, temperature):
+    """DESIGN §2 in float64, written out plainly."""
+    z = model.model(input_ids).last_hidden_state.double()
+    loc_U = z @ model.abduction.loc.weight.double().T + model.abduction.loc.bias.double()
+    scale_U = F.softplus(z @ model.abduction.scale.weight.double().T + model.abduction.scale.bias.double())
+    if mode == "standard":
+        scale_U = scale_U + temperature * model.action.b_noise.double().abs()
+    W, b = model.action.weight.double(), model.action.bias.double()
+    loc_S = loc_U @ W.T + b
+    scale_S = scale_U @ W.abs().T
+    x = (loc_S - model.ovr.threshold.double()) / scale_S
+    return loc_S, scale_S, torch.log(0.5 + torch.atan(x) / math.pi)
+
+
+@pytest.mark.parametrize("mode,temperature", [("standard", 1.0), ("standard", 0.3), ("causal", 1.0)])
+def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperature):
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.5)
+    with torch.no_grad():
+        model.action.weight[0].normal_(std=0.05)  # the padding row is zero: see the degenerate-row test
+        model.action.bias.normal_()
+        model.abduction.scale.weight.normal_(std=0.1)
+        out = model(input_ids, inference_mode=mode, causal_temperature=temperature)
+        loc_S, scale_S, log_p = _reference_forward(model, input_ids, mode, temperature)
+    torch.testing.assert_close(out.loc_S.double(), loc_S, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.scale_S.double(), scale_S, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logits.double(), log_p, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
+    # Qwen2 zeroes the padding embedding, so a tied W_A has a zero row: scale_S = 0 there.
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    assert torch.count_nonzero(model.action.weight[0]) == 0
+    with torch.no_grad():
+        out = model(input_ids)
+    assert torch.isfinite(out.logits).all()
+    assert torch.allclose(out.logits[..., 0].exp(), torch.tensor(0.5))  # loc = threshold: P = ½
+    loss = model(input_ids, labels=input_ids).loss
+    assert torch.isfinite(loss)
+
+
+def test_loss_matches_float64_bce_reference(tied_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    with torch.no_grad():
+        model.action.weight[0].normal_(std=0.05)  # no degenerate row: the reference divides by scale_S
+    labels = input_ids.clone()
+    labels[0, :3] = -100  # a prompt that carries no target
+    out = model(input_ids, labels=labels)
+    with torch.no_grad():
+        loc_S, scale_S, _ = _reference_forward(model, input_ids, "standard", 1.0)
+        p = 0.5 + torch.atan((loc_S - 0.0) / scale_S) / math.pi
+        targets = labels[:, 1:]
+        p = p[:, :-1][targets != -100]
+        onehot = F.one_hot(targets[targets != -100], TINY_VOCAB).double()
+        expected = -(onehot * p.log() + (1 - onehot) * (1 - p).log()).sum(-1).mean()
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    out.loss.backward()
+    assert model.action.weight.grad is not None and model.model.embed_tokens.weight.grad is None
+
+
+def test_logits_to_keep_scores_only_kept_positions(tied_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base).eval()
+    with torch.no_grad():
+        full = model(input_ids)
+        last = model(input_ids, logits_to_keep=1)
+    assert last.loc_S.shape == (2, 1, TINY_VOCAB) and last.scale_U.shape == (2, 1, TINY_HIDDEN)
+    torch.testing.assert_close(last.logits, full.logits[:, -1:])
+
+
+def test_verify_initialization_reports_a_faithful_copy(tiny_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tiny_base)
+    report = model.verify_initialization(input_ids)
+    assert report["feature_diff"] == 0.0
+    assert report["loc_U_vs_z"] < 1e-6
+    assert report["logits_diff"] < 1e-6 and abs(report["kl_to_base"]) < 1e-6
+    assert report["scale_U_mean"] == pytest.approx(10.0, rel=1e-6) and report["scale_U_std"] < 1e-6
+    assert 0 < report["ovr_prob_min"] <= report["ovr_prob_mean"] <= report["ovr_prob_max"] < 1
+    # against a separately loaded base the comparison is real, not trivially shared
+    separate = model.verify_initialization(input_ids, base_model=Qwen2ForCausalLM.from_pretrained(tiny_base))
+    assert separate["feature_diff"] < 1e-6 and separate["logits_diff"] < 1e-6
+
+
+def test_compatible_greedy_generation_equals_base(tiny_base, input_ids):
+    base = Qwen2ForCausalLM.from_pretrained(tiny_base).eval()
+    model = CausalQwenForCausalLM.from_base(tiny_base).eval()
+    expected = base.generate(input_ids[:1], max_new_tokens=8, do_sample=False)
+    got = model.generate(input_ids[:1], max_new_tokens=8, do_sample=False, inference_mode="compatible")
+    assert torch.equal(got, expected)
+
+
+def test_bad_modes_and_temperatures(tied_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    with pytest.raises(ValueError, match="compatible, standard, sampling, causal"):
+        model(input_ids, inference_mode="greedy")
+    with pytest.raises(ValueError, match="causal_temperature"):
+        model(input_ids, causal_temperature=-1.0)
+    with pytest.raises(ValueError, match="inference_mode"):
+        CausalQwenConfig(inference_mode="nope")
+    with pytest.raises(TypeError, match="unknown CausalQwenConfig field"):
+        CausalQwenForCausalLM.from_base(tied_base, gamma=3.0)
+
+
+def test_labels_outside_vocabulary_raise(tied_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    labels = input_ids.clone()
+    labels[0, 4] = TINY_VOCAB + 5
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
+        model(input_ids, labels=labels)
+
+
+def test_non_qwen2_base_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'llama' checkpoint, not Qwen2"):
+        CausalQwenForCausalLM.from_base(tmp_path)
+    with pytest.raises(TypeError, match="Qwen2ForCausalLM"):
+        CausalQwenForCausalLM.from_base(LlamaForCausalLM.from_pretrained(tmp_path))
