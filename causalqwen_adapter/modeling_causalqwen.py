@@ -411,7 +411,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
                     f"{adapter} is a {config_dict.get('model_type')!r} checkpoint, not a CausalQwen adapter: "
                     f"to attach fresh heads to a base use {cls.__name__}.from_base({adapter!r})"
                 )
-            config = cls.config_class.from_pretrained(adapter, **hub_kwargs)
+            config = cls.config_class.from_dict(config_dict)
         weights_file = cached_file(adapter, ADAPTER_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
         if weights_file is None:
             raise OSError(
@@ -448,7 +448,9 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
                     f"{weights_file}: {key} has shape {tuple(value.shape)} but this config expects "
                     f"{tuple(own[key].shape)}; the adapter and its config.json do not belong together"
                 )
-        self.load_state_dict(tensors, strict=False)
+        # assign: the tensors read from the file become the parameters, no second copy
+        tensors = {k: v.to(dtype=own[k].dtype, device=own[k].device) for k, v in tensors.items()}
+        self.load_state_dict(tensors, strict=False, assign=True)
 
     # ------------------------------------------------------------------ checks
 
@@ -617,7 +619,10 @@ def _load_backbone(config, base_model, base_model_revision, dtype, device_map, l
     base_config = AutoConfig.from_pretrained(name, revision=revision, **hub)
     _check_is_qwen2(base_config, name)
     _check_base_matches(config, base_config, name)
-    return Qwen2Model.from_pretrained(name, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs), name
+    backbone = Qwen2Model.from_pretrained(
+        name, config=base_config, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs
+    )
+    return backbone, name
 
 
 def _load_generation_config(adapter, hub_kwargs, backbone):

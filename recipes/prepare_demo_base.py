@@ -64,6 +64,9 @@ PARTS = (
      "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
 )
 GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+# The file's `general.name`, quoted in the README. A constant because the sha256 pins the file, and
+# parsing the GGUF header for it (151936-token vocabulary) would cost ~10 s.
+GGUF_GENERAL_NAME = "Qwen2.5 Coder 0.5B Instruct AWQ"
 
 # --- What a finished build looks like. -------------------------------------------------------
 # Bump BUILD_FORMAT whenever the output of this script changes, so old builds get redone.
@@ -203,6 +206,11 @@ def convert(gguf_path: Path, dest: Path) -> dict:
     model = model.to(getattr(torch, SAVE_DTYPE))
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
+    # safetensors writes its file 0600; make the folder as readable as anything else we create.
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in dest.iterdir():
+        path.chmod(0o666 & ~umask)
 
     # Cheap check of the layout the README promises: one tied matrix, nothing quantised.
     from safetensors import safe_open
@@ -319,16 +327,12 @@ def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False) -> Path:
         digest = join_parts(part_paths, gguf_path)
         logger.info("GGUF verified: %s bytes, sha256 %s", f"{GGUF_SIZE:,}", digest)
 
-        from gguf import GGUFReader  # only for the file's own name, quoted in the README
-
-        gguf_name = GGUFReader(gguf_path).fields["general.name"].contents()
-
         facts = convert(gguf_path, build)
         gguf_path.unlink()  # free the disk before the rename; the checkpoint no longer needs it
 
         (build / "README.md").write_text(README.format(
             parts="\n".join(f"  - `{dist}` {PARTS_VERSION} (`{mod}`, sha256 `{sha}`)" for dist, mod, _, sha in PARTS),
-            size=GGUF_SIZE, sha=GGUF_SHA256, gguf_name=gguf_name, rel_diff=facts["embed_vs_head_rel_diff"],
+            size=GGUF_SIZE, sha=GGUF_SHA256, gguf_name=GGUF_GENERAL_NAME, rel_diff=facts["embed_vs_head_rel_diff"],
             params=facts["parameters"], dtype=SAVE_DTYPE, transformers=facts["versions"]["transformers"],
             torch=facts["versions"]["torch"], gguf_version=facts["versions"]["gguf"],
         ))

@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test`. Everything else is set-up they call.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_BASE := build/demo-base
+
+.PHONY: test demo test-real bench clean
+
+# torch first: the CPU build pip finds on these machines. A bare `torch` requirement would pull CUDA.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[train,demo,dev]"
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+$(DEMO_BASE)/config.json: $(STAMP)
+	$(PY) recipes/prepare_demo_base.py $(DEMO_BASE)
+
+demo: $(DEMO_BASE)/config.json
+	$(PY) recipes/demo.py --base $(DEMO_BASE)
+
+test-real: $(DEMO_BASE)/config.json
+	$(PY) -m pytest -q -m real
+
+bench: $(DEMO_BASE)/config.json
+	$(PY) bench/load.py --base $(DEMO_BASE)
+
+clean:
+	rm -rf build

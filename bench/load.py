@@ -1,0 +1,85 @@
+"""Benchmark: loading an adapter (base + heads) vs loading the base alone, on the demo base.
+
+Each load runs in a fresh subprocess (nothing cached in-process), alternating base / adapter,
+after one untimed warm-up of each so both read from a warm page cache. Prints the medians,
+their ratio (target ≤ 1.2×) and the sizes of the adapter file and the base checkpoint.
+
+    python bench/load.py --base build/demo-base [--adapter build/demo-adapter] [--repeats 5]
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# (import, load). The class API is timed without its import; the Auto API is timed as a user meets
+# it, resolving and importing the model's module inside the call (transformers' own lazy import for
+# the base, the adapter folder's remote code for the adapter).
+LOADERS = {
+    "base: Qwen2ForCausalLM": ("from transformers import Qwen2ForCausalLM as C", "C.from_pretrained({path!r}, dtype='auto')"),
+    "adapter: CausalQwenForCausalLM": (
+        "from causalqwen_adapter import CausalQwenForCausalLM as C", "C.from_pretrained({path!r}, dtype='auto')"),
+    "base: AutoModelForCausalLM": ("from transformers import AutoModelForCausalLM as C", "C.from_pretrained({path!r}, dtype='auto')"),
+    "adapter: AutoModelForCausalLM, remote code": (
+        "from transformers import AutoModelForCausalLM as C",
+        "C.from_pretrained({path!r}, dtype='auto', trust_remote_code=True)",
+    ),
+}
+REFERENCE = {"adapter: CausalQwenForCausalLM": "base: Qwen2ForCausalLM",
+             "adapter: AutoModelForCausalLM, remote code": "base: AutoModelForCausalLM"}
+# safetensors maps files lazily; "resident" also reads one element per 2 KiB of every tensor, so
+# every page of the weights is in memory when the clock stops.
+TIMED = """import time, torch
+{imp}
+t = time.perf_counter()
+m = {load}
+loaded = time.perf_counter() - t
+touched = sum(float(p.detach().reshape(-1)[::1024].float().sum()) for p in m.parameters())
+print(loaded, time.perf_counter() - t)"""
+
+
+def time_load(kind: str, path: str) -> tuple[float, float]:
+    imp, load = LOADERS[kind]
+    code = TIMED.format(imp=imp, load=load.format(path=path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded, resident = out.stdout.strip().splitlines()[-1].split()
+    return float(loaded), float(resident)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="build/demo-base")
+    parser.add_argument("--adapter", help="adapter folder; built from --base with fresh heads when omitted")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    adapter = args.adapter
+    if adapter is None:
+        adapter = str(Path(tempfile.mkdtemp()) / "adapter")
+        subprocess.run([sys.executable, "-c", (
+            "from causalqwen_adapter import CausalQwenForCausalLM as C; "
+            f"C.from_base({args.base!r}).save_pretrained({adapter!r})")], check=True, capture_output=True)
+    paths = {kind: (args.base if kind.startswith("base") else adapter) for kind in LOADERS}
+
+    for kind in LOADERS:  # warm-up: page cache and the remote-code module cache
+        time_load(kind, paths[kind])
+    times = {kind: [] for kind in LOADERS}
+    for _ in range(args.repeats):
+        for kind in LOADERS:
+            times[kind].append(time_load(kind, paths[kind]))
+
+    medians = {kind: [statistics.median(t[i] for t in runs) for i in (0, 1)] for kind, runs in times.items()}
+    print(f"{'load':<44}{'returns s':>10}{'resident s':>11}{'ratio':>7}{'ratio':>7}   (medians of {args.repeats})")
+    for kind, (loaded, resident) in medians.items():
+        ref = REFERENCE.get(kind, kind)
+        print(f"{kind:<44}{loaded:>10.3f}{resident:>11.3f}{loaded / medians[ref][0]:>7.2f}{resident / medians[ref][1]:>7.2f}")
+    weights = Path(adapter) / "model.safetensors"
+    base_bytes = sum(p.stat().st_size for p in Path(args.base).glob("*.safetensors"))
+    print(f"adapter model.safetensors: {weights.stat().st_size / 2**20:.1f} MiB; "
+          f"base weights: {base_bytes / 2**20:.1f} MiB ({weights.stat().st_size / base_bytes:.3f}×)")
+
+
+if __name__ == "__main__":
+    main()
