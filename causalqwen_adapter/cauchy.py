@@ -68,6 +68,43 @@ def cauchy_linear(
     return loc_S, scale_S
 
 
+def _loc_scale_matvec(loc_U, scale_U, weight):
+    # One pass over W for both products: decoding one row is bound by reading W, and a second
+    # matmul against |W| would read the vocabulary-sized matrix twice.
+    w = weight.unsqueeze(0).float()
+    loc = (w * loc_U.unsqueeze(1).float()).sum(-1)
+    scale = (w.abs() * scale_U.unsqueeze(1).float()).sum(-1)
+    return loc.to(weight.dtype), scale.to(weight.dtype)
+
+
+_fused_matvec = None
+
+
+def cauchy_linear_single_row(loc_U, scale_U, weight, bias):
+    """`cauchy_linear` for one row (batch-1 decoding, no gradient) reading W once.
+
+    A `torch.compile`d kernel; where compilation is unavailable it falls back to two matmuls.
+    Returns None when the caller should use `cauchy_linear` instead.
+    """
+    global _fused_matvec
+    if _fused_matvec is None:
+        try:
+            _fused_matvec = torch.compile(_loc_scale_matvec, dynamic=False)
+        except Exception:  # no compiler backend on this platform
+            _fused_matvec = False
+    if _fused_matvec is False:
+        return None
+    shape = loc_U.shape
+    try:
+        loc_S, scale_S = _fused_matvec(loc_U.reshape(1, -1), scale_U.reshape(1, -1), weight)
+    except Exception:  # a backend that compiles but cannot run (missing C++ toolchain, ...)
+        _fused_matvec = False
+        return None
+    if bias is not None:
+        loc_S = loc_S + bias
+    return loc_S.reshape(*shape[:-1], -1), scale_S.reshape(*shape[:-1], -1)
+
+
 def ovr_standardize(loc_S: torch.Tensor, scale_S: torch.Tensor, threshold) -> torch.Tensor:
     """x_k = (loc_S_k − C_k) / scale_S_k.
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,18 @@ from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils import cached_file, logging
 
-from .cauchy import INFERENCE_MODES, cauchy_linear, fuse_noise, ovr_log_probs, ovr_loss, ovr_probs, ovr_standardize, softplus_inverse
+from .cauchy import (
+    INFERENCE_MODES,
+    cauchy_linear,
+    cauchy_linear_single_row,
+    fuse_noise,
+    ovr_log_probs,
+    ovr_loss,
+    ovr_probs,
+    ovr_standardize,
+    sample_standard_cauchy,
+    softplus_inverse,
+)
 from .configuration_causalqwen import CausalQwenConfig
 
 logger = logging.get_logger(__name__)
@@ -34,6 +46,11 @@ ADAPTER_WEIGHTS_NAME = "model.safetensors"
 _BACKBONE_PREFIX = "model."
 # Hub/loading kwargs transformers' Auto classes hand to `from_pretrained`; they address the adapter repo.
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+# Batch-1 decoding reads W_A once for loc_S and scale_S (cauchy.cauchy_linear_single_row); set
+# CAUSALQWEN_FUSED_DECODE=0 to use two matmuls instead.
+_FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
+_FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
+NOISE_SHARING = ("step", "sequence")
 
 
 # --------------------------------------------------------------------------------------- heads
@@ -75,7 +92,16 @@ class ActionNetwork(nn.Module):
         self._abs_weight_cache = None  # (key, |W|) for inference; never saved
 
     def forward(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
+        """(loc_S, scale_S); `compatible` scores with loc_S alone, so its scale_S is None (not computed)."""
         loc_U, scale_U = fuse_noise(loc_U, scale_U, self.b_noise, mode, temperature, noise)
+        if mode == "compatible":
+            return F.linear(loc_U, self.weight, self.bias), None
+        no_grad = not (torch.is_grad_enabled() and (self.weight.requires_grad or loc_U.requires_grad))
+        single_row = loc_U.numel() == loc_U.shape[-1]
+        if no_grad and single_row and _FUSED_DECODE and self.weight.numel() >= _FUSED_MIN_NUMEL:
+            fused = cauchy_linear_single_row(loc_U, scale_U, self.weight, self.bias)
+            if fused is not None:
+                return fused
         return cauchy_linear(loc_U, scale_U, self.weight, self.bias, self._cached_abs_weight())
 
     def _cached_abs_weight(self) -> torch.Tensor | None:
@@ -128,12 +154,17 @@ class OvRClassifier(nn.Module):
 
 @dataclass
 class CausalQwenModelOutput(ModelOutput):
-    """Cauchy parameters of the individual U and of the decision scores S at the kept positions."""
+    """Cauchy parameters of the individual U and of the decision scores S at the kept positions.
+
+    `scale_S` is None in `compatible` mode (its score is loc_S alone); `causal_noise` is the ε the
+    `sampling` mode drew.
+    """
 
     loc_U: torch.FloatTensor | None = None
     scale_U: torch.FloatTensor | None = None
     loc_S: torch.FloatTensor | None = None
     scale_S: torch.FloatTensor | None = None
+    causal_noise: torch.FloatTensor | None = None
     last_hidden_state: torch.FloatTensor | None = None
     past_key_values: object | None = None
     hidden_states: tuple | None = None
@@ -150,6 +181,7 @@ class CausalQwenCausalLMOutput(ModelOutput):
     scale_U: torch.FloatTensor | None = None
     loc_S: torch.FloatTensor | None = None
     scale_S: torch.FloatTensor | None = None
+    causal_noise: torch.FloatTensor | None = None
     past_key_values: object | None = None
     hidden_states: tuple | None = None
     attentions: tuple | None = None
@@ -225,14 +257,31 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         loc_S, scale_S = self.action(loc_U, scale_U, inference_mode, causal_temperature, noise)
         return loc_U, scale_U, loc_S, scale_S
 
-    def _resolve_mode(self, inference_mode, causal_temperature):
+    def _resolve_mode(self, inference_mode, causal_temperature, noise_sharing="step"):
         mode = self.config.inference_mode if inference_mode is None else inference_mode
         temperature = self.config.causal_temperature if causal_temperature is None else causal_temperature
         if mode not in INFERENCE_MODES:
             raise ValueError(f"inference_mode={mode!r} is not a mode: choose one of {', '.join(INFERENCE_MODES)}")
         if temperature < 0:
             raise ValueError(f"causal_temperature must be >= 0, got {temperature}")
+        if noise_sharing not in NOISE_SHARING:
+            raise ValueError(f"noise_sharing={noise_sharing!r}: choose one of {', '.join(NOISE_SHARING)}")
         return mode, temperature
+
+    def _sampling_noise(self, z, mode, noise_sharing, causal_noise):
+        """ε ~ Cauchy(0, 1) for `sampling`: one per position (`step`), or one per sequence reused at
+        every position and step (`sequence`, carried across steps through `causal_noise`)."""
+        if mode != "sampling":
+            return None
+        if causal_noise is not None:
+            return causal_noise.to(z.device, self.action.weight.dtype)
+        batch, length = z.shape[:2]
+        shape = (batch, 1 if noise_sharing == "sequence" else length, self.config.causal_size)
+        return sample_standard_cauchy(shape, dtype=self.action.weight.dtype, device=z.device)
+
+    def _scores(self, z, mode, temperature, noise_sharing, causal_noise):
+        noise = self._sampling_noise(z, mode, noise_sharing, causal_noise)
+        return (*self.causal_heads(z, mode, temperature, noise), noise)
 
     def forward(
         self,
@@ -245,17 +294,20 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         logits_to_keep=0,
         inference_mode=None,
         causal_temperature=None,
+        noise_sharing="step",
+        causal_noise=None,
         **kwargs,
     ) -> CausalQwenModelOutput:
-        mode, temperature = self._resolve_mode(inference_mode, causal_temperature)
+        mode, temperature = self._resolve_mode(inference_mode, causal_temperature, noise_sharing)
         outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
         z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
-        loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, mode, temperature)
+        loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
         return CausalQwenModelOutput(
             loc_U=loc_U,
             scale_U=scale_U,
             loc_S=loc_S,
             scale_S=scale_S,
+            causal_noise=noise,
             last_hidden_state=outputs.last_hidden_state,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
@@ -505,9 +557,11 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         logits_to_keep=0,
         inference_mode=None,
         causal_temperature=None,
+        noise_sharing="step",
+        causal_noise=None,
         **kwargs,
     ) -> CausalQwenCausalLMOutput:
-        mode, temperature = self._resolve_mode(inference_mode, causal_temperature)
+        mode, temperature = self._resolve_mode(inference_mode, causal_temperature, noise_sharing)
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError("labels need scores at every position: call with logits_to_keep=0")
         num_items_in_batch = kwargs.get("num_items_in_batch")
@@ -519,10 +573,11 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             # The loss always scores with the training fusion (standard, T = 1), whatever mode the logits use.
             loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, "standard", 1.0)
             loss = ovr_loss(loc_S, scale_S, self.ovr.threshold, _shift_labels(labels), num_items_in_batch)
-            if (mode, temperature) not in (("standard", 1.0), ("compatible", temperature)):
-                loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, mode, temperature)
+            noise = None
+            if (mode, temperature) != ("standard", 1.0):
+                loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
         else:
-            loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, mode, temperature)
+            loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
 
         logits = loc_S if mode == "compatible" else ovr_log_probs(self.ovr(loc_S, scale_S))[0]
         return CausalQwenCausalLMOutput(
@@ -532,10 +587,36 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             scale_U=scale_U,
             loc_S=loc_S,
             scale_S=scale_S,
+            causal_noise=noise,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate` plus the CausalQwen options, checked once per call:
+        `inference_mode`, `causal_temperature` (T ≥ 0) and, for `sampling`, `noise_sharing`."""
+        mode, _ = self._resolve_mode(
+            kwargs.get("inference_mode"), kwargs.get("causal_temperature"), kwargs.get("noise_sharing", "step")
+        )
+        ignored = []
+        if kwargs.get("causal_temperature") is not None and mode in ("compatible", "causal"):
+            ignored.append("causal_temperature")
+        ignored += [k for k in ("noise_sharing", "causal_noise") if kwargs.get(k) is not None and mode != "sampling"]
+        if ignored:
+            warnings.warn(
+                f"inference_mode={mode!r} ignores {', '.join(ignored)} (causal_temperature applies to 'standard' "
+                "and 'sampling', noise_sharing/causal_noise to 'sampling')",
+                UserWarning,
+                stacklevel=2,
+            )
+        return super().generate(*args, **kwargs)
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        if model_kwargs.get("noise_sharing") == "sequence" and outputs.causal_noise is not None:
+            model_kwargs["causal_noise"] = outputs.causal_noise  # the same individual for the whole answer
+        return model_kwargs
 
 
 # --------------------------------------------------------------------------------------- helpers

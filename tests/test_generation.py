@@ -1,0 +1,167 @@
+"""generate() in every inference mode (DESIGN §2.4): exactness, the cache, sampling noise, options."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.cauchy import cauchy_linear, cauchy_linear_single_row
+
+from conftest import TINY_VOCAB
+
+DETERMINISTIC = ["compatible", "standard", "causal"]
+
+
+@pytest.fixture
+def padded_batch():
+    ids = torch.randint(1, TINY_VOCAB - 1, (3, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[1, :3] = 0  # left padding, as generation wants it
+    mask[1, :3] = 0
+    ids[2, :1] = 0
+    mask[2, :1] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _trained_like(base_path):
+    """Heads away from init, so that OvR modes pick different tokens from the base."""
+    model = CausalQwenForCausalLM.from_base(base_path).eval()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        model.abduction.scale.weight.normal_(std=0.2)
+        model.action.b_noise.uniform_(0.0, 2.0)
+    return model
+
+
+def test_compatible_greedy_equals_base_with_padding(tiny_base, padded_batch):
+    base = Qwen2ForCausalLM.from_pretrained(tiny_base).eval()
+    model = CausalQwenForCausalLM.from_base(tiny_base).eval()
+    expected = base.generate(**padded_batch, max_new_tokens=10, do_sample=False)
+    got = model.generate(**padded_batch, max_new_tokens=10, do_sample=False, inference_mode="compatible")
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mode", DETERMINISTIC)
+def test_cache_gives_the_same_tokens_as_no_cache(tied_base, padded_batch, mode):
+    model = _trained_like(tied_base)
+    with_cache = model.generate(**padded_batch, max_new_tokens=10, do_sample=False, inference_mode=mode)
+    without = model.generate(**padded_batch, max_new_tokens=10, do_sample=False, inference_mode=mode, use_cache=False)
+    assert torch.equal(with_cache, without)
+
+
+def test_ovr_greedy_is_argmax_of_P(tied_base, padded_batch):
+    model = _trained_like(tied_base)
+    out = model.generate(**padded_batch, max_new_tokens=1, do_sample=False, inference_mode="standard",
+                         output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        full = model(**padded_batch, inference_mode="standard")
+    p_last = full.logits[:, -1].exp()
+    assert torch.equal(out.sequences[:, -1], p_last.argmax(-1))
+
+
+def test_sampling_is_reproducible_with_a_seed(tied_base, padded_batch):
+    model = _trained_like(tied_base)
+
+    def draw(seed, **kw):
+        torch.manual_seed(seed)
+        return model.generate(**padded_batch, max_new_tokens=12, do_sample=True, top_k=20, top_p=0.9,
+                              inference_mode="sampling", causal_temperature=1.5, **kw)
+
+    assert torch.equal(draw(0), draw(0))
+    assert not torch.equal(draw(0), draw(1))
+    assert torch.equal(draw(0, noise_sharing="sequence"), draw(0, noise_sharing="sequence"))
+
+
+@pytest.mark.parametrize("sharing", ["step", "sequence"])
+def test_sampling_noise_per_step_or_per_sequence(tied_base, padded_batch, sharing):
+    model = _trained_like(tied_base)
+    seen = []
+    model.register_forward_hook(lambda module, args, output: seen.append(output.causal_noise))
+    model.generate(**padded_batch, max_new_tokens=5, do_sample=False, inference_mode="sampling", noise_sharing=sharing)
+    assert len(seen) == 5
+    if sharing == "sequence":
+        assert seen[0].shape == (3, 1, model.config.causal_size)
+        assert all(torch.equal(n, seen[0]) for n in seen)
+    else:
+        # one ε per scored position: generate scores only the last one (logits_to_keep=1)
+        assert all(n.shape == (3, 1, model.config.causal_size) for n in seen)
+        assert not torch.equal(seen[1], seen[2])
+
+
+def test_sampling_noise_shifts_loc_by_T_b_noise_eps(tied_base, input_ids):
+    model = _trained_like(tied_base)
+    eps = torch.randn(2, 1, model.config.causal_size)
+    with torch.no_grad():
+        out = model(input_ids, inference_mode="sampling", causal_temperature=0.7, causal_noise=eps)
+        causal = model(input_ids, inference_mode="causal")
+    shifted = causal.loc_U + 0.7 * model.action.b_noise.abs() * eps
+    expected = shifted @ model.action.weight.T + model.action.bias
+    torch.testing.assert_close(out.loc_S, expected)
+    torch.testing.assert_close(out.scale_S, causal.scale_S)
+
+
+class CollectingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_eos_and_stopping(tied_base, input_ids):
+    model = _trained_like(tied_base)
+    streamer = CollectingStreamer()
+    out = model.generate(input_ids[:1], max_new_tokens=6, do_sample=False, inference_mode="standard", streamer=streamer)
+    assert streamer.ended and sum(streamer.chunks[1:], []) == out[0, input_ids.shape[1]:].tolist()
+    first = out[0, input_ids.shape[1]].item()
+    stopped = model.generate(input_ids[:1], max_new_tokens=6, do_sample=False, inference_mode="standard",
+                             eos_token_id=first)
+    assert stopped.shape[1] == input_ids.shape[1] + 1
+
+
+def test_bad_options(tied_base, input_ids):
+    model = _trained_like(tied_base)
+    with pytest.raises(ValueError, match="choose one of compatible, standard, sampling, causal"):
+        model.generate(input_ids, max_new_tokens=2, inference_mode="beam")
+    with pytest.raises(ValueError, match="causal_temperature must be >= 0"):
+        model.generate(input_ids, max_new_tokens=2, inference_mode="standard", causal_temperature=-0.5)
+    with pytest.raises(ValueError, match="noise_sharing"):
+        model.generate(input_ids, max_new_tokens=2, inference_mode="sampling", noise_sharing="batch")
+    with pytest.warns(UserWarning, match="'causal' ignores causal_temperature"):
+        model.generate(input_ids, max_new_tokens=2, inference_mode="causal", causal_temperature=2.0)
+    with pytest.warns(UserWarning, match="'standard' ignores noise_sharing"):
+        model.generate(input_ids, max_new_tokens=2, inference_mode="standard", noise_sharing="sequence")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a valid call stays quiet
+        model.generate(input_ids, max_new_tokens=2, inference_mode="sampling", causal_temperature=0.5)
+
+
+def test_abs_weight_is_cached_across_steps_and_invalidated_on_update(tied_base, input_ids):
+    model = _trained_like(tied_base)
+    with torch.no_grad():
+        model(input_ids)
+        first = model.action._abs_weight_cache[1]
+        model(input_ids)
+        assert model.action._abs_weight_cache[1] is first  # not recomputed
+        model.action.weight.mul_(2.0)
+        model(input_ids)
+        assert model.action._abs_weight_cache[1] is not first
+        torch.testing.assert_close(model.action._abs_weight_cache[1], model.action.weight.abs())
+
+
+def test_single_row_kernel_matches_two_matmuls():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 24), torch.randn(300)
+    loc_U, scale_U = torch.randn(1, 1, 24), torch.rand(1, 1, 24)
+    fused = cauchy_linear_single_row(loc_U, scale_U, weight, bias)
+    assert fused is not None, "torch.compile is unavailable here"
+    expected = cauchy_linear(loc_U.double(), scale_U.double(), weight.double(), bias.double())
+    for got, want in zip(fused, expected):
+        assert got.shape == (1, 1, 300)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
