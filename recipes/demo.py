@@ -2,7 +2,8 @@
 
 Attach fresh causal heads to the base, check them against the base (seed 001's verification),
 save the adapter, reload it the way any user would (`AutoModelForCausalLM` with
-`trust_remote_code=True`) and show what the adapter costs on disk beside the base.
+`trust_remote_code=True`), show what the adapter costs on disk beside the base, and generate in
+every inference mode beside the base model.
 
     python recipes/demo.py --base build/demo-base --out build/demo-adapter
 """
@@ -20,6 +21,12 @@ PROMPTS = [
     "def fibonacci(n):",
     "The quick brown fox",
     "import numpy as np\n\n# compute the mean of a list",
+]
+
+
+CHAT_PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain what a hash map is in one sentence.",
 ]
 
 
@@ -74,6 +81,32 @@ def main() -> None:
     print(f"  adapter folder: {adapter_bytes / 2**20:8.1f} MiB  (heads only: abduction, action W_A/b_A, b_noise)")
     print(f"  base folder:    {base_bytes / 2**20:8.1f} MiB")
     print(f"  ratio:          {adapter_bytes / base_bytes:8.3f}")
+
+    section("generate: the base beside every inference mode (greedy, 40 new tokens)")
+    generate_in_every_mode(reloaded, base, tokenizer)
+
+
+def generate_in_every_mode(model, base, tokenizer, max_new_tokens: int = 40) -> None:
+    chats = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    runs = {"base model": lambda **kw: base.generate(**kw)}
+    for mode in ("compatible", "standard", "causal", "sampling"):
+        runs[f"causalqwen {mode}"] = lambda mode=mode, **kw: model.generate(**kw, inference_mode=mode)
+    results = {}
+    for name, run in runs.items():
+        torch.manual_seed(0)  # the sampling mode's noise is reproducible
+        start = time.perf_counter()
+        out = run(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+        seconds = time.perf_counter() - start
+        results[name] = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+        print(f"[{name}] {seconds:.1f}s")
+    for i, prompt in enumerate(CHAT_PROMPTS):
+        print(f"\n>>> {prompt}")
+        for name, answers in results.items():
+            print(f"  [{name}] {answers[i]!r}")
+    same = results["causalqwen compatible"] == results["base model"]
+    print(f"\ncompatible mode reproduces the base token for token: {same}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""Stream a CausalQwen adapter's answer to the terminal.
+
+    python recipes/generate.py ADAPTER --prompt "Write a function that reverses a string." --mode standard
+
+The tokenizer is the base's (adapters carry none); its chat template is applied when it has one
+(`--no-chat` to feed the prompt raw).
+"""
+
+import argparse
+
+import torch
+from transformers import AutoTokenizer, TextStreamer
+
+from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.cauchy import INFERENCE_MODES
+
+
+def build_inputs(tokenizer, prompt: str, chat: bool):
+    if chat and tokenizer.chat_template:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("adapter", help="adapter folder or Hub id")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--mode", choices=INFERENCE_MODES, default=None, help="default: the adapter's config")
+    parser.add_argument("--causal-temperature", type=float, default=None, help="T of the mode's noise")
+    parser.add_argument("--noise-sharing", choices=("step", "sequence"), default=None, help="sampling mode only")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--base-model", default=None, help="override the base named in the adapter")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    args = parser.parse_args()
+
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = CausalQwenForCausalLM.from_pretrained(args.adapter, base_model=args.base_model, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model or model.config.base_model_name_or_path)
+    inputs = build_inputs(tokenizer, args.prompt, chat=not args.no_chat)
+    options = {
+        "inference_mode": args.mode,
+        "causal_temperature": args.causal_temperature,
+        "noise_sharing": args.noise_sharing,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+    }
+    model.generate(
+        **inputs,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+        **{k: v for k, v in options.items() if v is not None},
+    )
+
+
+if __name__ == "__main__":
+    main()
