@@ -428,8 +428,16 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             shutil.copyfile(source, folder / Path(source).name)
         if getattr(self, "generation_config", None) is not None:
             self.generation_config.save_pretrained(folder)
+        self._write_model_card(folder)
         # config.json is the commit marker: written last, swapped in last.
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+
+    def _write_model_card(self, folder: Path) -> None:
+        """README.md of the adapter folder (owned by the model-card work: see causalqwen_adapter/hub.py)."""
+
+    def push_to_hub(self, repo_id, *, private=None, token=None, revision=None, commit_message=None, create_pr=False):
+        """Upload exactly the adapter folder to the Hub (owned by the model-card work)."""
+        raise NotImplementedError("push_to_hub is being built")
 
     # ------------------------------------------------------------------ loading
 
