@@ -433,7 +433,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
 
     def _write_model_card(self, folder: Path) -> None:
-        """README.md of the adapter folder (owned by the model-card work: see causalqwen_adapter/hub.py)."""
+        """README.md of the adapter folder: the model card (being built)."""
 
     def push_to_hub(self, repo_id, *, private=None, token=None, revision=None, commit_message=None, create_pr=False):
         """Upload exactly the adapter folder to the Hub (owned by the model-card work)."""
