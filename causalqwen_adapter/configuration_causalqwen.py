@@ -7,6 +7,8 @@ from transformers import PreTrainedConfig, Qwen2Config
 
 from .cauchy import INFERENCE_MODES
 
+ACTION_WEIGHTS = ("full", "tied", "lora")
+
 
 class CausalQwenConfig(PreTrainedConfig):
     r"""
@@ -24,6 +26,9 @@ class CausalQwenConfig(PreTrainedConfig):
         learnable_threshold (`bool`): learn one threshold per vocabulary entry (saved in the adapter).
         inference_mode (`str`): default scoring mode, one of "compatible", "standard", "sampling", "causal".
         causal_temperature (`float`): default temperature T ≥ 0 of the noise in the inference modes.
+        action_weight (`str`): where W_A lives — "full" (its own trained and saved matrix), "tied" (the base's
+            output embedding itself, frozen, not saved) or "lora" (the base's plus a trained low-rank B·A).
+        action_lora_rank (`int`): the rank r of B·A when action_weight="lora".
     """
 
     model_type = "causalqwen"
@@ -40,6 +45,8 @@ class CausalQwenConfig(PreTrainedConfig):
     learnable_threshold: bool = False
     inference_mode: str = "standard"
     causal_temperature: float = 1.0
+    action_weight: str = "full"
+    action_lora_rank: int = 16
 
     def __post_init__(self, **kwargs):
         # The base's attention implementation survives wrapping: the parent resets it on sub-configs.
@@ -59,6 +66,15 @@ class CausalQwenConfig(PreTrainedConfig):
             raise ValueError(f"causal_temperature must be >= 0, got {self.causal_temperature}")
         if self.causal_size < 1:
             raise ValueError(f"causal_size must be a positive integer, got {self.causal_size}")
+        if self.action_weight not in ACTION_WEIGHTS:
+            raise ValueError(f"action_weight={self.action_weight!r}: choose one of {', '.join(ACTION_WEIGHTS)}")
+        if self.action_weight != "full" and self.causal_size != self.text_config.hidden_size:
+            raise ValueError(
+                f"action_weight={self.action_weight!r} reuses the base's [vocab × hidden] output weights, so "
+                f"causal_size must equal the hidden size {self.text_config.hidden_size} (got {self.causal_size})"
+            )
+        if self.action_lora_rank < 1:
+            raise ValueError(f"action_lora_rank must be a positive integer, got {self.action_lora_rank}")
 
     @property
     def hidden_size(self) -> int:

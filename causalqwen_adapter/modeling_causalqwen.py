@@ -9,6 +9,7 @@ Shipped as remote code: imports only the standard library, torch, transformers a
 
 import inspect
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -43,7 +44,7 @@ from .configuration_causalqwen import CausalQwenConfig
 logger = logging.get_logger(__name__)
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
-_BACKBONE_PREFIX = "model."
+_BASE_PREFIXES = ("model.", "lm_head.")  # base tensors: never in an adapter
 # Hub/loading kwargs transformers' Auto classes hand to `from_pretrained`; they address the adapter repo.
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 # Batch-1 decoding reads W_A once for loc_S and scale_S (cauchy.cauchy_linear_single_row); set
@@ -82,46 +83,84 @@ class AbductionNetwork(nn.Module):
 
 
 class ActionNetwork(nn.Module):
-    """Cauchy linear law U ↦ S: loc_S = W_A loc_U' + b_A, scale_S = scale_U' |W_A|ᵀ, after noise fusion."""
+    """Cauchy linear law U ↦ S: loc_S = W_A loc_U' + b_A, scale_S = scale_U' |W_A|ᵀ, after noise fusion.
 
-    def __init__(self, causal_size: int, vocab_size: int):
+    `action_weight` says where W_A lives:
+    - "full": a [V, C] parameter of its own (trained, saved);
+    - "tied": the base's output-embedding tensor itself (shared, frozen, never saved);
+    - "lora": W_base + B·A with A [r, C], B [V, r]; only A and B are trained and saved.
+    For "tied"/"lora" the model hands the module the base module holding W_base (`bind_base_weight`).
+    """
+
+    def __init__(self, causal_size: int, vocab_size: int, action_weight: str = "full", lora_rank: int = 16):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, causal_size))
+        self.action_weight = action_weight
+        if action_weight == "full":
+            self.weight = nn.Parameter(torch.empty(vocab_size, causal_size))
+        elif action_weight == "lora":
+            self.lora_A = nn.Parameter(torch.empty(lora_rank, causal_size))
+            self.lora_B = nn.Parameter(torch.empty(vocab_size, lora_rank))
         self.bias = nn.Parameter(torch.empty(vocab_size))
         self.b_noise = nn.Parameter(torch.empty(causal_size))
-        self._abs_weight_cache = None  # (key, |W|) for inference; never saved
+        self._base_owner = None  # module whose .weight is W_base ("tied"/"lora"); outside the module tree
+        self._merged_cache = None  # (key, W_base + B·A) for inference; never saved
+        self._abs_weight_cache = None  # (key, |W_A|) for inference; never saved
+
+    def bind_base_weight(self, owner: nn.Module) -> None:
+        # Stored in __dict__, not as a submodule: the tensor belongs to the base, which owns and moves it.
+        self.__dict__["_base_owner"] = owner
+
+    def effective_weight(self) -> torch.Tensor:
+        """W_A as used by the linear law (differentiable in its trainable parts)."""
+        if self.action_weight == "full":
+            return self.weight
+        base = self._base_owner.weight
+        if self.action_weight == "tied":
+            return base
+        if torch.is_grad_enabled() and (self.lora_A.requires_grad or self.lora_B.requires_grad):
+            self._merged_cache = None
+            return base + self.lora_B @ self.lora_A
+        key = (base.data_ptr(), base._version, self.lora_A._version, self.lora_B._version, base.dtype, base.device)
+        if self._merged_cache is None or self._merged_cache[0] != key:
+            self._merged_cache = (key, (base + self.lora_B @ self.lora_A).detach())
+        return self._merged_cache[1]
 
     def forward(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
         """(loc_S, scale_S); `compatible` scores with loc_S alone, so its scale_S is None (not computed)."""
         loc_U, scale_U = fuse_noise(loc_U, scale_U, self.b_noise, mode, temperature, noise)
+        weight = self.effective_weight()
         if mode == "compatible":
-            return F.linear(loc_U, self.weight, self.bias), None
-        no_grad = not (torch.is_grad_enabled() and (self.weight.requires_grad or loc_U.requires_grad))
+            return F.linear(loc_U, weight, self.bias), None
+        no_grad = not (torch.is_grad_enabled() and (weight.requires_grad or loc_U.requires_grad))
         single_row = loc_U.numel() == loc_U.shape[-1]
-        if no_grad and single_row and _FUSED_DECODE and self.weight.numel() >= _FUSED_MIN_NUMEL:
-            fused = cauchy_linear_single_row(loc_U, scale_U, self.weight, self.bias)
+        if no_grad and single_row and _FUSED_DECODE and weight.numel() >= _FUSED_MIN_NUMEL:
+            fused = cauchy_linear_single_row(loc_U, scale_U, weight, self.bias)
             if fused is not None:
                 return fused
-        return cauchy_linear(loc_U, scale_U, self.weight, self.bias, self._cached_abs_weight())
+        return cauchy_linear(loc_U, scale_U, weight, self.bias, self._cached_abs_weight(weight))
 
-    def _cached_abs_weight(self) -> torch.Tensor | None:
+    def _cached_abs_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """|W_A| kept across decode steps when no gradient flows; rebuilt when W_A changes."""
-        if torch.is_grad_enabled() and self.weight.requires_grad:
+        if torch.is_grad_enabled() and weight.requires_grad:
             self._abs_weight_cache = None
             return None
-        w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
-            self._abs_weight_cache = (key, w.detach().abs())
+            self._abs_weight_cache = (key, weight.detach().abs())
         return self._abs_weight_cache[1]
 
     @torch.no_grad()
     def reset_parameters(self, b_noise_init: float, weight=None, bias=None) -> None:
-        """W_A ← a copy of the base lm_head (random when none is given), b_A ← its bias or 0."""
-        if weight is None:
-            nn.init.normal_(self.weight, std=0.02)
-        else:
-            self.weight.copy_(weight)
+        """W_A ← a copy of the base lm_head ("full"; random when none is given) or the base itself
+        ("tied"; "lora" starts at B = 0 with A like PEFT's LoRA); b_A ← the base bias or 0."""
+        if self.action_weight == "full":
+            if weight is None:
+                nn.init.normal_(self.weight, std=0.02)
+            else:
+                self.weight.copy_(weight)
+        elif self.action_weight == "lora":
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            self.lora_B.zero_()
         if bias is None:
             self.bias.zero_()
         else:
@@ -216,18 +255,27 @@ class CausalQwenPreTrainedModel(PreTrainedModel):
 class CausalQwenModel(CausalQwenPreTrainedModel):
     """Qwen2 backbone + causal heads; returns the Cauchy parameters of U and S (what `AutoModel` loads)."""
 
-    def __init__(self, config: CausalQwenConfig, backbone: Qwen2Model | None = None):
+    def __init__(self, config: CausalQwenConfig, backbone: Qwen2Model | None = None, lm_head: nn.Linear | None = None):
         super().__init__(config)
-        if backbone is not None:
-            # An already-loaded backbone: mark it so post_init's weight initialisation leaves it alone.
-            for module in backbone.modules():
-                module._is_hf_initialized = True
-        self.model = backbone if backbone is not None else Qwen2Model(config.text_config)
-        self.model.requires_grad_(False)  # frozen by default: the heads are what trains
         text = config.text_config
+        for loaded in (backbone, lm_head):
+            # Already-loaded base modules: mark them so post_init's weight initialisation leaves them alone.
+            for module in loaded.modules() if loaded is not None else ():
+                module._is_hf_initialized = True
+        self.model = backbone if backbone is not None else Qwen2Model(text)
+        self.model.requires_grad_(False)  # frozen by default: the heads are what trains
         self.abduction = AbductionNetwork(text.hidden_size, config.causal_size)
-        self.action = ActionNetwork(config.causal_size, text.vocab_size)
+        self.action = ActionNetwork(config.causal_size, text.vocab_size, config.action_weight, config.action_lora_rank)
         self.ovr = OvRClassifier(text.vocab_size, config.ovr_threshold_init, config.learnable_threshold)
+        if config.action_weight != "full":
+            # W_base is the base's output embedding: the input embedding when tied, else its lm_head (frozen, not saved).
+            if text.tie_word_embeddings:
+                owner = self.model.embed_tokens
+            else:
+                self.lm_head = lm_head if lm_head is not None else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+                self.lm_head.requires_grad_(False)
+                owner = self.lm_head
+            self.action.bind_base_weight(owner)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -252,7 +300,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
 
     def causal_heads(self, z, inference_mode="standard", causal_temperature=1.0, noise=None):
         """z ↦ (loc_U, scale_U, loc_S, scale_S): abduction, then the action network's noise fusion and linear law."""
-        z = z.to(self.action.weight.dtype)
+        z = z.to(self.action.bias.dtype)
         loc_U, scale_U = self.abduction(z)
         loc_S, scale_S = self.action(loc_U, scale_U, inference_mode, causal_temperature, noise)
         return loc_U, scale_U, loc_S, scale_S
@@ -274,10 +322,10 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         if mode != "sampling":
             return None
         if causal_noise is not None:
-            return causal_noise.to(z.device, self.action.weight.dtype)
+            return causal_noise.to(z.device, self.action.bias.dtype)
         batch, length = z.shape[:2]
         shape = (batch, 1 if noise_sharing == "sequence" else length, self.config.causal_size)
-        return sample_standard_cauchy(shape, dtype=self.action.weight.dtype, device=z.device)
+        return sample_standard_cauchy(shape, dtype=self.action.bias.dtype, device=z.device)
 
     def _scores(self, z, mode, temperature, noise_sharing, causal_noise):
         noise = self._sampling_noise(z, mode, noise_sharing, causal_noise)
@@ -340,7 +388,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             base_model_name_or_path=base_name, base_model_revision=revision, text_config=base.config, **config_overrides
         )
         lm_head = base.get_output_embeddings()
-        model = cls._assemble(config, base.model)
+        model = cls._assemble(config, base.model, None if config.text_config.tie_word_embeddings else lm_head)
         with torch.no_grad():
             model.abduction.reset_parameters(config.gamma_init)
             weight = lm_head.weight
@@ -355,10 +403,10 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         return model
 
     @classmethod
-    def _assemble(cls, config, backbone):
+    def _assemble(cls, config, backbone, lm_head=None):
         """Build the model around a loaded backbone; the heads are allocated but not initialised."""
         with torch.device("meta"):  # no wasted initialisation of vocabulary-sized heads
-            model = cls(config, backbone=backbone)
+            model = cls(config, backbone=backbone, lm_head=lm_head if config.action_weight != "full" else None)
         anchor = backbone.norm.weight
         for name in ("abduction", "action", "ovr"):
             head = getattr(model, name).to(dtype=anchor.dtype)
@@ -371,10 +419,10 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors an adapter folder stores: every persistent tensor outside the backbone."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(_BACKBONE_PREFIX)}
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(_BASE_PREFIXES)}
 
     def adapter_keys(self) -> set[str]:
-        return {k for k in self.state_dict(keep_vars=True) if not k.startswith(_BACKBONE_PREFIX)}
+        return {k for k in self.state_dict(keep_vars=True) if not k.startswith(_BASE_PREFIXES)}
 
     # ------------------------------------------------------------------ saving
 
@@ -401,7 +449,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
                 "set model.config.base_model_name_or_path to the base's Hub id or folder"
             )
         tensors = self.adapter_state_dict() if state_dict is None else {
-            k: v for k, v in state_dict.items() if not k.startswith(_BACKBONE_PREFIX)
+            k: v for k, v in state_dict.items() if not k.startswith(_BASE_PREFIXES)
         }
         _check_keys(set(tensors), self.adapter_keys(), "the state_dict to save")
 
@@ -421,7 +469,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             "AutoModel": "modeling_causalqwen.CausalQwenModel",
             "AutoModelForCausalLM": "modeling_causalqwen.CausalQwenForCausalLM",
         }
-        config["dtype"] = str(self.action.weight.dtype).removeprefix("torch.")
+        config["dtype"] = str(self.action.bias.dtype).removeprefix("torch.")
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, folder / ADAPTER_WEIGHTS_NAME,
                   metadata={"format": "pt"})
         for source in _remote_code_files():
@@ -480,7 +528,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             )
 
         base_hub_kwargs = {k: v for k, v in hub_kwargs.items() if k not in ("revision", "subfolder")}
-        backbone, base_name = _load_backbone(
+        backbone, lm_head, base_name = _load_backbone(
             config, base_model, base_model_revision, dtype, device_map, {**base_hub_kwargs, **kwargs}
         )
         _check_base_matches(config, backbone.config, base_name)
@@ -488,7 +536,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         if base_model is not None and isinstance(base_model, (str, os.PathLike)):
             config.base_model_name_or_path = str(base_model)
             config.base_model_revision = base_model_revision
-        model = cls._assemble(config, backbone)
+        model = cls._assemble(config, backbone, lm_head)
         model._load_adapter_weights(weights_file)
         model.generation_config = _load_generation_config(adapter, hub_kwargs, backbone)
         model.name_or_path = adapter
@@ -693,13 +741,18 @@ def _check_keys(found: set, expected: set, where) -> None:
 
 
 def _load_backbone(config, base_model, base_model_revision, dtype, device_map, loader_kwargs):
-    """The base's Qwen2 decoder (no lm_head: the adapter brings its own action weights)."""
+    """(decoder, lm_head or None, name) of the base. The lm_head is loaded only when the adapter uses
+    the base's own output weights ("tied"/"lora" action weights on an untied base)."""
+    wants_lm_head = config.action_weight != "full" and not config.text_config.tie_word_embeddings
     if isinstance(base_model, Qwen2ForCausalLM):
-        return base_model.model, base_model.config.name_or_path
-    if isinstance(base_model, Qwen2Model):
-        return base_model, base_model.config.name_or_path
+        return base_model.model, base_model.lm_head if wants_lm_head else None, base_model.config.name_or_path
+    if isinstance(base_model, Qwen2Model) and not wants_lm_head:
+        return base_model, None, base_model.config.name_or_path
     if base_model is not None and not isinstance(base_model, (str, os.PathLike)):
-        raise TypeError(f"base_model must be a Hub id, a folder or a loaded Qwen2 model, got {type(base_model).__name__}")
+        raise TypeError(
+            f"base_model must be a Hub id, a folder or a loaded Qwen2ForCausalLM{'' if wants_lm_head else '/Qwen2Model'}, "
+            f"got {type(base_model).__name__}"
+        )
     name = str(base_model) if base_model is not None else config.base_model_name_or_path
     revision = base_model_revision if base_model is not None else config.base_model_revision
     if not name:
@@ -708,10 +761,13 @@ def _load_backbone(config, base_model, base_model_revision, dtype, device_map, l
     base_config = AutoConfig.from_pretrained(name, revision=revision, **hub)
     _check_is_qwen2(base_config, name)
     _check_base_matches(config, base_config, name)
-    backbone = Qwen2Model.from_pretrained(
+    loader = Qwen2ForCausalLM if wants_lm_head else Qwen2Model
+    loaded = loader.from_pretrained(
         name, config=base_config, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs
     )
-    return backbone, name
+    if wants_lm_head:
+        return loaded.model, loaded.lm_head, name
+    return loaded, None, name
 
 
 def _load_generation_config(adapter, hub_kwargs, backbone):

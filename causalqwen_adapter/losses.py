@@ -1,0 +1,213 @@
+"""Chunked one-vs-rest training loss (DESIGN §2.3), fused with the action head.
+
+The naive loss materialises loc_S and scale_S for every token ([N × V] each, 0.6 GB per
+tensor at N = 1024, V = 151936) and autograd keeps several more of that size. Here, as in
+Liger-Kernel's fused linear cross-entropy, the forward walks over tiles of
+(token chunk × vocabulary block), computes the loss and all gradients there, and keeps
+only the gradients; backward merely rescales them. Extra memory is the gradient of the
+action weight plus O(chunk_size × vocab_chunk_size), and |W| and sign(W) only ever
+exist for one vocabulary block.
+
+Per tile, with z = x off the target and z = −x at the target (so that every entry's loss
+is the same function, −log(atan2(1, z)/π): −log(1 − P_k) off target, −log P_y on it):
+
+    ∂ℓ/∂z       = 1 / (π (1 + z²) a),   a = atan2(1, z)/π
+    ∂ℓ/∂loc_S   =  (∂x/∂z) ∂ℓ/∂z / scale_S       (∂x/∂z = ±1)
+    ∂ℓ/∂scale_S = −z ∂ℓ/∂z / scale_S            (dx/dscale_S = −x / scale_S)
+    ∂ℓ/∂C       = −∂ℓ/∂loc_S
+"""
+
+import math
+
+import torch
+
+from .cauchy import check_labels, fuse_noise
+
+
+def chunked_ovr_loss(
+    loc_U: torch.Tensor,
+    scale_U: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    b_noise: torch.Tensor,
+    threshold,
+    labels: torch.Tensor,
+    *,
+    num_items_in_batch=None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    vocab_chunk_size: int = 2048,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """OvR loss of the action head on the individual distributions, without [N × V] tensors.
+
+    ``loc_U``, ``scale_U``: [N, C]; ``weight``: [V, C]; ``bias``: [V] or None; ``b_noise``: [C];
+    ``threshold``: a float, a 0-dim tensor or a [V] tensor (learnable or not); ``labels``: [N],
+    already aligned with the positions, ``ignore_index`` where there is no target.
+    Training noise fusion (scale_U + T·|b_noise|), float32 math whatever the input dtype;
+    sum over the vocabulary, mean over valid targets, or sum / ``num_items_in_batch``.
+
+    Returns (loss, stats) with detached ``target_prob`` (mean P_y), ``ovr_prob_sum``
+    (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` × ``vocab_chunk_size``
+    is the tile size; it changes speed and memory, not the result.
+    """
+    if weight.dim() != 2 or loc_U.dim() != 2 or loc_U.shape[1] != weight.shape[1] or scale_U.shape != loc_U.shape:
+        raise ValueError(
+            f"expected loc_U, scale_U [N, C] and weight [V, C]; got {tuple(loc_U.shape)}, "
+            f"{tuple(scale_U.shape)} and {tuple(weight.shape)}: flatten the positions first"
+        )
+    if labels.numel() != loc_U.shape[0]:
+        raise ValueError(f"{labels.numel()} labels for {loc_U.shape[0]} positions: pass one (shifted) label per position")
+    loss, target_prob, prob_sum, num_tokens = _ChunkedOvRLoss.apply(
+        loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch, temperature,
+        chunk_size, vocab_chunk_size, ignore_index, torch.is_grad_enabled(),
+    )
+    return loss, {"target_prob": target_prob, "ovr_prob_sum": prob_sum, "num_tokens": num_tokens}
+
+
+class _ChunkedOvRLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch, temperature,
+                chunk_size, vocab_chunk_size, ignore_index, grad_enabled):
+        # needs_input_grad stays True under no_grad, hence the explicit grad_enabled.
+        need = [grad_enabled and n for n in ctx.needs_input_grad[:6]]
+        need_loc, need_scale, need_W, need_bias, need_noise, need_thr = need
+        vocab, width = weight.shape
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+
+        labels = labels.reshape(-1)
+        rows = (labels != ignore_index).nonzero().squeeze(1)
+        targets = labels[rows]
+        check_labels(targets, vocab)
+        n_valid = rows.numel()
+
+        # Only valid positions enter the tiles; [n_valid, C] copies are small.
+        loc, scale = fuse_noise(loc_U[rows].to(dtype), scale_U[rows].to(dtype), b_noise.to(dtype), "standard", temperature)
+        thr = threshold.to(dtype) if torch.is_tensor(threshold) else threshold
+        # W loc + b − C in one addmm per tile.
+        shift = (torch.zeros(vocab, dtype=dtype, device=weight.device) if bias is None else bias.to(dtype)) - thr
+
+        if num_items_in_batch is None:
+            denom = float(max(n_valid, 1))
+        else:
+            denom = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=weight.device)
+        # The tiles produce π ∂ℓ/∂loc_S and −π ∂ℓ/∂scale_S (see _ovr_tiles); π, the sign and the
+        # reduction are folded into the small results (and into each grad_W block before its cast).
+        factor = 1 / (math.pi * denom)
+
+        g_loc = loc.new_zeros(n_valid, width) if need_loc else None
+        g_scale = scale.new_zeros(n_valid, width) if need_scale or need_noise else None
+        g_shift = shift.new_zeros(vocab) if need_bias or need_thr else None
+        grad_W = torch.zeros_like(weight) if need_W else None
+        neg_log_sum, a_row_sum, p_target = _ovr_tiles(
+            loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor,
+            max(1, min(chunk_size, n_valid)), min(vocab_chunk_size, vocab), dtype,
+        )
+
+        loss = (neg_log_sum / denom).to(torch.float32)
+        # Σ_k P_k = Σ_{k≠y} (1 − a_k) + P_y, where a_y = P_y: rows summed in float64 against cancellation.
+        prob_sum = vocab - 1 - a_row_sum + 2 * p_target
+        n_tok = max(n_valid, 1)
+        stats = (
+            (p_target.sum() / n_tok).to(torch.float32),
+            (prob_sum.sum() / n_tok).to(torch.float32),
+            torch.tensor(n_valid, device=weight.device),
+        )
+        ctx.mark_non_differentiable(*stats)
+
+        grad_loc = grad_scale = grad_bias = grad_noise = grad_thr = None
+        if need_loc:
+            grad_loc = torch.zeros_like(loc_U).index_copy_(0, rows, (g_loc * factor).to(loc_U.dtype))
+        if g_scale is not None:
+            g_scale.mul_(-factor)
+            if need_scale:
+                grad_scale = torch.zeros_like(scale_U).index_copy_(0, rows, g_scale.to(scale_U.dtype))
+            if need_noise:
+                grad_noise = (temperature * b_noise.to(dtype).sign() * g_scale.sum(0)).to(b_noise.dtype)
+        if g_shift is not None:
+            g_shift.mul_(factor)
+            if need_bias:
+                grad_bias = g_shift.to(bias.dtype)
+            if need_thr:
+                grad_thr = (-g_shift).sum_to_size(threshold.shape).to(threshold.dtype)
+        ctx.save_for_backward(grad_loc, grad_scale, grad_W, grad_bias, grad_noise, grad_thr)
+        return (loss, *stats)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        grads = ctx.saved_tensors
+        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
+            # In place, so no second [V × C] buffer; the saved tensors' version check then makes a
+            # second backward through this graph fail loudly instead of scaling twice.
+            grads = [None if g is None else g.mul_(grad_loss) for g in grads]
+        return (*grads, *([None] * 7))
+
+
+def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor, chunk, vblock, dtype):
+    """Loss terms, stats and (unscaled) gradients over all (token chunk × vocabulary block) tiles.
+
+    Vocabulary blocks are the outer loop, so |W|, sign(W) and the fp32 copy of a bf16 W exist
+    for one block at a time, and each block of grad_W is finished (and cast) before the next.
+    g_loc, g_scale, g_shift receive token sums of π ∂ℓ/∂loc_S and −π ∂ℓ/∂scale_S paths; grad_W
+    (left zero when there are no valid tokens) receives its final value, ``factor`` included.
+    Returns (Σ ℓ, per-token Σ_k a_k, per-token P_y), the last two in float64.
+    """
+    n_valid, width = loc.shape
+    vocab = weight.shape[0]
+    dev = loc.device
+    x_buf, s_buf, a_buf, t_buf = (torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(4))
+    abs_buf = torch.empty(vblock, width, dtype=dtype, device=dev)
+    if grad_W is not None:
+        acc_loc, acc_scale = (torch.empty(vblock, width, dtype=dtype, device=dev) for _ in range(2))
+    one = torch.ones((), dtype=dtype, device=dev)
+    neg_log_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    a_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
+    p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
+    want_grads = any(g is not None for g in (g_loc, g_scale, g_shift, grad_W))
+
+    for v0 in range(0, vocab if n_valid else 0, vblock):  # no valid token: nothing to add
+        v1 = min(v0 + vblock, vocab)
+        w = v1 - v0
+        w_blk = weight[v0:v1].to(dtype)
+        abs_w = torch.abs(w_blk, out=abs_buf[:w])
+        if grad_W is not None:
+            acc_l, acc_s = acc_loc[:w].zero_(), acc_scale[:w].zero_()
+        for r0 in range(0, n_valid, chunk):
+            r1 = min(r0 + chunk, n_valid)
+            x, s, a, t = (buf[: (r1 - r0) * w].view(r1 - r0, w) for buf in (x_buf, s_buf, a_buf, t_buf))
+            torch.addmm(shift[v0:v1], loc[r0:r1], w_blk.T, out=x)
+            torch.mm(scale[r0:r1], abs_w.T, out=s)
+            x.div_(s)
+            # The target's column when it lies in this block; elsewhere column 0 with a no-op flip.
+            col = targets[r0:r1] - v0
+            hit = (col >= 0) & (col < w)
+            col = col.clamp(0, w - 1).unsqueeze(1)
+            flip = torch.where(hit, -1.0, 1.0).to(dtype).unsqueeze(1)
+            x.scatter_(1, col, x.gather(1, col) * flip)  # now z
+            torch.atan2(one, x, out=a).mul_(1 / math.pi)  # 1 − P_k off target, P_y on it
+            a_row_sum[r0:r1] += a.sum(1, dtype=torch.float64)
+            p_target[r0:r1] += a.gather(1, col).squeeze(1) * hit
+            if want_grads:
+                # π ∂ℓ/∂z = 1/(a + z·(z·a)): a product form, so z² never overflows into inf·0.
+                # For z → +∞, z·a → 1/π and the gradient → 1/z; for z → −∞ the denominator → +∞
+                # and the gradient → 0, its true limit.
+                torch.mul(x, a, out=t)
+                torch.addcmul(a, t, x, out=t).reciprocal_()
+                t.div_(s)
+                x.mul_(t)  # −π ∂ℓ/∂scale_S
+                t.scatter_(1, col, t.gather(1, col) * flip)  # π ∂ℓ/∂loc_S
+                if grad_W is not None:
+                    acc_l.addmm_(t.T, loc[r0:r1])
+                    acc_s.addmm_(x.T, scale[r0:r1])
+                if g_loc is not None:
+                    g_loc[r0:r1].addmm_(t, w_blk)
+                if g_scale is not None:
+                    g_scale[r0:r1].addmm_(x, abs_w)
+                if g_shift is not None:
+                    g_shift[v0:v1] += t.sum(0)
+            neg_log_sum -= a.log_().sum()
+        if grad_W is not None:
+            # ∂/∂W of |W|·scale is sign(W)·(…); the scale path carries a minus sign (see above).
+            acc_l.sub_(acc_s.mul_(torch.sign(w_blk, out=abs_w)))
+            grad_W[v0:v1] = acc_l.mul_(factor)
+    return neg_log_sum, a_row_sum, p_target
