@@ -4,7 +4,8 @@ Read top to bottom: the three head modules, then the model. The heads are an ada
 `save_pretrained` writes only their tensors plus this file and the files it imports, and
 `from_pretrained` loads the base named in the config, then the heads.
 
-Shipped as remote code: imports only the standard library, torch, transformers and safetensors.
+Shipped as remote code: imports only the standard library, torch, transformers, safetensors and
+huggingface_hub (a transformers dependency).
 """
 
 import inspect
@@ -40,6 +41,7 @@ from .cauchy import (
     softplus_inverse,
 )
 from .configuration_causalqwen import CausalQwenConfig
+from .model_card import check_push, upload_adapter_folder, write_model_card
 
 logger = logging.get_logger(__name__)
 
@@ -481,11 +483,25 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
 
     def _write_model_card(self, folder: Path) -> None:
-        """README.md of the adapter folder: the model card (being built)."""
+        """README.md of the adapter folder: the model card rendered from model_card/ (never fails the save).
+
+        A trainer records its run in `self.training_summary` (see model_card.py) for the card to show.
+        """
+        write_model_card(self, folder)
 
     def push_to_hub(self, repo_id, *, private=None, token=None, revision=None, commit_message=None, create_pr=False):
-        """Upload exactly the adapter folder to the Hub (owned by the model-card work)."""
-        raise NotImplementedError("push_to_hub is being built")
+        """Upload exactly the adapter folder (what `save_pretrained` writes, card included) to the Hub repo `repo_id`.
+
+        Saves into a temporary folder, creates the repo if needed (`private` applies then), and uploads that folder
+        as one commit on `revision` (created from main when missing) or as a pull request (`create_pr`). The repo
+        id and the token are checked before anything is written or sent. Returns huggingface_hub's `CommitInfo`.
+        """
+        token = check_push(repo_id, token=token, revision=revision, create_pr=create_pr)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / repo_id.split("/")[-1]  # the card names the folder; the upload retargets it
+            self.save_pretrained(folder)
+            return upload_adapter_folder(folder, repo_id, token=token, private=private, revision=revision,
+                                         commit_message=commit_message, create_pr=create_pr)
 
     # ------------------------------------------------------------------ loading
 

@@ -1,0 +1,133 @@
+"""Upload a saved CausalQwen adapter folder to the Hugging Face Hub.
+
+    python recipes/push_to_hub.py runs/my-adapter your-username/my-causal-adapter [--private] [--create-pr]
+
+The folder is uploaded as it is, after checking that it is an adapter folder (DESIGN §3): nothing is loaded,
+so no base model is downloaded or held in memory, the tensors go up byte for byte, and the model card keeps
+the training record the trainer wrote into it. Only the card's title and load snippet are changed to name the
+repo. Files that are not part of the adapter (a trainer's checkpoints, logs) stay local. The token is the one
+passed, else HF_TOKEN, else the one `hf auth login` stored.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers.dynamic_module_utils import get_relative_import_files
+
+from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
+from causalqwen_adapter.model_card import CARD_NAME, check_push, render_model_card, upload_adapter_folder
+
+WEIGHTS = "model.safetensors"
+OPTIONAL = ("generation_config.json", CARD_NAME)
+
+
+def adapter_files(folder: Path) -> list[str]:
+    """The files of the adapter in `folder`, relative to it; raises ValueError when it is not a complete adapter."""
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} has no config.json: it is not an adapter folder (write one with save_pretrained)")
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") != CausalQwenConfig.model_type:
+        raise ValueError(
+            f"{folder} holds a {config.get('model_type')!r} checkpoint, not a CausalQwen adapter: this recipe uploads "
+            "adapters only (an adapter references its base, it never carries it)"
+        )
+    if (folder / "adapter_config.json").exists():
+        raise ValueError(
+            f"{folder} has an adapter_config.json at its root, so transformers would load the repo as a PEFT adapter: "
+            "a backbone LoRA belongs in lora/"
+        )
+    if not (folder / WEIGHTS).is_file():
+        raise ValueError(f"{folder} has no {WEIGHTS}: the save was interrupted; save the adapter again")
+    _check_adapter_tensors(folder / WEIGHTS, config)
+
+    code = []
+    for reference in config.get("auto_map", {}).values():
+        module = folder / (reference.split("--")[-1].rsplit(".", 1)[0] + ".py")
+        if not module.is_file():
+            raise ValueError(f"{folder} lacks {module.name}, named in config.json's auto_map: save the adapter again")
+        code += [module] + [Path(p) for p in get_relative_import_files(module)]
+    if not code:
+        raise ValueError(f"{folder}/config.json has no auto_map: the repo could not be loaded with trust_remote_code")
+    for module in code:
+        if not module.is_file():
+            raise ValueError(f"{folder} lacks {module.name}, which the remote code imports: save the adapter again")
+
+    files = ["config.json", WEIGHTS] + sorted({m.name for m in code})
+    files += [name for name in OPTIONAL if (folder / name).is_file()]
+    if (folder / "lora").is_dir():
+        files += sorted(p.relative_to(folder).as_posix() for p in (folder / "lora").rglob("*") if p.is_file())
+    return files
+
+
+def _check_adapter_tensors(weights: Path, config: dict) -> None:
+    """The file holds exactly the tensors this config's heads have: never a base tensor, nothing missing."""
+    with open(weights, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        found = set(json.loads(f.read(length))) - {"__metadata__"}
+    with torch.device("meta"):  # shapes only: no memory, no base
+        expected = CausalQwenForCausalLM(CausalQwenConfig.from_dict(config)).adapter_keys()
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights} does not hold the adapter tensors its config.json describes: missing {missing}, "
+            f"unexpected {unexpected}. An adapter stores only head tensors, never the base's."
+        )
+
+
+def stage(folder: Path, files: list[str], into: Path) -> None:
+    """Lay the adapter files out in `into` (hard links where possible; the card is copied, it gets rewritten)."""
+    for name in files:
+        target = into / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if name == CARD_NAME:
+            shutil.copyfile(folder / name, target)
+            continue
+        try:
+            os.link(folder / name, target)
+        except OSError:
+            shutil.copyfile(folder / name, target)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("adapter", type=Path, help="the adapter folder save_pretrained wrote")
+    parser.add_argument("repo_id", help="'namespace/name', or 'name' for your own namespace")
+    parser.add_argument("--private", action="store_true", help="create the repo private (ignored if it exists)")
+    parser.add_argument("--token", default=None, help="default: HF_TOKEN, else the token `hf auth login` stored")
+    parser.add_argument("--revision", default=None, help="branch to commit to (created from main if missing)")
+    parser.add_argument("--commit-message", default=None)
+    parser.add_argument("--create-pr", action="store_true", help="open a pull request against main instead")
+    args = parser.parse_args(argv)
+
+    try:
+        token = check_push(args.repo_id, token=args.token, revision=args.revision, create_pr=args.create_pr)
+        files = adapter_files(args.adapter)
+    except ValueError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    left_out = sorted(p.relative_to(args.adapter).as_posix() for p in args.adapter.rglob("*")
+                      if p.is_file() and p.relative_to(args.adapter).as_posix() not in files)
+    if left_out:
+        print(f"not part of the adapter, left out: {', '.join(left_out)}", file=sys.stderr)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = Path(tmp) / args.adapter.resolve().name
+        stage(args.adapter, files, staged)
+        if CARD_NAME not in files:  # an adapter saved before cards existed: render one from the folder itself
+            config = json.loads((args.adapter / "config.json").read_text())
+            (staged / CARD_NAME).write_text(render_model_card(staged, config, model_id=args.repo_id), encoding="utf-8")
+        commit = upload_adapter_folder(staged, args.repo_id, token=token, private=args.private or None,
+                                       revision=args.revision, commit_message=args.commit_message,
+                                       create_pr=args.create_pr)
+    print(f"pushed {args.adapter} to {commit.pr_url or commit.commit_url}")
+    return commit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,559 @@
+"""push_to_hub, recipes/push_to_hub.py and the model card, against a fake Hub served on 127.0.0.1.
+
+FakeHub implements the routes huggingface_hub 2.4 calls for create_repo, create_branch and upload_folder,
+on both of its upload paths: the pipelined one (hf_xet installed, the default) and the legacy one
+(create_commit: validate-yaml, preupload, LFS batch + PUT, NDJSON commit). It stores what was committed, so
+the tests compare it byte for byte with the adapter folder and then load it back by repo id from an offline
+cache laid out from the uploaded files.
+"""
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlparse
+
+import huggingface_hub
+import huggingface_hub._upload_pipeline
+import pytest
+import torch
+import yaml
+from huggingface_hub import CommitInfo, constants
+from huggingface_hub.errors import HfHubHTTPError
+from safetensors.torch import load as load_safetensors
+
+import causalqwen_adapter.model_card as model_card
+from causalqwen_adapter import CausalQwenForCausalLM
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "hf_test_token"
+BASE_ID = "someone/tiny-qwen2"  # the base's Hub id, served from an offline cache
+
+
+# --------------------------------------------------------------------------------------- fake Hub
+
+
+class FakeHub:
+    """Just enough of the Hub's HTTP API; `repos[repo_id][revision]` maps committed paths to their bytes."""
+
+    def __init__(self, lfs_suffixes=(".safetensors",), fail_commit=False):
+        self.lfs_suffixes = lfs_suffixes  # what preupload answers "lfs" for (the real Hub: .gitattributes)
+        self.fail_commit = fail_commit
+        self.requests = []  # (method, path) in arrival order
+        self.repos = {}
+        self.created = []  # create_repo payloads
+        self.lfs = {}  # oid → bytes, from the LFS PUTs
+        self.commits = []  # {"repo_id", "revision", "summary", "oid", "kinds": {path: "file" | "lfsFile"}}
+        self._lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def route_names(self) -> set[str]:
+        names = set()
+        for method, path in self.requests:
+            for name, pattern in ROUTES:
+                if re.fullmatch(pattern, path) and method == name.split()[0]:
+                    names.add(name)
+        return names
+
+    def _handler(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as httpx expects; every reply sends Content-Length
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_POST(self):
+                self._dispatch("POST")
+
+            def do_PUT(self):
+                self._dispatch("PUT")
+
+            def do_GET(self):
+                self._dispatch("GET")
+
+            def _dispatch(self, method):
+                url = urlparse(self.path)
+                body = self._body()
+                with hub._lock:
+                    hub.requests.append((method, url.path))
+                for name, pattern in ROUTES:
+                    match = re.fullmatch(pattern, url.path)
+                    if match and method == name.split()[0]:
+                        # the token goes everywhere but the storage URL (an S3 presigned URL on the real Hub)
+                        authorized = self.headers.get("authorization") == f"Bearer {TOKEN}"
+                        if not authorized and not url.path.startswith("/lfs-upload/"):
+                            return self._reply(401, {"error": "Invalid credentials in Authorization header"})
+                        handler = getattr(self, "_" + name.split()[1].replace("-", "_"))
+                        return handler(body, parse_qs(url.query), *map(unquote, match.groups()))
+                self._reply(404, {"error": f"fake Hub has no route {method} {url.path}"})
+
+            def _body(self) -> bytes:
+                if "chunked" in self.headers.get("transfer-encoding", ""):
+                    data = b""
+                    while (size := int(self.rfile.readline().split(b";")[0], 16)) > 0:
+                        data += self.rfile.read(size)
+                        self.rfile.readline()
+                    self.rfile.readline()
+                    return data
+                return self.rfile.read(int(self.headers.get("content-length") or 0))
+
+            def _reply(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            # ---- routes
+
+            def _create_repo(self, body, query):
+                payload = json.loads(body)
+                repo_id = f"{payload.get('organization') or 'user'}/{payload['name']}"
+                hub.created.append(payload)
+                if repo_id in hub.repos:
+                    # the Hub answers 409 with the url, which create_repo(exist_ok=True) returns
+                    url = f"{hub.endpoint}/{repo_id}"
+                    return self._reply(409, {"error": "You already created this model repo", "url": url})
+                hub.repos[repo_id] = {"main": {}}
+                self._reply(200, {"url": f"{hub.endpoint}/{repo_id}", "name": repo_id})
+
+            def _create_branch(self, body, query, repo_id, branch):
+                if repo_id not in hub.repos:
+                    return self._reply(404, {"error": "Repository not found"})
+                if branch in hub.repos[repo_id]:
+                    return self._reply(409, {"error": "Reference already exists"})
+                hub.repos[repo_id][branch] = dict(hub.repos[repo_id]["main"])
+                self._reply(200, {})
+
+            def _validate_yaml(self, body, query):
+                yaml.safe_load(json.loads(body)["content"].split("---")[1])  # a YAML error fails the test
+                self._reply(200, {"errors": [], "warnings": []})
+
+            def _preupload(self, body, query, repo_id, revision):
+                if repo_id not in hub.repos:
+                    return self._reply(404, {"error": "Repository not found"})
+                files = [
+                    {"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(hub.lfs_suffixes) else "regular",
+                     "shouldIgnore": False, "oid": None}
+                    for f in json.loads(body)["files"]
+                ]
+                self._reply(200, {"files": files, "commitOid": "0" * 40})
+
+            def _lfs_batch(self, body, query, repo_id):
+                objects = []
+                for obj in json.loads(body)["objects"]:
+                    entry = {"oid": obj["oid"], "size": obj["size"]}
+                    if obj["oid"] not in hub.lfs:
+                        entry["actions"] = {"upload": {"href": f"{hub.endpoint}/lfs-upload/{obj['oid']}"}}
+                    objects.append(entry)
+                self._reply(200, {"transfer": "basic", "objects": objects})
+
+            def _lfs_upload(self, body, query, oid):
+                if hashlib.sha256(body).hexdigest() != oid:
+                    return self._reply(400, {"error": "content does not match its oid"})
+                hub.lfs[oid] = body
+                self._reply(200, {})
+
+            def _commit(self, body, query, repo_id, revision):
+                if hub.fail_commit:
+                    return self._reply(500, {"error": "Internal Error - We're working hard to fix this"})
+                if repo_id not in hub.repos or revision not in hub.repos[repo_id]:
+                    return self._reply(404, {"error": f"Revision not found: {revision}"})
+                lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+                header, files, kinds = lines[0]["value"], {}, {}
+                for line in lines[1:]:
+                    value = line["value"]
+                    if line["key"] == "file":
+                        files[value["path"]] = base64.b64decode(value["content"])
+                    elif line["key"] == "lfsFile":
+                        if value["oid"] not in hub.lfs:
+                            return self._reply(422, {"error": f"LFS object {value['oid']} was never uploaded"})
+                        files[value["path"]] = hub.lfs[value["oid"]]
+                    else:
+                        return self._reply(400, {"error": f"fake Hub does not handle {line['key']}"})
+                    kinds[value["path"]] = line["key"]
+                oid = hashlib.sha1(body).hexdigest()
+                pr_url = None
+                if query.get("create_pr") == ["1"]:
+                    revision = f"refs/pr/{sum(r.startswith('refs/pr/') for r in hub.repos[repo_id]) + 1}"
+                    hub.repos[repo_id][revision] = dict(hub.repos[repo_id]["main"])
+                    pr_url = f"{hub.endpoint}/{repo_id}/discussions/{revision.rsplit('/', 1)[1]}"
+                hub.repos[repo_id][revision].update(files)
+                hub.commits.append({"repo_id": repo_id, "revision": revision, "summary": header["summary"], "oid": oid,
+                                    "kinds": kinds})
+                self._reply(200, {"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{oid}", "commitOid": oid,
+                                  "pullRequestUrl": pr_url})
+
+        return Handler
+
+
+_REPO = r"/?([^/]+/[^/]+?)"
+ROUTES = [  # "METHOD name" → path pattern (groups: repo id, then revision/branch/oid)
+    ("POST create-repo", r"/api/repos/create"),
+    ("POST validate-yaml", r"/api/validate-yaml"),
+    ("POST create-branch", rf"/api/models{_REPO}/branch/([^/]+)"),
+    ("POST preupload", rf"/api/models{_REPO}/preupload/([^/]+)"),
+    ("POST commit", rf"/api/models{_REPO}/commit/([^/]+)"),
+    ("POST lfs-batch", rf"{_REPO}\.git/info/lfs/objects/batch"),
+    ("PUT lfs-upload", r"/lfs-upload/([0-9a-f]{64})"),
+]
+
+
+# --------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def no_token(tmp_path, monkeypatch):
+    """No token anywhere: env unset, token file in an empty HF_HOME."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+
+
+def _serve(monkeypatch, xet: bool, **kwargs) -> FakeHub:
+    hub = FakeHub(**kwargs)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)  # HfApi() reads it when built
+    # hf_xet installed → upload_folder takes the pipelined path; preupload must then answer "regular" only
+    # (an "lfs" answer would need Xet storage). Disabled → the legacy path with LFS batch + PUT.
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", not xet)
+    return hub
+
+
+@pytest.fixture
+def hub(monkeypatch, no_token):
+    with _serve(monkeypatch, xet=False) as hub:
+        yield hub
+
+
+@pytest.fixture
+def cache(tmp_path, tied_base, monkeypatch):
+    """An offline Hub cache holding the base as BASE_ID, with a card declaring its license."""
+    cache = tmp_path / "hub-cache"
+    base = tmp_path / "base-with-card"
+    shutil.copytree(tied_base, base)
+    (base / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: en\n---\n# tiny base\n")
+    _publish_files(cache, BASE_ID, _files(base), "a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # where the card looks for the base's license
+    return cache
+
+
+@pytest.fixture
+def trained(tied_base, cache):
+    """Heads moved off their init, named after the base's Hub id, with a training record."""
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    with torch.no_grad():
+        for p in (model.abduction.loc.bias, model.action.bias):
+            p.add_(torch.randn_like(p) * 0.01)
+    model.config.base_model_name_or_path = BASE_ID
+    model.training_summary = {
+        "hyperparameters": {"learning_rate": 2e-4, "num_train_epochs": 1, "per_device_train_batch_size": 8},
+        "metrics": {"train_loss": 1.234567891, "ovr_prob_sum": 1.05},
+        "datasets": ["someone/tiny-corpus"],
+    }
+    return model
+
+
+def _publish_files(cache: Path, repo_id: str, files: dict[str, bytes], commit: str) -> None:
+    """Lay files out the way huggingface_hub's cache stores a downloaded snapshot (as test_adapter_io does)."""
+    snapshot = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / commit
+    for name, data in files.items():
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).write_bytes(data)
+    (snapshot.parents[1] / "refs").mkdir(exist_ok=True)
+    (snapshot.parents[1] / "refs" / "main").write_text(commit)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _card(text: str) -> tuple[dict, str]:
+    _, front, body = text.split("---\n", 2)
+    return yaml.safe_load(front), body
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("push_to_hub_recipe", REPO_ROOT / "recipes" / "push_to_hub.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_is_the_adapter_folder(uploaded: dict, local: Path, repo_id: str) -> None:
+    """The upload is the saved folder: same files, same bytes; the card differs only in naming the repo."""
+    expected = _files(local)
+    assert set(uploaded) == set(expected)
+    for name, data in expected.items():
+        if name != "README.md":
+            assert uploaded[name] == data, name
+    card = uploaded["README.md"].decode()
+    assert card == model_card.retarget_model_card(expected["README.md"].decode(), repo_id)
+    assert f'AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)' in card
+    assert not [k for k in load_safetensors(uploaded["model.safetensors"]) if k.startswith("model.")]  # no base tensor
+
+
+# --------------------------------------------------------------------------------------- push_to_hub
+
+
+LOAD_BACK = textwrap.dedent(
+    """
+    import sys
+    sys.modules["causalqwen_adapter"] = None  # loads as remote code only, like a user without the package
+    import torch
+    from transformers import AutoModelForCausalLM
+    repo_id, input_ids, out, resaved = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3], sys.argv[4]
+    model = AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True)
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    with torch.no_grad():
+        torch.save(model(input_ids).logits, out)
+    model.save_pretrained(resaved)  # remote code has no card template: it keeps the card it was loaded with
+    """
+)
+
+
+
+def test_push_uploads_exactly_the_adapter_folder_and_loads_back(hub, trained, cache, tmp_path, input_ids):
+    commit = trained.push_to_hub("user/tiny-causal", token=TOKEN)
+
+    trained.save_pretrained(tmp_path / "tiny-causal")
+    uploaded = hub.repos["user/tiny-causal"]["main"]
+    _assert_is_the_adapter_folder(uploaded, tmp_path / "tiny-causal", "user/tiny-causal")
+    [record] = hub.commits
+    assert isinstance(commit, CommitInfo) and commit.oid == record["oid"] and commit.pr_url is None
+    assert record["summary"] == "Upload CausalQwen adapter"
+    assert record["kinds"] == {name: "lfsFile" if name == "model.safetensors" else "file" for name in uploaded}
+    assert hub.route_names() == {"POST create-repo", "POST validate-yaml", "POST preupload", "POST lfs-batch",
+                                 "PUT lfs-upload", "POST commit"}
+
+    # what was uploaded loads by repo id, as remote code, from an offline cache laid out from the upload
+    _publish_files(cache, "user/tiny-causal", uploaded, commit.oid)
+    torch.save(input_ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home"),
+           "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    proc = subprocess.run([sys.executable, "-c", LOAD_BACK, "user/tiny-causal", tmp_path / "ids.pt",
+                           tmp_path / "logits.pt", tmp_path / "resaved"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "logits.pt"), trained.eval()(input_ids).logits)
+    resaved_card = (tmp_path / "resaved" / "README.md").read_text()
+    assert resaved_card == model_card.retarget_model_card(uploaded["README.md"].decode(), "resaved")
+
+
+def test_push_on_the_default_upload_path(monkeypatch, no_token, trained, tmp_path):
+    """hf_xet installed (a huggingface_hub dependency on common platforms) → the pipelined upload; a bare repo
+    name resolves to the token's namespace; `revision` is created as a branch; the token comes from HF_TOKEN."""
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    pipelined = []
+    real_pipeline = huggingface_hub._upload_pipeline.pipelined_upload
+    monkeypatch.setattr(huggingface_hub._upload_pipeline, "pipelined_upload",
+                        lambda *a, **kw: pipelined.append(1) or real_pipeline(*a, **kw))
+    with _serve(monkeypatch, xet=True, lfs_suffixes=()) as hub:
+        commit = trained.push_to_hub("tiny-causal", private=True, revision="dev", commit_message="first heads")
+    assert pipelined == ([1] if importlib.util.find_spec("hf_xet") else [])
+    trained.save_pretrained(tmp_path / "tiny-causal")
+    _assert_is_the_adapter_folder(hub.repos["user/tiny-causal"]["dev"], tmp_path / "tiny-causal", "user/tiny-causal")
+    assert hub.repos["user/tiny-causal"]["main"] == {}
+    assert hub.created == [{"name": "tiny-causal", "organization": None, "visibility": "private"}]
+    assert [c["summary"] for c in hub.commits] == ["first heads"] and commit.oid == hub.commits[0]["oid"]
+    assert "POST create-branch" in hub.route_names()
+
+
+def test_push_as_a_pull_request(hub, trained):
+    commit = trained.push_to_hub("user/tiny-causal", token=TOKEN, create_pr=True)
+    repo = hub.repos["user/tiny-causal"]
+    assert commit.pr_url.endswith("/discussions/1") and commit.pr_revision == "refs/pr/1"
+    assert "model.safetensors" in repo["refs/pr/1"] and repo["main"] == {}
+
+
+# --------------------------------------------------------------------------------------- the recipe
+
+
+def test_recipe_uploads_the_adapter_files_as_they_are(hub, trained, tmp_path, capsys):
+    run = tmp_path / "run"
+    trained.save_pretrained(run)
+    (run / "trainer_state.json").write_text("{}")  # a trainer's output folder: not part of the adapter
+    (run / "checkpoint-10").mkdir()
+    (run / "checkpoint-10" / "optimizer.pt").write_bytes(b"optimizer state")
+    before = _files(run)
+
+    commit = _load_recipe().main([str(run), "user/from-recipe", "--token", TOKEN, "--commit-message", "recipe"])
+
+    uploaded = hub.repos["user/from-recipe"]["main"]
+    assert set(uploaded) == set(before) - {"trainer_state.json", "checkpoint-10/optimizer.pt"}
+    for name in uploaded:
+        if name != "README.md":
+            assert uploaded[name] == before[name], name
+    card = uploaded["README.md"].decode()
+    assert card == model_card.retarget_model_card(before["README.md"].decode(), "user/from-recipe")
+    assert "| train_loss | 1.23457 |" in card  # the training record the card carries survives the push
+    assert _files(run) == before  # the card was retargeted in a copy
+    assert hub.commits[0]["summary"] == "recipe"
+    out, err = capsys.readouterr()
+    assert f"pushed {run} to {commit.commit_url}" in out and "checkpoint-10/optimizer.pt" in err
+
+
+def test_recipe_refuses_what_is_not_an_adapter(hub, tied_base, trained, tmp_path, capsys):
+    recipe = _load_recipe()
+    with pytest.raises(SystemExit):
+        recipe.main([str(tied_base), "user/x", "--token", TOKEN])
+    assert "'qwen2' checkpoint, not a CausalQwen adapter" in capsys.readouterr().err
+
+    trained.save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = torch.ones(32)  # a base tensor slipped in
+    save_file(tensors, weights)
+    with pytest.raises(SystemExit):
+        recipe.main([str(tmp_path / "adapter"), "user/x", "--token", TOKEN])
+    assert "unexpected ['model.norm.weight']" in capsys.readouterr().err
+    assert hub.requests == []
+
+
+# --------------------------------------------------------------------------------------- bad input
+
+
+def test_push_without_a_token_fails_before_any_request(hub, tied_base, tmp_path, capsys):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    with pytest.raises(ValueError, match="no Hugging Face token .*HF_TOKEN.*hf auth login"):
+        model.push_to_hub("user/tiny-causal")
+    model.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(SystemExit):
+        _load_recipe().main([str(tmp_path / "adapter"), "user/tiny-causal"])
+    assert "no Hugging Face token" in capsys.readouterr().err
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize("repo_id", ["not a/valid//id", "user/name with spaces", "user/-dash"])
+def test_invalid_repo_id_fails_before_any_request(hub, tied_base, repo_id):
+    with pytest.raises(ValueError, match="is not a valid Hub repo id"):
+        CausalQwenForCausalLM.from_base(tied_base).push_to_hub(repo_id, token=TOKEN)
+    assert hub.requests == []
+
+
+def test_pull_request_on_a_branch_fails_before_any_request(hub, tied_base):
+    with pytest.raises(ValueError, match="against main; drop revision='dev'"):
+        CausalQwenForCausalLM.from_base(tied_base).push_to_hub("user/x", token=TOKEN, revision="dev", create_pr=True)
+    assert hub.requests == []
+
+
+def test_failed_commit_raises_and_nothing_reports_success(monkeypatch, no_token, trained, tmp_path, capsys):
+    trained.save_pretrained(tmp_path / "adapter")
+    # the legacy path: the pipelined one retries a 500 on commit with backoff (about 20 s) before raising the same
+    with _serve(monkeypatch, xet=False, fail_commit=True) as hub:
+        with pytest.raises(HfHubHTTPError, match="500"):
+            trained.push_to_hub("user/tiny-causal", token=TOKEN)
+        with pytest.raises(HfHubHTTPError, match="500"):
+            _load_recipe().main([str(tmp_path / "adapter"), "user/tiny-causal", "--token", TOKEN])
+    assert hub.repos["user/tiny-causal"]["main"] == {} and hub.commits == []
+    assert "POST commit" in hub.route_names()  # it failed at the very end, the tensors already uploaded
+    assert "pushed" not in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------- the card
+
+
+def test_card_metadata_snippet_and_training_record(trained, tmp_path):
+    trained.save_pretrained(tmp_path / "my-adapter")
+    text = (tmp_path / "my-adapter" / "README.md").read_text()
+    meta, body = _card(text)
+    assert meta["base_model"] == BASE_ID and meta["base_model_relation"] == "adapter"
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert {"causalqwen", "ovr", "cauchy"} <= set(meta["tags"])
+    assert meta["license"] == "apache-2.0"  # carried from the base's card (in the Hub cache)
+    assert meta["datasets"] == ["someone/tiny-corpus"]
+    assert body.startswith("\n# my-adapter\n")
+    assert 'AutoModelForCausalLM.from_pretrained("my-adapter", trust_remote_code=True)' in body
+    assert f'AutoTokenizer.from_pretrained("{BASE_ID}")' in body
+    for mode in ("compatible", "standard", "sampling", "causal"):
+        assert f"| `{mode}` |" in body
+    assert "| learning_rate | 0.0002 |" in body and "| train_loss | 1.23457 |" in body
+    weights = tmp_path / "my-adapter" / "model.safetensors"
+    parameters = sum(v.numel() for v in trained.adapter_state_dict().values())
+    assert f"| adapter tensors | {parameters:,} parameters (float32), `model.safetensors` " in body
+    assert f"({weights.stat().st_size:,} bytes) |" in body
+    assert f"- torch {torch.__version__}" in body and f"- huggingface_hub {huggingface_hub.__version__}" in body
+    trained.save_pretrained(tmp_path / "my-adapter")
+    assert (tmp_path / "my-adapter" / "README.md").read_text() == text  # deterministic: no dates, no paths
+
+
+def test_card_of_fresh_heads_on_a_local_base(tied_base, tmp_path):
+    base = tmp_path / "local-base"
+    shutil.copytree(tied_base, base)
+    (base / "README.md").write_text("---\nlicense: mit\n---\n# a local base\n")
+    CausalQwenForCausalLM.from_base(base).save_pretrained(tmp_path / "adapter")
+    meta, body = _card((tmp_path / "adapter" / "README.md").read_text())
+    assert "base_model" not in meta and "base_model_relation" not in meta  # the Hub accepts Hub ids only
+    assert meta["license"] == "mit" and "datasets" not in meta
+    assert f'AutoTokenizer.from_pretrained("{base}")' in body and "## Training" not in body
+
+
+@pytest.mark.parametrize("problem", ["no template", "no jinja2", "render error"])
+def test_the_card_never_fails_a_save(tied_base, tmp_path, monkeypatch, caplog, problem):
+    fresh = CausalQwenForCausalLM.from_base(tied_base)
+    fresh.save_pretrained(tmp_path / "first")
+    loaded = CausalQwenForCausalLM.from_pretrained(tmp_path / "first")
+    if problem == "no template":  # what a model loaded as remote code sees: transformers copies only .py files
+        monkeypatch.setattr(model_card, "TEMPLATE_NAME", "absent.md.j2")
+    elif problem == "no jinja2":  # huggingface_hub renders with jinja2 but does not depend on it
+        monkeypatch.setitem(sys.modules, "jinja2", None)
+    else:
+        monkeypatch.setattr(model_card, "_safetensors_summary", lambda path: 1 / 0)
+
+    fresh.save_pretrained(tmp_path / "fresh")
+    assert (tmp_path / "fresh" / "config.json").exists() and not (tmp_path / "fresh" / "README.md").exists()
+    assert "saved without a model card" in caplog.text
+
+    loaded.save_pretrained(tmp_path / "again")
+    card = (tmp_path / "again" / "README.md")
+    if problem == "render error":
+        assert not card.exists()
+    else:  # keeps the card it was loaded with, naming its new folder
+        first = (tmp_path / "first" / "README.md").read_text()
+        assert card.read_text() == model_card.retarget_model_card(first, "again")
+
+
+def test_card_written_before_the_weights_counts_the_model(trained, tmp_path):
+    """The trainer writes the card into output_dir at each checkpoint, before output_dir holds any weights."""
+    (tmp_path / "output").mkdir()
+    trained._write_model_card(tmp_path / "output")
+    _, body = _card((tmp_path / "output" / "README.md").read_text())
+    parameters = sum(v.numel() for v in trained.adapter_state_dict().values())
+    assert f"| adapter tensors | {parameters:,} parameters (float32) |" in body
+    assert body.startswith("\n# output\n") and "| train_loss | 1.23457 |" in body
+
+
+def test_retarget_model_card_changes_only_the_names():
+    text = ('---\ntags: [x]\n---\n\n# run-3\n\nAutoModelForCausalLM.from_pretrained("run-3", trust_remote_code=True)\n'
+            'AutoTokenizer.from_pretrained("run-3")\n')
+    out = model_card.retarget_model_card(text, "user/run-3")
+    assert out == text.replace("# run-3", "# user/run-3").replace('"run-3", trust', '"user/run-3", trust')
+    assert model_card.retarget_model_card("# a card of someone else\n", "user/x") == "# a card of someone else\n"
