@@ -5,8 +5,8 @@ tensor at N = 1024, V = 151936) and autograd keeps several more of that size. He
 Liger-Kernel's fused linear cross-entropy, the forward walks over tiles of
 (token chunk × vocabulary block), computes the loss and all gradients there, and keeps
 only the gradients; backward merely rescales them. Extra memory is the gradient of the
-action weight plus O(chunk_size × vocab_chunk_size), and |W| and sign(W) only ever
-exist for one vocabulary block.
+action weight, [N × C] input gradients and O(chunk_size × vocab_chunk_size) tiles; |W|,
+sign(W) and the |W|-path gradient only ever exist for one vocabulary block.
 
 Per tile, with z = x off the target and z = −x at the target (so that every entry's loss
 is the same function, −log(atan2(1, z)/π): −log(1 − P_k) off target, −log P_y on it):

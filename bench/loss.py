@@ -1,0 +1,132 @@
+"""Benchmark: the chunked OvR loss against lm_head + cross-entropy and the naive OvR loss.
+
+Forward + backward in float32 on the real head shape (V = 151936, C = 896) at N tokens:
+  (a) ``F.linear`` lm_head + ``F.cross_entropy``   the reference cost of a plain LM head
+  (b) naive OvR: ``cauchy_linear`` + ``ovr_loss``   full [N × V] loc_S / scale_S, autograd
+  (c) ``chunked_ovr_loss``
+
+Each (variant, N) runs in its own subprocess so that peak memory is per variant. Memory is
+the child's whole-process peak RSS (``ru_maxrss``); "extra" is that peak minus the peak just
+after the inputs (W [V × C], biases, activations, labels) were allocated and touched, i.e.
+what the loss and its gradients (grad_W included) add on top of the inputs. Time is the
+fastest of ``--repeat`` forward + backward steps after one warm-up step (the minimum, as
+timeit does, because other jobs on a shared machine only ever add time); the process CPU
+time of the fastest-CPU step is printed beside it, a second view when the machine is busy.
+
+    python bench/loss.py --n 1024 4096
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+V, C = 151936, 896
+VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss"}
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from causalqwen_adapter.cauchy import cauchy_linear, fuse_noise, ovr_loss
+    from causalqwen_adapter.losses import chunked_ovr_loss
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    # In place, so that no temporary [V × C] copy raises the baseline peak.
+    weight = torch.randn(V, C).mul_(0.02).requires_grad_()
+    labels = torch.randint(0, V, (n,))
+    labels[: n // 8] = -100  # a prompt part, as in SFT
+    if variant == "a":
+        hidden = torch.randn(n, C).requires_grad_()
+        params = (hidden, weight)
+
+        def step():
+            return F.cross_entropy(F.linear(hidden, weight), labels)
+    else:
+        loc_U = torch.randn(n, C).requires_grad_()
+        scale_U = torch.rand(n, C).add_(0.5).requires_grad_()
+        bias = torch.zeros(V).requires_grad_()
+        b_noise = torch.full((C,), 0.1).requires_grad_()
+        params = (loc_U, scale_U, weight, bias, b_noise)
+
+        if variant == "b":
+            def step():
+                loc, scale = fuse_noise(loc_U, scale_U, b_noise)
+                return ovr_loss(*cauchy_linear(loc, scale, weight, bias), 0.0, labels)
+        else:
+            def step():
+                return chunked_ovr_loss(loc_U, scale_U, weight, bias, b_noise, 0.0, labels,
+                                        chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)[0]
+
+    base = _peak_rss_mib()
+    times, cpu_times = [], []
+    for _ in range(repeat + 1):
+        for p in params:
+            p.grad = None
+        start, cpu_start = time.perf_counter(), time.process_time()
+        step().backward()
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+    return {"variant": variant, "n": n, "time_s": min(times[1:]), "first_s": times[0], "cpu_s": min(cpu_times[1:]),
+            "extra_mib": _peak_rss_mib() - base, "peak_mib": _peak_rss_mib(), "inputs_mib": base}
+
+
+def _mem_available_mib() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 1024
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, nargs="+", default=[1024], help="token counts, run in ascending order")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--repeat", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--chunk-size", type=int, default=1024)
+    parser.add_argument("--vocab-chunk-size", type=int, default=2048)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child, args.n[0], args.repeat, args.chunk_size, args.vocab_chunk_size)))
+        return
+
+    results = {}
+    for n in sorted(args.n):
+        for v in args.variants:
+            # The naive loss grows linearly in N: skip it where the last measurement says it would not fit.
+            prev = [r for (pv, pn), r in results.items() if pv == v and r]
+            if prev:
+                estimate = prev[-1]["inputs_mib"] + prev[-1]["extra_mib"] * n / prev[-1]["n"]
+                if estimate > 0.9 * _mem_available_mib():
+                    print(f"N={n} ({v}) {VARIANTS[v]}: skipped, needs ~{estimate / 1024:.1f} GiB "
+                          f"(extrapolated from N={prev[-1]['n']}), {_mem_available_mib() / 1024:.1f} GiB available")
+                    results[v, n] = None
+                    continue
+            cmd = [sys.executable, __file__, "--child", v, "--n", str(n), "--repeat", str(args.repeat),
+                   "--chunk-size", str(args.chunk_size), "--vocab-chunk-size", str(args.vocab_chunk_size)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                print(f"N={n} ({v}) {VARIANTS[v]}: failed with exit code {proc.returncode}\n{proc.stderr[-2000:]}")
+                results[v, n] = None
+                continue
+            r = results[v, n] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"N={n} ({v}) {VARIANTS[v]:<26} time {r['time_s']:7.2f} s (first {r['first_s']:.2f} s, cpu {r['cpu_s']:.2f} s)  "
+                  f"extra peak {r['extra_mib']:8.0f} MiB  whole-process peak {r['peak_mib']:8.0f} MiB", flush=True)
+        c = results.get(("c", n))
+        for other in ("a", "b"):
+            o = results.get((other, n))
+            if c and o:
+                print(f"N={n} c/{other}: time {c['time_s'] / o['time_s']:.2f}x (cpu {c['cpu_s'] / o['cpu_s']:.2f}x)  "
+                      f"extra memory {c['extra_mib'] / o['extra_mib']:.3f}x  "
+                      f"whole-process peak {c['peak_mib'] / o['peak_mib']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""chunked_ovr_loss against a naive float64 reference: loss, stats and every gradient."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from causalqwen_adapter.losses import chunked_ovr_loss
+
+NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
+
+
+def reference(loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch=None):
+    """DESIGN §2.3 written out plainly: full scores, P = ½ + atan(x)/π, BCE against a one-hot."""
+    loc_S = loc_U @ weight.T + (0 if bias is None else bias)
+    scale_S = (scale_U + b_noise.abs()) @ weight.abs().T
+    P = 0.5 + torch.atan((loc_S - threshold) / scale_S) / math.pi
+    valid = labels != -100
+    one_hot = F.one_hot(labels.clamp(min=0), weight.shape[0]).to(P.dtype)
+    per_token = -(one_hot * P.log() + (1 - one_hot) * (1 - P).log()).sum(-1)
+    denom = valid.sum() if num_items_in_batch is None else num_items_in_batch
+    stats = {
+        "target_prob": (P * one_hot).sum(-1)[valid].mean(),
+        "ovr_prob_sum": P.sum(-1)[valid].mean(),
+        "num_tokens": valid.sum(),
+    }
+    return per_token[valid].sum() / denom, stats
+
+
+def make_inputs(n, c, v, *, threshold="vector", bias=True, dtype=torch.float32, seed=0):
+    """Random head inputs (leaf tensors requiring grad) and labels with some −100."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        "loc_U": torch.randn(n, c, generator=g),
+        "scale_U": torch.rand(n, c, generator=g) + 0.1,
+        "weight": torch.randn(v, c, generator=g),
+        "bias": torch.randn(v, generator=g) if bias else None,
+        "b_noise": torch.randn(c, generator=g) * 0.3,
+        "threshold": {
+            "vector": torch.randn(v, generator=g),
+            "scalar_learnable": torch.tensor(0.2),
+            "scalar_buffer": torch.tensor(-0.3),
+            "float": 0.25,
+        }[threshold],
+    }
+    for name, t in tensors.items():
+        if torch.is_tensor(t):
+            # thresholds stay float32 like the model keeps them
+            tensors[name] = t.to(dtype if name != "threshold" else torch.float32)
+            if threshold != "scalar_buffer" or name != "threshold":
+                tensors[name].requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.randperm(n, generator=g)[: max(1, n // 4)]] = -100
+    return tensors, labels
+
+
+def grads_of(loss, tensors):
+    leaves = {k: t for k, t in tensors.items() if torch.is_tensor(t) and t.requires_grad}
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+def as_float64(tensors):
+    return {
+        k: t.detach().double().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+        for k, t in tensors.items()
+    }
+
+
+def assert_rel_close(actual, expected, rtol, what):
+    # Relative to the tensor's largest entry, so sums that cancel to ~0 are judged at the right scale.
+    torch.testing.assert_close(actual.detach().double(), expected.detach().double(), rtol=rtol,
+                               atol=rtol * expected.abs().max().item(), msg=lambda m: f"{what}: {m}")
+
+
+def check_against_reference(tensors, labels, rtol, grad_rtol, **kwargs):
+    loss, stats = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, **kwargs)
+    ref_tensors = as_float64(tensors)
+    ref_loss, ref_stats = reference(*(ref_tensors[k] for k in NAMES), labels,
+                                    num_items_in_batch=kwargs.get("num_items_in_batch"))
+    assert loss.dtype == torch.float32
+    assert_rel_close(loss, ref_loss, rtol, "loss")
+    for key in ("target_prob", "ovr_prob_sum"):
+        assert not stats[key].requires_grad
+        assert_rel_close(stats[key], ref_stats[key], rtol, key)
+    assert stats["num_tokens"].item() == ref_stats["num_tokens"].item()
+
+    grads, ref_grads = grads_of(loss, tensors), grads_of(ref_loss, ref_tensors)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert g.dtype == tensors[name].dtype and g.shape == tensors[name].shape
+        assert_rel_close(g, ref_grads[name], grad_rtol, f"grad {name}")
+
+
+@pytest.mark.parametrize(
+    "n, c, v, chunk_size, vocab_chunk_size",
+    [
+        (13, 8, 37, 5, 6),  # neither N nor V divisible by the tile
+        (13, 8, 37, 1, 37),  # one token per chunk, one vocabulary block
+        (13, 8, 37, 1024, 2048),  # the defaults: a single tile
+        (7, 16, 5, 3, 2),  # C > V
+        (30, 4, 101, 7, 1),  # one vocabulary entry per block
+    ],
+)
+@pytest.mark.parametrize("threshold", ["vector", "scalar_learnable", "scalar_buffer", "float"])
+def test_matches_float64_reference(n, c, v, chunk_size, vocab_chunk_size, threshold):
+    tensors, labels = make_inputs(n, c, v, threshold=threshold)
+    check_against_reference(tensors, labels, 1e-5, 1e-5, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+
+
+def test_without_bias_and_with_temperature():
+    tensors, labels = make_inputs(13, 8, 37, bias=False)
+    check_against_reference(tensors, labels, 1e-5, 1e-5, chunk_size=4, vocab_chunk_size=8)
+    # T scales |b_noise| in the fused scale: T = 2 equals T = 1 with a doubled b_noise.
+    doubled = dict(tensors, b_noise=(2 * tensors["b_noise"]).detach())
+    loss_t2, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, temperature=2.0)
+    loss_2b, _ = chunked_ovr_loss(*(doubled[k] for k in NAMES), labels)
+    torch.testing.assert_close(loss_t2, loss_2b)
+
+
+@pytest.mark.parametrize("num_items_in_batch", [20, torch.tensor(20)])
+def test_num_items_in_batch_divides_the_sum(num_items_in_batch):
+    tensors, labels = make_inputs(13, 8, 37)
+    check_against_reference(tensors, labels, 1e-5, 1e-5, chunk_size=4, vocab_chunk_size=10,
+                            num_items_in_batch=num_items_in_batch)
+
+
+def test_gradient_accumulation_equals_the_full_batch():
+    tensors, labels = make_inputs(16, 8, 37)
+    labels[:6] = -100  # unequal valid counts in the two halves
+    args = [tensors[k] for k in NAMES]
+    full_loss, _ = chunked_ovr_loss(*args, labels, chunk_size=3, vocab_chunk_size=5)
+    full_grads = grads_of(full_loss, tensors)
+
+    total = int((labels != -100).sum())
+    halves = [slice(0, 8), slice(8, 16)]
+    losses = [
+        chunked_ovr_loss(tensors["loc_U"][h], tensors["scale_U"][h], *args[2:], labels[h],
+                         num_items_in_batch=total, chunk_size=3, vocab_chunk_size=5)[0]
+        for h in halves
+    ]
+    acc_grads = [grads_of(loss, tensors) for loss in losses]
+    torch.testing.assert_close(losses[0] + losses[1], full_loss, rtol=1e-6, atol=0)
+    for name, g in full_grads.items():
+        assert_rel_close(acc_grads[0][name] + acc_grads[1][name], g, 1e-6, f"grad {name}")
+
+
+def test_bfloat16_inputs_use_float32_math():
+    tensors, labels = make_inputs(13, 8, 37, dtype=torch.bfloat16)
+    # The math is float32 on the bf16 values, so the loss is as exact as in float32; the
+    # gradients are returned in bf16 (8 bits of mantissa).
+    check_against_reference(tensors, labels, 1e-5, 1e-2, chunk_size=4, vocab_chunk_size=8)
+
+
+def test_extreme_inputs_stay_finite_and_accurate():
+    """|x| ~ 1e12 (loc ~ 1e6, scales ~ 1e-6): P_k and 1 − P_k within 1e-12 of 0 or 1."""
+    tensors, labels = make_inputs(13, 8, 37)
+    with torch.no_grad():
+        tensors["loc_U"].mul_(1e6)
+        tensors["scale_U"].mul_(1e-6)
+        tensors["b_noise"].mul_(1e-6)
+        tensors["threshold"].mul_(1e3)
+    loss, stats = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, chunk_size=4, vocab_chunk_size=8)
+    ref_tensors = as_float64(tensors)
+    ref_loss, _ = reference(*(ref_tensors[k] for k in NAMES), labels)
+    grads = grads_of(loss, tensors)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    assert torch.isfinite(stats["target_prob"]) and torch.isfinite(stats["ovr_prob_sum"])
+    # The float64 reference itself loses digits in 1 − P here, hence 1e-3.
+    assert_rel_close(loss, ref_loss, 1e-3, "loss")
+    for name, g in grads_of(ref_loss, ref_tensors).items():
+        assert_rel_close(grads[name], g, 1e-3, f"grad {name}")
+
+
+def test_huge_standardized_scores_give_finite_gradients():
+    """|x| up to ~1e30, where (1 + x²) overflows float32: still no inf or nan anywhere."""
+    tensors, labels = make_inputs(6, 4, 9, threshold="float")
+    with torch.no_grad():
+        tensors["loc_U"].mul_(1e6)
+        tensors["scale_U"].mul_(1e-30)
+        tensors["b_noise"].zero_()
+    loss, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+    grads = grads_of(loss, tensors)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_label_outside_the_vocabulary_is_a_clear_error():
+    tensors, labels = make_inputs(13, 8, 37)
+    labels[3] = 37
+    with pytest.raises(ValueError, match="label 37 is outside the vocabulary"):
+        chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+
+
+def test_mismatched_shapes_are_a_clear_error():
+    tensors, labels = make_inputs(13, 8, 37)
+    with pytest.raises(ValueError, match="labels for 13 positions"):
+        chunked_ovr_loss(*(tensors[k] for k in NAMES), labels[:-1])
+    with pytest.raises(ValueError, match="flatten the positions"):
+        chunked_ovr_loss(tensors["loc_U"][None], *(tensors[k] for k in NAMES[1:]), labels)
+
+
+def test_no_valid_target_gives_a_zero_loss_with_a_graph():
+    tensors, labels = make_inputs(5, 8, 37)
+    labels[:] = -100
+    loss, stats = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+    assert loss.item() == 0 and loss.requires_grad
+    assert stats["num_tokens"].item() == 0
+    for g in grads_of(loss, tensors).values():
+        assert not g.any()
+
+
+def test_backward_scales_by_the_incoming_gradient_and_skips_frozen_inputs():
+    tensors, labels = make_inputs(13, 8, 37)
+    tensors["weight"].requires_grad_(False)
+    tensors["bias"].requires_grad_(False)
+    loss, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, chunk_size=4, vocab_chunk_size=8)
+    grads = grads_of(loss, tensors)
+    assert grads.keys() == {"loc_U", "scale_U", "b_noise", "threshold"}
+    loss, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, chunk_size=4, vocab_chunk_size=8)
+    for name, g in grads_of(-2.5 * loss, tensors).items():
+        torch.testing.assert_close(g, -2.5 * grads[name])
+
+
+def test_no_grad_mode_computes_the_loss_only():
+    tensors, labels = make_inputs(13, 8, 37)
+    loss, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+    with torch.no_grad():
+        loss_eval, stats = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+    assert not loss_eval.requires_grad
+    torch.testing.assert_close(loss_eval, loss.detach())
+    assert stats["num_tokens"].item() == int((labels != -100).sum())
