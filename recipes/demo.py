@@ -3,7 +3,9 @@
 Attach fresh causal heads to the base, check them against the base (seed 001's verification),
 save the adapter, reload it the way any user would (`AutoModelForCausalLM` with
 `trust_remote_code=True`), show what the adapter costs on disk beside the base, and generate in
-every inference mode beside the base model.
+every inference mode beside the base model. Then train the heads with `CausalSFTTrainer` on text
+no one here wrote and that ships on every machine (docstrings of Python's standard library), show
+the loss falling, and generate with the trained adapter beside the base.
 
     python recipes/demo.py --base build/demo-base --out build/demo-adapter
 """
@@ -42,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="build/demo-base", help="Qwen2 base: local folder or Hub id")
     parser.add_argument("--out", default="build/demo-adapter", help="where to save the adapter")
+    parser.add_argument("--train-steps", type=int, default=30, help="0 skips the training part")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -84,6 +87,53 @@ def main() -> None:
 
     section("generate: the base beside every inference mode (greedy, 40 new tokens)")
     generate_in_every_mode(reloaded, base, tokenizer)
+
+    if args.train_steps > 0:
+        section(f"train the heads: CausalSFTTrainer, {args.train_steps} steps on standard-library docstrings")
+        trained_dir = train_heads(args.base, tokenizer, args.train_steps, Path(args.out).with_name("demo-trained"))
+        trained = AutoModelForCausalLM.from_pretrained(trained_dir, trust_remote_code=True, dtype=torch.bfloat16)
+        section("generate with the trained adapter beside the base")
+        generate_in_every_mode(trained, base, tokenizer)
+
+
+def stdlib_docstrings(limit: int = 2000) -> list[str]:
+    """Docstrings of the standard library's public functions and classes (text that ships everywhere)."""
+    import importlib
+    import inspect
+
+    texts = []
+    for name in ("json", "collections", "itertools", "functools", "pathlib", "argparse", "textwrap", "string",
+                 "statistics", "fractions", "heapq", "bisect", "datetime", "calendar", "shutil", "csv", "re"):
+        module = importlib.import_module(name)
+        for attr in sorted(dir(module)):
+            obj = getattr(module, attr)
+            doc = inspect.getdoc(obj) if not attr.startswith("_") else None
+            if doc and len(doc) > 80 and getattr(obj, "__module__", name).split(".")[0] == name:
+                texts.append(f"{name}.{attr}: {doc}")
+    return texts[:limit]
+
+
+def train_heads(base: str, tokenizer, steps: int, out: Path) -> Path:
+    from datasets import Dataset
+
+    from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
+
+    texts = stdlib_docstrings()
+    dataset = Dataset.from_dict({"text": texts}).shuffle(seed=0)
+    print(f"{len(texts)} docstrings; float32 heads, frozen backbone")
+    args = CausalSFTConfig(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, max_length=128, learning_rate=1e-3,
+        lr_scheduler_type="constant", logging_steps=max(1, steps // 10), save_strategy="no", report_to="none",
+        seed=0, use_cpu=True, dataloader_pin_memory=False, disable_tqdm=True,
+    )
+    trainer = CausalSFTTrainer(base, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    losses = [(log["step"], log["loss"]) for log in trainer.state.log_history if "loss" in log]
+    print("step  loss (OvR, summed over the vocabulary)")
+    for step, loss in losses:
+        print(f"{step:>4}  {loss:10.2f}")
+    trainer.save_model(str(out))
+    return out
 
 
 def generate_in_every_mode(model, base, tokenizer, max_new_tokens: int = 40) -> None:
