@@ -177,6 +177,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             x, s, a, t = (buf[: (r1 - r0) * w].view(r1 - r0, w) for buf in (x_buf, s_buf, a_buf, t_buf))
             torch.addmm(shift[v0:v1], loc[r0:r1], w_blk.T, out=x)
             torch.mm(scale[r0:r1], abs_w.T, out=s)
+            s.clamp_min_(torch.finfo(s.dtype).tiny)  # a zero row of W_A: the floor of cauchy.ovr_standardize
             x.div_(s)
             # The target's column when it lies in this block; elsewhere column 0 with a no-op flip.
             col = targets[r0:r1] - v0

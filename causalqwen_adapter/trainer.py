@@ -40,7 +40,10 @@ logger = logging.get_logger(__name__)
 LORA_FOLDER = "lora"
 _LORA_WEIGHTS_NAME = "adapter_model.safetensors"
 # CausalSFTConfig fields that are CausalQwenConfig fields: used only when the trainer builds fresh heads.
-_HEAD_FIELDS = ("causal_size", "gamma_init", "b_noise_init", "ovr_threshold_init", "learnable_threshold")
+_HEAD_FIELDS = (
+    "causal_size", "gamma_init", "b_noise_init", "ovr_threshold_init", "learnable_threshold", "action_weight",
+    "action_lora_rank",
+)
 
 
 @dataclass
@@ -71,6 +74,18 @@ class CausalSFTConfig(SFTConfig):
     learnable_threshold: bool = field(
         default=False,
         metadata={"help": "Learn one OvR threshold per vocabulary entry (fresh heads; saved in the adapter)."},
+    )
+    action_weight: str = field(
+        default="full",
+        metadata={
+            "help": "Where W_A lives for fresh heads: `full` (a trained copy of the base's output layer, saved), "
+            "`tied` (the base's output layer itself, frozen, not saved) or `lora` (the base's plus a trained "
+            "low-rank B·A; only A and B are saved).",
+            "choices": ["full", "tied", "lora"],
+        },
+    )
+    action_lora_rank: int = field(
+        default=16, metadata={"help": "Rank of B·A when action_weight='lora' (fresh heads)."}
     )
     loss_chunk_size: int = field(
         default=1024,
@@ -158,10 +173,12 @@ def _ovr_loss_forward(model, *, labels=None, shift_labels=None, num_items_in_bat
     # Loss math in float32 whatever the autocast: the kernel upcasts itself, and its in-place/out= matmuls must
     # see the dtypes they were given.
     with torch.autocast(hidden.device.type, enabled=False):
-        z = hidden.reshape(-1, hidden.shape[-1])[valid].to(action.weight.dtype)
+        # W_A as the model uses it: its own matrix, the base's frozen tensor, or base + B·A (grads reach A and B).
+        weight = action.effective_weight()
+        z = hidden.reshape(-1, hidden.shape[-1])[valid].to(weight.dtype)
         loc_U, scale_U = model.abduction(z)
         loss, stats = chunked_ovr_loss(
-            loc_U, scale_U, action.weight, action.bias, action.b_noise, model.ovr.threshold, targets[valid],
+            loc_U, scale_U, weight, action.bias, action.b_noise, model.ovr.threshold, targets[valid],
             num_items_in_batch=num_items_in_batch, chunk_size=chunk_size,
         )
     n = max(loc_U.shape[0], 1)
@@ -278,6 +295,8 @@ class CausalSFTTrainer(SFTTrainer):
         add_ovr_loss_forward(self.model, args.loss_chunk_size)
         # Per mode, running sums over the logging window: [tokens, Σ P_y, Σ Σ_k P_k, Σ loc_U, Σ scale_U, inputs].
         self._ovr_sums: dict[str, torch.Tensor] = {}
+        self._card_datasets: list[str] = []
+        self._card_tags: list[str] = []
 
         vocab_size = model.config.text_config.vocab_size
         _check_targets(self.train_dataset, vocab_size, "train", require_targets=True)
@@ -360,6 +379,7 @@ class CausalSFTTrainer(SFTTrainer):
         if not self.args.should_save:
             return
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        model.training_summary = self._training_summary()  # rendered into the adapter's README.md
         model.save_pretrained(output_dir, state_dict=state_dict)
         _save_backbone_lora(model, output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -384,15 +404,55 @@ class CausalSFTTrainer(SFTTrainer):
         """Write the adapter's own model card into `output_dir`, never TRL's.
 
         TRL writes a generic `README.md` into `output_dir` at every checkpoint and before `push_to_hub`, which would
-        replace the adapter's card (DESIGN §3: rendered from `model_card/`). The model writes that card into every
-        folder it saves; this passes through to the same writer. TRL's arguments (model_name, dataset_name, tags)
-        are accepted for compatibility and not used by it.
+        replace the adapter's card (DESIGN §3: rendered from `model_card/`). This passes through to the model's card
+        writer, with the run recorded in `model.training_summary`. `dataset_name` and `tags` are kept for every
+        later card of this run (checkpoints, `save_model`); `model_name` is TRL's and not used.
         """
+        for name in [dataset_name] if isinstance(dataset_name, str) else dataset_name or []:
+            if name not in self._card_datasets:
+                self._card_datasets.append(name)
+        for tag in [tags] if isinstance(tags, str) else tags or []:
+            if tag not in self._card_tags:
+                self._card_tags.append(tag)
         if not self.is_world_process_zero():
             return
+        model = self.accelerator.unwrap_model(self.model)
+        model.training_summary = self._training_summary()
         output_dir = Path(self.args.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.accelerator.unwrap_model(self.model)._write_model_card(output_dir)
+        model._write_model_card(output_dir)
+
+    def _training_summary(self) -> dict:
+        """The run as the model card shows it (see model_card.py): settings, last logged metrics, data, tags."""
+        args = self.args
+        backbone = self.accelerator.unwrap_model(self.model).model
+        lora = backbone.peft_config.get("default") if getattr(backbone, "_hf_peft_config_loaded", False) else None
+        hyperparameters = {
+            "learning_rate": args.learning_rate,
+            "lr_scheduler_type": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+            "optimizer": getattr(args.optim, "value", args.optim),
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * args.world_size,
+            "max_length": args.max_length,
+            "steps": self.state.global_step,
+            "seed": args.seed,
+            "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            "backbone": "frozen" if lora is None else f"frozen + LoRA r={lora.r} on {sorted(lora.target_modules)}",
+        }
+        metrics = {}
+        for entry in self.state.log_history:  # the latest value of each metric
+            for key in ("loss", "target_prob", "ovr_prob_sum", "units_mean_loc", "units_mean_scale", "train_loss"):
+                for name in (key, f"eval_{key}"):
+                    if name in entry:
+                        metrics[name] = entry[name]
+        return {
+            "hyperparameters": hyperparameters,
+            "metrics": metrics,
+            "datasets": list(self._card_datasets),
+            "tags": [*self._tag_names, *self._card_tags],
+        }
 
 
 # --------------------------------------------------------------------------------------- helpers

@@ -229,3 +229,21 @@ def test_no_grad_mode_computes_the_loss_only():
     assert not loss_eval.requires_grad
     torch.testing.assert_close(loss_eval, loss.detach())
     assert stats["num_tokens"].item() == int((labels != -100).sum())
+
+
+def test_zero_row_of_W_matches_the_model_convention():
+    # A zero vocabulary row (Qwen2 zeroes the padding embedding) gives scale_S = 0; both the chunked
+    # loss and the model's naive loss floor it the same way instead of producing NaN.
+    from causalqwen_adapter.cauchy import ovr_loss
+
+    torch.manual_seed(0)
+    loc_U, scale_U = torch.randn(6, 8), torch.rand(6, 8) + 0.1
+    weight, bias, b_noise = torch.randn(11, 8), torch.zeros(11), torch.full((8,), 0.1)
+    weight[3] = 0.0
+    labels = torch.tensor([1, 3, 5, -100, 3, 0])
+    loss, _ = chunked_ovr_loss(loc_U, scale_U, weight, bias, b_noise, 0.0, labels, chunk_size=4, vocab_chunk_size=5)
+    loc_S = loc_U @ weight.T + bias
+    scale_S = (scale_U + b_noise.abs()) @ weight.abs().T
+    expected = ovr_loss(loc_S, scale_S, torch.tensor(0.0), labels)
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)

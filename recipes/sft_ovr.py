@@ -1,0 +1,148 @@
+"""Train CausalQwen heads with the one-vs-rest loss: TRL's `sft` script, for causal heads.
+
+The model is a Qwen2 base (fresh heads are attached) or a CausalQwen adapter (training continues). The dataset is a
+`datasets` name or a local .jsonl/.json/.parquet/.csv file or folder, in any format TRL's SFTTrainer reads: plain
+`text`, `prompt`/`completion` (loss on the completion only), or chat `messages`.
+
+    python recipes/sft_ovr.py \
+        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
+        --dataset_name data/train.jsonl \
+        --per_device_train_batch_size 4 --gradient_accumulation_steps 4 \
+        --learning_rate 1e-4 --num_train_epochs 1 --bf16 \
+        --output_dir my-causal-adapter
+
+    # the same on two GPUs (or `--cpu` for two CPU processes)
+    accelerate launch --num_processes 2 recipes/sft_ovr.py <same arguments>
+
+    # LoRA on the backbone too (saved in my-causal-adapter/lora/)
+    python recipes/sft_ovr.py ... --use_peft --lora_r 16 --lora_target_modules q_proj v_proj
+
+Every option of `CausalSFTConfig` (TRL's `SFTConfig` plus the head options) is a flag; `--config recipe.yaml` reads
+them from a YAML file. Run with `--help` for the list.
+"""
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accelerate import PartialState
+from datasets import load_dataset
+from trl import TrlParser
+
+from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
+
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class ScriptArguments:
+    """What to train and on which data; the training options are `CausalSFTConfig`'s."""
+
+    model_name_or_path: str = field(
+        metadata={"help": "Qwen2 base (Hub id or folder; fresh heads are attached) or CausalQwen adapter to continue."}
+    )
+    dataset_name: str = field(
+        metadata={"help": "A `datasets` name on the Hub, or a local .jsonl/.json/.parquet/.csv file or data folder."}
+    )
+    model_revision: str | None = field(default=None, metadata={"help": "Revision (branch, tag, commit) of the model."})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype the model is loaded in. float32 keeps the heads' optimizer updates exact; use --bf16 for "
+            "mixed-precision compute.",
+            "choices": ["auto", "bfloat16", "float16", "float32"],
+        },
+    )
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "Attention implementation of the backbone, e.g. `sdpa` or `flash_attention_2`."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of the dataset."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on (when eval_strategy is set)."})
+    dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset (needs --max_steps)."})
+    use_peft: bool = field(default=False, metadata={"help": "Also train LoRA adapters on the backbone."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Backbone modules to adapt (default: PEFT's choice for Qwen2, q_proj v_proj)."}
+    )
+
+
+def load_training_data(name: str, config: str | None, streaming: bool):
+    path = Path(name)
+    if path.is_file():
+        builder = _FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise ValueError(f"{name}: unsupported data file type {path.suffix!r}; use one of {', '.join(_FILE_BUILDERS)}")
+        return load_dataset(builder, data_files=str(path), streaming=streaming)  # one split, "train"
+    return load_dataset(name, name=config, streaming=streaming)
+
+
+def peft_config_from(script_args: ScriptArguments):
+    if not script_args.use_peft:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=script_args.lora_r,
+        lora_alpha=script_args.lora_alpha,
+        lora_dropout=script_args.lora_dropout,
+        target_modules=script_args.lora_target_modules,
+        bias="none",
+    )
+
+
+def adapter_digest(model) -> str:
+    """sha256 of the adapter tensors: equal on every rank when data-parallel training kept the replicas in sync."""
+    digest = hashlib.sha256()
+    for key, tensor in sorted(model.adapter_state_dict().items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main(script_args: ScriptArguments, training_args: CausalSFTConfig) -> CausalSFTTrainer:
+    model_init_kwargs = {"revision": script_args.model_revision, "dtype": script_args.dtype}
+    if script_args.attn_implementation is not None:
+        model_init_kwargs["attn_implementation"] = script_args.attn_implementation
+    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+
+    # One process fills the datasets cache, the others read it.
+    with PartialState().main_process_first():
+        dataset = load_training_data(script_args.dataset_name, script_args.dataset_config, script_args.dataset_streaming)
+    if script_args.dataset_train_split not in dataset:
+        raise ValueError(f"{script_args.dataset_name} has no split {script_args.dataset_train_split!r}: it has {list(dataset)}")
+    evaluate = training_args.eval_strategy != "no"
+
+    trainer = CausalSFTTrainer(
+        model=script_args.model_name_or_path,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if evaluate else None,
+        peft_config=peft_config_from(script_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    # The card names the data; a local file by its name only, not the path on this machine.
+    data_path = Path(script_args.dataset_name)
+    data_name = data_path.name if data_path.exists() else script_args.dataset_name
+    trainer.create_model_card(dataset_name=data_name)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Adapter saved to {training_args.output_dir}.")
+
+    state = trainer.accelerator.state
+    print(f"rank {state.process_index}/{state.num_processes}: adapter sha256 {adapter_digest(trainer.model)}", flush=True)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=data_name)
+    # Rank 0 may still be writing while the others are done: tearing the group down on one side only can hang gloo.
+    trainer.accelerator.wait_for_everyone()
+    trainer.end()  # finishes the trackers and the process group
+    return trainer
+
+
+def make_parser() -> TrlParser:
+    return TrlParser((ScriptArguments, CausalSFTConfig))
+
+
+if __name__ == "__main__":
+    main(*make_parser().parse_args_and_config())

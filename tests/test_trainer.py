@@ -1,0 +1,458 @@
+"""CausalSFTTrainer and recipes/sft_ovr.py on a tiny random Qwen2 with a tiny word-level tokenizer.
+
+The references are plain: the model's own forward with `labels` (the naive, materialised OvR loss), one big batch
+for gradient accumulation, an uninterrupted run for resuming, a single process for DDP.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+
+from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPE = REPO_ROOT / "recipes" / "sft_ovr.py"
+VOCAB = 128
+
+PAIRS = [
+    ("what is two plus two", " two plus two is four"),
+    ("hello how are you", " i am fine thank you"),
+    ("the sky is", " blue today"),
+    ("a dog", " ran in the park"),
+    ("the cat sat on", " the mat"),
+    ("cats and dogs", " are friends"),
+    ("hello", " how are you today"),
+    ("two plus two", " is four"),
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+# --------------------------------------------------------------------------------------- fixtures
+
+
+def _build_tiny_base(folder: Path) -> Path:
+    """A tiny Qwen2 and a word-level tokenizer trained on the test sentences, saved together like a Hub base."""
+    words = [p + c for p, c in PAIRS] + ["user assistant system"]
+    special = ["<unk>", "<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=special))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        # A pad id would zero its embedding row, i.e. a row of W_A with scale_S = 0; the base stays generic.
+        pad_token_id=None,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sft_base(tmp_path_factory) -> Path:
+    return _build_tiny_base(tmp_path_factory.mktemp("trainer-tiny-base"))
+
+
+def _args(output_dir, **overrides) -> CausalSFTConfig:
+    values = dict(
+        bf16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
+        dataloader_pin_memory=False, per_device_train_batch_size=2, learning_rate=1e-2, seed=0,
+    )
+    values.update(overrides)
+    return CausalSFTConfig(str(output_dir), **values)
+
+
+def _prompt_completion(n=len(PAIRS)) -> Dataset:
+    return Dataset.from_dict({"prompt": [p for p, _ in PAIRS[:n]], "completion": [c for _, c in PAIRS[:n]]})
+
+
+def _heads(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.adapter_state_dict().items()}
+
+
+def _losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+class _GradCapture(TrainerCallback):
+    """Gradients of the trainable tensors once accumulation is complete, before the optimizer step."""
+
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.fixture(scope="module")
+def full_run(sft_base, tmp_path_factory):
+    """Six steps with checkpoints every three: the reference for resuming and saving."""
+    out = tmp_path_factory.mktemp("full-run")
+    trainer = CausalSFTTrainer(
+        str(sft_base), args=_args(out, max_steps=6, save_strategy="steps", save_steps=3),
+        train_dataset=_prompt_completion(),
+    )
+    trainer.train()
+    return trainer, out
+
+
+# --------------------------------------------------------------------------------------- loss
+
+
+HEAD_PARAMS = {"abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight", "abduction.scale.bias",
+               "action.bias", "action.b_noise"}
+
+
+@pytest.mark.parametrize(
+    "heads, trained",
+    [
+        ({}, HEAD_PARAMS | {"action.weight"}),
+        ({"learnable_threshold": True}, HEAD_PARAMS | {"action.weight", "ovr.threshold"}),
+        ({"action_weight": "tied"}, HEAD_PARAMS),
+        ({"action_weight": "lora", "action_lora_rank": 4}, HEAD_PARAMS | {"action.lora_A", "action.lora_B"}),
+    ],
+    ids=["full", "learnable-threshold", "tied", "lora"],
+)
+def test_compute_loss_matches_naive_forward(sft_base, tmp_path, heads, trained):
+    trainer = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path, per_device_train_batch_size=4, **heads), train_dataset=_prompt_completion()
+    )
+    model = trainer.model
+    batch = next(iter(trainer.get_train_dataloader()))
+    # completion-only masks and right padding are what is being checked
+    assert (batch["labels"][batch["attention_mask"] == 1] == -100).any()
+    assert (batch["attention_mask"] == 0).any()
+    if "lora" in heads.get("action_weight", ""):
+        with torch.no_grad():  # B starts at 0; a non-zero B·A makes the check see the low-rank path
+            model.action.lora_B.normal_(std=0.01)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names == trained
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    loss = trainer.compute_loss(model, batch)
+    grads = torch.autograd.grad(loss, params)
+    reference = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    reference_grads = torch.autograd.grad(reference, params)
+
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("micro_batch, accumulation", [(1, 4), (2, 2)])
+def test_gradient_accumulation_matches_one_big_batch(sft_base, tmp_path, micro_batch, accumulation):
+    data = _prompt_completion(4)  # completions of 2 to 5 tokens: micro-batches hold different target counts
+
+    def grads_and_loss(name, **overrides):
+        capture = _GradCapture()
+        trainer = CausalSFTTrainer(
+            str(sft_base), args=_args(tmp_path / name, max_steps=1, max_grad_norm=0.0, **overrides),
+            train_dataset=data, callbacks=[capture],
+        )
+        trainer.train()
+        return capture.grads, _losses(trainer)[1]
+
+    big, big_loss = grads_and_loss("big", per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    acc, acc_loss = grads_and_loss(
+        "accumulated", per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation
+    )
+    assert big.keys() == acc.keys() and len(big) == 7
+    for name in big:
+        torch.testing.assert_close(acc[name], big[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert acc_loss == pytest.approx(big_loss, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------- logging
+
+
+def test_logs_ovr_metrics_in_training_and_evaluation(sft_base, tmp_path):
+    trainer = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path, max_steps=2, learning_rate=0.0, gamma_init=4.0),
+        train_dataset=_prompt_completion(), eval_dataset=_prompt_completion(3),
+    )
+    trainer.train()
+    first = trainer.state.log_history[0]
+    for key in ("loss", "target_prob", "ovr_prob_sum", "units_mean_loc", "units_mean_scale", "num_tokens"):
+        assert key in first, key
+    # fresh heads: scale_U = softplus(b_scale) = gamma_init everywhere, and every P_k is near ½
+    assert first["units_mean_scale"] == pytest.approx(4.0, rel=1e-5)
+    assert 0 < first["target_prob"] < 1
+    assert first["ovr_prob_sum"] == pytest.approx(VOCAB / 2, rel=0.1)
+    metrics = trainer.evaluate()
+    assert {"eval_loss", "eval_target_prob", "eval_ovr_prob_sum", "eval_units_mean_loc"} <= set(metrics)
+    assert metrics["eval_units_mean_scale"] == pytest.approx(4.0, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------- checkpoints
+
+
+def test_resume_from_checkpoint_continues_exactly(sft_base, tmp_path, full_run):
+    full, full_dir = full_run
+    resumed = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path, max_steps=6, save_strategy="steps", save_steps=3),
+        train_dataset=_prompt_completion(),
+    )
+    resumed.train(resume_from_checkpoint=str(full_dir / "checkpoint-3"))
+
+    expected, got = _losses(full), _losses(resumed)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # steps 1-3 come from the checkpoint's trainer_state.json
+    assert [got[s] for s in (4, 5, 6)] == [expected[s] for s in (4, 5, 6)]
+    final, reference = _heads(resumed.model), _heads(full.model)
+    for key in reference:
+        torch.testing.assert_close(final[key], reference[key], rtol=0, atol=0, msg=key)
+
+
+def test_checkpoints_hold_only_adapter_tensors(full_run):
+    full, full_dir = full_run
+    checkpoint = full_dir / "checkpoint-3"
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "config.json"):
+        assert (checkpoint / name).is_file(), name
+    assert set(load_file(checkpoint / "model.safetensors")) == full.model.adapter_keys()
+    # TRL writes its generic card into output_dir at every checkpoint; only the adapter's own card may be there
+    for readme in (full_dir / "README.md", checkpoint / "README.md"):
+        assert not readme.exists() or "It has been trained using [TRL]" not in readme.read_text()
+
+
+def test_save_model_writes_a_loadable_adapter(sft_base, tmp_path, full_run):
+    full, _ = full_run
+    folder = tmp_path / "adapter"
+    full.save_model(str(folder))
+
+    files = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_causalqwen.py", "configuration_causalqwen.py"} <= files
+    assert "adapter_config.json" not in files
+    card = (folder / "README.md").read_text()  # the adapter's card, with the run the trainer recorded
+    assert "It has been trained using [TRL]" not in card
+    assert "learning_rate" in card and "target_prob" in card
+    assert not files & {"tokenizer.json", "tokenizer_config.json"}  # the tokenizer is the base's
+    assert set(load_file(folder / "model.safetensors")) == full.model.adapter_keys()
+    assert json.loads((folder / "config.json").read_text())["base_model_name_or_path"] == str(sft_base)
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32)
+    trained = _heads(full.model)
+    for key, value in loaded.adapter_state_dict().items():
+        torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
+
+    # an adapter path continues training from those heads, with the base's tokenizer
+    again = CausalSFTTrainer(str(folder), args=_args(tmp_path / "again"), train_dataset=_prompt_completion())
+    assert isinstance(again.model, CausalQwenForCausalLM)
+    assert again.processing_class.eos_token == "<|endoftext|>"
+    for key, value in _heads(again.model).items():
+        torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
+
+
+def test_model_argument_forms(sft_base, tmp_path):
+    fresh = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path, causal_size=16, gamma_init=3.0, b_noise_init=0.5, learnable_threshold=True),
+        train_dataset=_prompt_completion(),
+    ).model
+    assert fresh.config.causal_size == 16 and fresh.config.gamma_init == 3.0
+    assert torch.all(fresh.action.b_noise == 0.5) and isinstance(fresh.ovr.threshold, torch.nn.Parameter)
+    assert fresh.action.weight.dtype == torch.float32
+    assert not any(p.requires_grad for p in fresh.model.parameters())
+
+    base = Qwen2ForCausalLM.from_pretrained(str(sft_base))
+    from_object = CausalSFTTrainer(base, args=_args(tmp_path), train_dataset=_prompt_completion()).model
+    assert isinstance(from_object, CausalQwenForCausalLM)
+    torch.testing.assert_close(from_object.action.weight, base.get_output_embeddings().weight)
+
+    with pytest.raises(TypeError, match="CausalQwenForCausalLM"):
+        CausalSFTTrainer(torch.nn.Linear(2, 2), args=_args(tmp_path), train_dataset=_prompt_completion())
+    with pytest.raises(ValueError, match="peft_config"):
+        CausalSFTTrainer(str(sft_base), args=_args(tmp_path, freeze_backbone=False), train_dataset=_prompt_completion())
+
+
+# --------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "data, max_length",
+    [
+        # the only label is at position 0, which no position predicts
+        (Dataset.from_dict({"input_ids": [[5, 16, 31, 2]], "labels": [[5, -100, -100, -100]]}), None),
+        # completions truncated away: TRL drops the fully masked examples and nothing is left
+        (Dataset.from_dict({"prompt": ["what is two plus two is four"], "completion": [" four"]}), 3),
+    ],
+    ids=["only-position-0", "truncated-away"],
+)
+def test_dataset_without_targets_fails_before_training(sft_base, tmp_path, data, max_length):
+    with pytest.raises(ValueError, match="no trainable target token"):
+        CausalSFTTrainer(str(sft_base), args=_args(tmp_path, max_length=max_length), train_dataset=data)
+
+
+def test_label_outside_vocabulary_fails_before_training(sft_base, tmp_path):
+    data = Dataset.from_dict({"input_ids": [[5, 16, 31, 2], [5, 16, 31, 2]], "labels": [[5, 16, 31, 2], [5, 16, 500, 2]]})
+    with pytest.raises(ValueError, match=r"example 1 has label 500, outside the model's vocabulary \[0, 128\)"):
+        CausalSFTTrainer(str(sft_base), args=_args(tmp_path), train_dataset=data)
+
+
+def test_non_finite_loss_stops_training_naming_the_step(sft_base, tmp_path):
+    class Poison(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2:
+                with torch.no_grad():
+                    model.abduction.loc.weight[0, 0] = float("nan")
+
+    trainer = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path, max_steps=5), train_dataset=_prompt_completion(), callbacks=[Poison()]
+    )
+    with pytest.raises(FloatingPointError, match="OvR loss is nan at step 3"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+
+
+# --------------------------------------------------------------------------------------- LoRA on the backbone
+
+
+def test_backbone_lora_trains_saves_in_lora_folder_and_resumes(sft_base, tmp_path):
+    peft = pytest.importorskip("peft")
+
+    def lora_config():
+        return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+
+    first = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=_prompt_completion(), peft_config=lora_config(),
+    )
+    frozen_before = first.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    first.train()
+    backbone = first.model.model
+    lora = {n: p.detach().clone() for n, p in backbone.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+    assert any(n.endswith("lora_B.default.weight") and v.abs().sum() > 0 for n, v in lora.items())  # B starts at 0
+    torch.testing.assert_close(backbone.layers[0].self_attn.q_proj.base_layer.weight, frozen_before, rtol=0, atol=0)
+
+    folder = tmp_path / "adapter"
+    first.save_model(str(folder))
+    assert (folder / "lora" / "adapter_config.json").is_file()
+    assert not (folder / "adapter_config.json").exists()
+    assert set(load_file(folder / "model.safetensors")) == first.model.adapter_keys()
+
+    resumed = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path / "resumed", max_steps=2), train_dataset=_prompt_completion(),
+        peft_config=lora_config(),
+    )
+    resumed._load_from_checkpoint(str(tmp_path / "run" / "checkpoint-2"))
+    for name, param in resumed.model.model.named_parameters():
+        if name in lora:
+            torch.testing.assert_close(param.detach(), lora[name], rtol=0, atol=0, msg=name)
+
+
+# --------------------------------------------------------------------------------------- recipe
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("sft_ovr_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_data(folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"prompt-completion": folder / "pc.jsonl", "messages": folder / "messages.json", "text": folder / "text.parquet"}
+    with open(paths["prompt-completion"], "w") as f:
+        for prompt, completion in PAIRS:
+            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    messages = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c.strip()}]} for p, c in PAIRS]
+    paths["messages"].write_text(json.dumps(messages))
+    Dataset.from_dict({"text": [p + c for p, c in PAIRS]}).to_parquet(str(paths["text"]))
+    return paths
+
+
+@pytest.mark.parametrize("data_format", ["prompt-completion", "messages", "text"])
+def test_recipe_trains_on_each_dataset_format(sft_base, tmp_path, data_format):
+    recipe = _load_recipe()
+    data = _write_data(tmp_path / "data")[data_format]
+    script_args, training_args = recipe.make_parser().parse_args_and_config(args=[
+        "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
+        "--max_steps", "1", "--per_device_train_batch_size", "2", "--report_to", "none", "--bf16", "false",
+        "--use_cpu", "true", "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
+    ])
+    trainer = recipe.main(script_args, training_args)
+
+    example = trainer.train_dataset[0]
+    labels, ids = example["labels"], example["input_ids"]
+    if data_format == "prompt-completion":  # the loss sees the completion only
+        assert labels[0] == -100 and labels[-1] == ids[-1]
+    else:
+        assert labels == ids
+    if data_format == "messages":
+        assert ids[0] == trainer.processing_class.convert_tokens_to_ids("<|im_start|>")
+    assert "target_prob" in trainer.state.log_history[0]
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == trainer.model.adapter_keys()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert data.name in card and str(data.parent) not in card  # named, without the local path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_recipe_under_accelerate_launch_two_processes(sft_base, tmp_path):
+    """Two CPU processes (gloo DDP), 2 examples each per step, equal one process accumulating those 2 micro-batches."""
+    data = _write_data(tmp_path / "data")["prompt-completion"]
+    common = [
+        "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--max_steps", "2",
+        "--per_device_train_batch_size", "2", "--report_to", "none", "--bf16", "false", "--use_cpu", "true",
+        "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false", "--learning_rate", "1e-2",
+    ]
+    out = tmp_path / "ddp"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+    ]
+    # Own session, so that a timeout takes the workers down with the launcher.
+    proc = subprocess.Popen(
+        [*launch, str(RECIPE), *common, "--output_dir", str(out)], env=env, cwd=REPO_ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"accelerate launch timed out:\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    digests = dict(re.findall(r"rank (\d)/2: adapter sha256 ([0-9a-f]{64})", stdout))
+    assert set(digests) == {"0", "1"} and digests["0"] == digests["1"], stdout[-2000:]
+
+    recipe = _load_recipe()
+    reference = recipe.main(*recipe.make_parser().parse_args_and_config(
+        args=[*common, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "single")]
+    ))
+    saved = load_file(out / "model.safetensors")
+    assert set(saved) == reference.model.adapter_keys()
+    for key, value in _heads(reference.model).items():
+        # Adam divides by √v: float rounding of the all-reduce shows up at 1e-6 relative in the smallest updates
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
+    assert set(loaded.adapter_state_dict()) == set(saved)
