@@ -46,6 +46,7 @@ from .model_card import check_push, upload_adapter_folder, write_model_card
 logger = logging.get_logger(__name__)
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
+LORA_FOLDER = "lora"
 _BASE_PREFIXES = ("model.", "lm_head.")  # base tensors: never in an adapter
 # Hub/loading kwargs transformers' Auto classes hand to `from_pretrained`; they address the adapter repo.
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
@@ -478,6 +479,10 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             shutil.copyfile(source, folder / Path(source).name)
         if getattr(self, "generation_config", None) is not None:
             self.generation_config.save_pretrained(folder)
+        if getattr(self.model, "_hf_peft_config_loaded", False):
+            # LoRA on the backbone, in PEFT's format under lora/ (never at the root: transformers
+            # would then take the whole folder for a PEFT adapter).
+            self.model.save_pretrained(folder / LORA_FOLDER)
         self._write_model_card(folder)
         # config.json is the commit marker: written last, swapped in last.
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
@@ -554,6 +559,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             config.base_model_revision = base_model_revision
         model = cls._assemble(config, backbone, lm_head)
         model._load_adapter_weights(weights_file)
+        _load_backbone_lora(backbone, adapter, hub_kwargs)
         model.generation_config = _load_generation_config(adapter, hub_kwargs, backbone)
         model.name_or_path = adapter
         model.eval()
@@ -786,6 +792,21 @@ def _load_backbone(config, base_model, base_model_revision, dtype, device_map, l
     return loaded, None, name
 
 
+def _load_backbone_lora(backbone, adapter: str, hub_kwargs: dict) -> None:
+    """Re-apply the backbone LoRA an adapter carries in lora/ (transformers' PEFT integration)."""
+    files = [cached_file(adapter, f"{LORA_FOLDER}/{name}", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+             for name in ("adapter_config.json", "adapter_model.safetensors")]
+    if files[0] is None:
+        return
+    if files[1] is None:
+        raise OSError(f"{adapter}/{LORA_FOLDER} has an adapter_config.json but no adapter_model.safetensors")
+    try:
+        import peft  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"{adapter} trains the backbone with LoRA (its {LORA_FOLDER}/ folder): pip install peft") from err
+    backbone.load_adapter(str(Path(files[0]).parent))
+
+
 def _load_generation_config(adapter, hub_kwargs, backbone):
     for source in (adapter, backbone.config.name_or_path):
         try:
@@ -803,6 +824,8 @@ def _install_folder(staging: Path, target: Path) -> None:
     marker = target / "config.json"
     if marker.exists():
         marker.unlink()  # from here until the end the folder refuses to load instead of mixing old and new
+    if not (staging / LORA_FOLDER).exists() and (target / LORA_FOLDER).is_dir():
+        shutil.rmtree(target / LORA_FOLDER)  # a stale backbone LoRA must not be re-applied to these heads
     for item in staging.iterdir():
         if item.name == "config.json":
             continue

@@ -33,11 +33,10 @@ from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
 from .losses import chunked_ovr_loss
-from .modeling_causalqwen import ADAPTER_WEIGHTS_NAME, CausalQwenForCausalLM, _shift_labels
+from .modeling_causalqwen import ADAPTER_WEIGHTS_NAME, LORA_FOLDER, CausalQwenForCausalLM, _shift_labels
 
 logger = logging.get_logger(__name__)
 
-LORA_FOLDER = "lora"
 _LORA_WEIGHTS_NAME = "adapter_model.safetensors"
 # CausalSFTConfig fields that are CausalQwenConfig fields: used only when the trainer builds fresh heads.
 _HEAD_FIELDS = (
@@ -381,7 +380,6 @@ class CausalSFTTrainer(SFTTrainer):
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         model.training_summary = self._training_summary()  # rendered into the adapter's README.md
         model.save_pretrained(output_dir, state_dict=state_dict)
-        _save_backbone_lora(model, output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -521,12 +519,6 @@ def _load_adapter_tensors(model: CausalQwenForCausalLM, weights_file: str) -> No
             "trained with (causal_size, learnable_threshold)."
         )
     model.load_state_dict(tensors, strict=False)  # raises on a shape mismatch
-
-
-def _save_backbone_lora(model: CausalQwenForCausalLM, output_dir: str) -> None:
-    """Backbone LoRA goes to `lora/` in PEFT format (never an adapter_config.json at the root, DESIGN §3)."""
-    if getattr(model.model, "_hf_peft_config_loaded", False):
-        model.model.save_pretrained(os.path.join(output_dir, LORA_FOLDER))
 
 
 def _load_backbone_lora(model: CausalQwenForCausalLM, checkpoint: str) -> None:

@@ -352,6 +352,12 @@ def test_backbone_lora_trains_saves_in_lora_folder_and_resumes(sft_base, tmp_pat
     assert (folder / "lora" / "adapter_config.json").is_file()
     assert not (folder / "adapter_config.json").exists()
     assert set(load_file(folder / "model.safetensors")) == first.model.adapter_keys()
+    # from_pretrained re-applies the backbone LoRA by itself
+    reloaded = CausalQwenForCausalLM.from_pretrained(folder)
+    reloaded_lora = {n: p for n, p in reloaded.model.named_parameters() if "lora_" in n}
+    assert set(reloaded_lora) == set(lora)
+    for name, value in lora.items():
+        torch.testing.assert_close(reloaded_lora[name].detach(), value, rtol=0, atol=0, msg=name)
 
     resumed = CausalSFTTrainer(
         str(sft_base), args=_args(tmp_path / "resumed", max_steps=2), train_dataset=_prompt_completion(),
