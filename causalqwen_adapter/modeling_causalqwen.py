@@ -726,7 +726,7 @@ def _check_config_overrides(overrides: dict) -> None:
     fields = set(CausalQwenConfig.__dataclass_fields__) - {"text_config", "base_model_name_or_path", "base_model_revision"}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise TypeError(f"unknown CausalQwenConfig field(s) {unknown}; valid fields: {sorted(fields - set(dir(PreTrainedModel)))}")
+        raise TypeError(f"unknown CausalQwenConfig field(s) {unknown}; valid fields: {sorted(fields)}")
 
 
 def _reject_unknown(kwargs: dict, allowed: tuple, where: str) -> None:
