@@ -122,10 +122,12 @@ def ovr_log_probs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Through the atan2 forms P = atan2(1, −x)/π and 1 − P = atan2(1, x)/π: neither side
     rounds to 0 for large |x| (atan2(1, x) ≈ 1/x), so no clamping is needed.
     """
-    one = torch.ones((), dtype=x.dtype, device=x.device)
-    log_p = torch.log(torch.atan2(one, -x)) - _LOG_PI
-    log_not_p = torch.log(torch.atan2(one, x)) - _LOG_PI
-    return log_p, log_not_p
+    return ovr_log_prob(x), ovr_log_prob(-x)  # 1 − P(x) = P(−x)
+
+
+def ovr_log_prob(x: torch.Tensor) -> torch.Tensor:
+    """log P_k alone: what the OvR modes score with at every decode step."""
+    return torch.log(torch.atan2(torch.ones((), dtype=x.dtype, device=x.device), -x)) - _LOG_PI
 
 
 def ovr_probs(x: torch.Tensor) -> torch.Tensor:

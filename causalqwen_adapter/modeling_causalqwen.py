@@ -33,7 +33,7 @@ from .cauchy import (
     cauchy_linear,
     cauchy_linear_single_row,
     fuse_noise,
-    ovr_log_probs,
+    ovr_log_prob,
     ovr_loss,
     ovr_probs,
     ovr_standardize,
@@ -652,12 +652,14 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, "standard", 1.0)
             loss = ovr_loss(loc_S, scale_S, self.ovr.threshold, _shift_labels(labels), num_items_in_batch)
             noise = None
-            if (mode, temperature) != ("standard", 1.0):
+            if mode == "compatible":
+                scale_S = None  # same loc_S as the training fusion; compatible scores carry no scale
+            elif (mode, temperature) != ("standard", 1.0):
                 loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
         else:
             loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
 
-        logits = loc_S if mode == "compatible" else ovr_log_probs(self.ovr(loc_S, scale_S))[0]
+        logits = loc_S if mode == "compatible" else ovr_log_prob(self.ovr(loc_S, scale_S))
         return CausalQwenCausalLMOutput(
             loss=loss,
             logits=logits,
