@@ -68,6 +68,26 @@ def cauchy_linear(
     return loc_S, scale_S
 
 
+def cauchy_linear_rows(
+    loc_U: torch.Tensor,
+    scale_U: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cauchy_linear` at a few output rows per position: ``rows`` [N, K] vocabulary ids, ``loc_U``,
+    ``scale_U`` [N, C]; returns (loc_S, scale_S) [N, K] with loc_S[n, j] = W[rows[n, j]] · loc_U[n] + b.
+
+    Reads K rows of W per position instead of all V (top-K distillation).
+    """
+    w = weight[rows]  # [N, K, C]
+    loc_S = torch.bmm(w, loc_U.unsqueeze(-1)).squeeze(-1)
+    scale_S = torch.bmm(w.abs(), scale_U.unsqueeze(-1)).squeeze(-1)
+    if bias is not None:
+        loc_S = loc_S + bias[rows]
+    return loc_S, scale_S
+
+
 def _loc_scale_matvec(loc_U, scale_U, weight):
     # One pass over W for both products: decoding one row is bound by reading W, and a second
     # matmul against |W| would read the vocabulary-sized matrix twice.

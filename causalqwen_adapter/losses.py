@@ -1,4 +1,5 @@
-"""Chunked one-vs-rest training loss (DESIGN §2.3), fused with the action head.
+"""Training losses of the causal heads: the chunked one-vs-rest loss (DESIGN §2.3), fused with the action head,
+and the top-K distillation loss (§2.6).
 
 The naive loss materialises loc_S and scale_S for every token ([N × V] each, 0.6 GB per
 tensor at N = 1024, V = 151936) and autograd keeps several more of that size. Here, as in
@@ -21,7 +22,7 @@ import math
 
 import torch
 
-from .cauchy import check_labels, fuse_noise
+from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_probs, ovr_standardize
 
 
 def chunked_ovr_loss(
@@ -212,3 +213,48 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             acc_l.sub_(acc_s.mul_(torch.sign(w_blk, out=abs_w)))
             grad_W[v0:v1] = acc_l.mul_(factor)
     return neg_log_sum, a_row_sum, p_target
+
+
+def topk_mse_loss(
+    loc_U: torch.Tensor,
+    scale_U: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    b_noise: torch.Tensor,
+    threshold,
+    topk_ids: torch.Tensor,
+    topk_probs: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Top-K distillation loss of DESIGN §2.6: Σ_{k∈K} (P_k − p_teacher,k)², summed over K, mean over positions.
+
+    ``loc_U``, ``scale_U``: [N, C]; ``weight``: [V, C]; ``topk_ids``: [N, K] the teacher's top-K token ids, its
+    top-1 first; ``topk_probs``: [N, K] its softmax probabilities there. P_k is the OvR probability under the
+    training noise fusion (scale_U + T·|b_noise|); only the K rows of W_A of each position are read, so nothing
+    of vocabulary size is built. Float32 math whatever the input dtype.
+
+    Returns (loss, stats) with detached ``top1_match`` (fraction of positions whose largest P among the K is the
+    teacher's top-1) and ``topk_prob_sum`` (mean Σ_{k∈K} P_k).
+    """
+    if topk_ids.shape != topk_probs.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != loc_U.shape[0]:
+        raise ValueError(
+            f"expected topk_ids and topk_probs [N, K] for {loc_U.shape[0]} positions, got {tuple(topk_ids.shape)} "
+            f"and {tuple(topk_probs.shape)}"
+        )
+    check_labels(topk_ids.reshape(-1), weight.shape[0])
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    loc, scale = fuse_noise(loc_U.to(dtype), scale_U.to(dtype), b_noise.to(dtype), "standard", temperature)
+    ids = topk_ids.long()
+    loc_S, scale_S = cauchy_linear_rows(loc, scale, weight.to(dtype), None if bias is None else bias.to(dtype), ids)
+    thr = threshold.to(dtype) if torch.is_tensor(threshold) else threshold
+    if torch.is_tensor(thr) and thr.dim() == 1:
+        thr = thr[ids]
+    probs = ovr_probs(ovr_standardize(loc_S, scale_S, thr))
+    loss = (probs - topk_probs.to(dtype)).square().sum(-1).mean() if len(probs) else probs.sum()
+    with torch.no_grad():
+        stats = {
+            "top1_match": (probs.argmax(-1) == 0).float().mean() if len(probs) else probs.new_zeros(()),
+            "topk_prob_sum": probs.sum(-1).mean() if len(probs) else probs.new_zeros(()),
+        }
+    return loss.to(torch.float32), {k: v.to(torch.float32) for k, v in stats.items()}

@@ -19,7 +19,7 @@ returns the loss and its statistics instead of logits; without it the forward is
 import functools
 import os
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -38,21 +38,12 @@ from .modeling_causalqwen import ADAPTER_WEIGHTS_NAME, LORA_FOLDER, CausalQwenFo
 logger = logging.get_logger(__name__)
 
 _LORA_WEIGHTS_NAME = "adapter_model.safetensors"
-# CausalSFTConfig fields that are CausalQwenConfig fields: used only when the trainer builds fresh heads.
-_HEAD_FIELDS = (
-    "causal_size", "gamma_init", "b_noise_init", "ovr_threshold_init", "learnable_threshold", "action_weight",
-    "action_lora_rank",
-)
 
 
 @dataclass
-class CausalSFTConfig(SFTConfig):
-    r"""
-    Configuration of [`CausalSFTTrainer`]: TRL's [`~trl.SFTConfig`] plus the causal-head options.
-
-    The head hyper-parameters are used only when the trainer builds fresh heads (when `model` is a Qwen2 base);
-    an adapter brings its own.
-    """
+class CausalHeadArguments:
+    """The head hyper-parameters of the trainers' configs, used only when a trainer builds fresh heads (when `model`
+    is a Qwen2 base); an adapter brings its own."""
 
     causal_size: int | None = field(
         default=None,
@@ -86,6 +77,18 @@ class CausalSFTConfig(SFTConfig):
     action_lora_rank: int = field(
         default=16, metadata={"help": "Rank of B·A when action_weight='lora' (fresh heads)."}
     )
+
+
+# The head fields come first in the MRO so the training arguments keep their positions (`output_dir` first).
+@dataclass
+class CausalSFTConfig(CausalHeadArguments, SFTConfig):
+    r"""
+    Configuration of [`CausalSFTTrainer`]: TRL's [`~trl.SFTConfig`] plus the causal-head options.
+
+    The head hyper-parameters are used only when the trainer builds fresh heads (when `model` is a Qwen2 base);
+    an adapter brings its own.
+    """
+
     loss_chunk_size: int = field(
         default=1024,
         metadata={
@@ -191,7 +194,98 @@ def _ovr_loss_forward(model, *, labels=None, shift_labels=None, num_items_in_bat
     )
 
 
-class CausalSFTTrainer(SFTTrainer):
+class AdapterCheckpointMixin:
+    """Checkpoints, `save_model`, resuming and the model card of a trainer whose model is a `CausalQwenForCausalLM`:
+    adapter folders (heads only, DESIGN §3), never full weights and never TRL's generic card.
+
+    The trainer sets `_card_datasets`, `_card_tags` (lists) and `_card_metric_names` (logged metrics the card shows).
+    """
+
+    _card_metric_names: tuple[str, ...] = ()
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """An adapter folder (DESIGN §3) plus `training_args.bin`; no tokenizer, the base provides it."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        model.training_summary = self._training_summary()  # rendered into the adapter's README.md
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Load the adapter tensors of a checkpoint (the Trainer's version expects full weights)."""
+        model = self.accelerator.unwrap_model(model if model is not None else self.model)
+        weights_file = os.path.join(resume_from_checkpoint, ADAPTER_WEIGHTS_NAME)
+        if not os.path.isfile(weights_file):
+            raise ValueError(
+                f"{resume_from_checkpoint} holds no {ADAPTER_WEIGHTS_NAME}: it is not a checkpoint written by "
+                f"{type(self).__name__} (pass an output_dir/checkpoint-N folder)"
+            )
+        _load_adapter_tensors(model, weights_file)
+        _load_backbone_lora(model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        logger.info(f"Loading best adapter from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs):
+        """Write the adapter's own model card into `output_dir`, never TRL's.
+
+        TRL writes a generic `README.md` into `output_dir` at every checkpoint and before `push_to_hub`, which would
+        replace the adapter's card (DESIGN §3: rendered from `model_card/`). This passes through to the model's card
+        writer, with the run recorded in `model.training_summary`. `dataset_name` and `tags` are kept for every
+        later card of this run (checkpoints, `save_model`); `model_name` is TRL's and not used.
+        """
+        for name in [dataset_name] if isinstance(dataset_name, str) else dataset_name or []:
+            if name not in self._card_datasets:
+                self._card_datasets.append(name)
+        for tag in [tags] if isinstance(tags, str) else tags or []:
+            if tag not in self._card_tags:
+                self._card_tags.append(tag)
+        if not self.is_world_process_zero():
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        model.training_summary = self._training_summary()
+        output_dir = Path(self.args.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        model._write_model_card(output_dir)
+
+    def _training_summary(self) -> dict:
+        """The run as the model card shows it (see model_card.py): settings, last logged metrics, data, tags."""
+        args = self.args
+        backbone = self.accelerator.unwrap_model(self.model).model
+        lora = backbone.peft_config.get("default") if getattr(backbone, "_hf_peft_config_loaded", False) else None
+        hyperparameters = {
+            "learning_rate": args.learning_rate,
+            "lr_scheduler_type": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+            "optimizer": getattr(args.optim, "value", args.optim),
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * args.world_size,
+            "steps": self.state.global_step,
+            "seed": args.seed,
+            "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            "backbone": "frozen" if lora is None else f"frozen + LoRA r={lora.r} on {sorted(lora.target_modules)}",
+        }
+        if getattr(args, "max_length", None) is not None:
+            hyperparameters["max_length"] = args.max_length
+        metrics = {}
+        for entry in self.state.log_history:  # the latest value of each metric
+            for key in ("loss", *self._card_metric_names, "train_loss"):
+                for name in (key, f"eval_{key}"):
+                    if name in entry:
+                        metrics[name] = entry[name]
+        return {
+            "hyperparameters": hyperparameters,
+            "metrics": metrics,
+            "datasets": list(self._card_datasets),
+            "tags": [*self._tag_names, *self._card_tags],
+        }
+
+
+class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
     """
     Trains the causal heads of a [`CausalQwenForCausalLM`] with the one-vs-rest loss, as an [`~trl.SFTTrainer`].
 
@@ -212,6 +306,7 @@ class CausalSFTTrainer(SFTTrainer):
 
     _tag_names = ["trl", "sft", "causalqwen"]
     _name = "CausalSFT"
+    _card_metric_names = ("target_prob", "ovr_prob_sum", "units_mean_loc", "units_mean_scale")
     # `None`: the Trainer counts the loss as already scaled for gradient accumulation exactly when it received
     # `num_items_in_batch` (it divides by the accumulation steps otherwise), which is what `compute_loss` does.
     loss_is_scaled_for_ga = None
@@ -247,20 +342,7 @@ class CausalSFTTrainer(SFTTrainer):
             )
 
         set_seed(args.seed)  # fresh heads are deterministic, LoRA matrices are not
-        if isinstance(model, (str, os.PathLike)):
-            model = _load_model(str(model), args)
-        elif isinstance(model, Qwen2ForCausalLM):
-            model = CausalQwenForCausalLM.from_base(model, **{f: getattr(args, f) for f in _HEAD_FIELDS})
-        elif not isinstance(model, CausalQwenForCausalLM):
-            raise TypeError(
-                f"model must be a CausalQwenForCausalLM, a Qwen2ForCausalLM, or a path/Hub id of either, got "
-                f"{type(model).__name__}"
-            )
-        if args.learnable_threshold and not model.config.learnable_threshold:
-            raise ValueError(
-                "learnable_threshold=True but this model's heads have a fixed threshold: it applies to fresh heads "
-                "only (pass the Qwen2 base instead of an adapter, or drop the option)"
-            )
+        model = prepare_causal_model(model, args)
         _configure_backbone(model, peft_config)
 
         if processing_class is None:
@@ -370,88 +452,6 @@ class CausalSFTTrainer(SFTTrainer):
             logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
         return loss, logits, inputs.get("labels")
 
-    # ------------------------------------------------------------------ saving and loading
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """An adapter folder (DESIGN §3) plus `training_args.bin`; no tokenizer, the base provides it."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
-            return
-        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        model.training_summary = self._training_summary()  # rendered into the adapter's README.md
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Load the adapter tensors of a checkpoint (the Trainer's version expects full weights)."""
-        model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        weights_file = os.path.join(resume_from_checkpoint, ADAPTER_WEIGHTS_NAME)
-        if not os.path.isfile(weights_file):
-            raise ValueError(
-                f"{resume_from_checkpoint} holds no {ADAPTER_WEIGHTS_NAME}: it is not a checkpoint written by "
-                "CausalSFTTrainer (pass an output_dir/checkpoint-N folder)"
-            )
-        _load_adapter_tensors(model, weights_file)
-        _load_backbone_lora(model, resume_from_checkpoint)
-
-    def _load_best_model(self) -> None:
-        logger.info(f"Loading best adapter from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
-        self._load_from_checkpoint(self.state.best_model_checkpoint)
-
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs):
-        """Write the adapter's own model card into `output_dir`, never TRL's.
-
-        TRL writes a generic `README.md` into `output_dir` at every checkpoint and before `push_to_hub`, which would
-        replace the adapter's card (DESIGN §3: rendered from `model_card/`). This passes through to the model's card
-        writer, with the run recorded in `model.training_summary`. `dataset_name` and `tags` are kept for every
-        later card of this run (checkpoints, `save_model`); `model_name` is TRL's and not used.
-        """
-        for name in [dataset_name] if isinstance(dataset_name, str) else dataset_name or []:
-            if name not in self._card_datasets:
-                self._card_datasets.append(name)
-        for tag in [tags] if isinstance(tags, str) else tags or []:
-            if tag not in self._card_tags:
-                self._card_tags.append(tag)
-        if not self.is_world_process_zero():
-            return
-        model = self.accelerator.unwrap_model(self.model)
-        model.training_summary = self._training_summary()
-        output_dir = Path(self.args.output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        model._write_model_card(output_dir)
-
-    def _training_summary(self) -> dict:
-        """The run as the model card shows it (see model_card.py): settings, last logged metrics, data, tags."""
-        args = self.args
-        backbone = self.accelerator.unwrap_model(self.model).model
-        lora = backbone.peft_config.get("default") if getattr(backbone, "_hf_peft_config_loaded", False) else None
-        hyperparameters = {
-            "learning_rate": args.learning_rate,
-            "lr_scheduler_type": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
-            "optimizer": getattr(args.optim, "value", args.optim),
-            "per_device_train_batch_size": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
-            * args.world_size,
-            "max_length": args.max_length,
-            "steps": self.state.global_step,
-            "seed": args.seed,
-            "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
-            "backbone": "frozen" if lora is None else f"frozen + LoRA r={lora.r} on {sorted(lora.target_modules)}",
-        }
-        metrics = {}
-        for entry in self.state.log_history:  # the latest value of each metric
-            for key in ("loss", "target_prob", "ovr_prob_sum", "units_mean_loc", "units_mean_scale", "train_loss"):
-                for name in (key, f"eval_{key}"):
-                    if name in entry:
-                        metrics[name] = entry[name]
-        return {
-            "hyperparameters": hyperparameters,
-            "metrics": metrics,
-            "datasets": list(self._card_datasets),
-            "tags": [*self._tag_names, *self._card_tags],
-        }
-
 
 # --------------------------------------------------------------------------------------- helpers
 
@@ -469,9 +469,33 @@ def _as_causal_config(args, model) -> CausalSFTConfig:
     raise TypeError(f"args must be a CausalSFTConfig (or TrainingArguments), got {type(args).__name__}")
 
 
-def _load_model(name: str, args: CausalSFTConfig) -> CausalQwenForCausalLM:
+def _head_options(args: CausalHeadArguments) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(CausalHeadArguments)}
+
+
+def prepare_causal_model(model, args) -> CausalQwenForCausalLM:
+    """The trainers' `model` argument as a `CausalQwenForCausalLM`: an adapter (folder, Hub id or loaded) keeps its
+    heads; a Qwen2 base (folder, Hub id or loaded) gets fresh heads from the config's head fields."""
+    if isinstance(model, (str, os.PathLike)):
+        model = _load_model(str(model), args)
+    elif isinstance(model, Qwen2ForCausalLM):
+        model = CausalQwenForCausalLM.from_base(model, **_head_options(args))
+    elif not isinstance(model, CausalQwenForCausalLM):
+        raise TypeError(
+            f"model must be a CausalQwenForCausalLM, a Qwen2ForCausalLM, or a path/Hub id of either, got "
+            f"{type(model).__name__}"
+        )
+    if args.learnable_threshold and not model.config.learnable_threshold:
+        raise ValueError(
+            "learnable_threshold=True but this model's heads have a fixed threshold: it applies to fresh heads "
+            "only (pass the Qwen2 base instead of an adapter, or drop the option)"
+        )
+    return model
+
+
+def _load_model(name: str, args) -> CausalQwenForCausalLM:
     """An adapter (model_type causalqwen) loads with its heads; a Qwen2 base gets fresh heads from the config."""
-    kwargs = dict(args.model_init_kwargs or {})
+    kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
     kwargs.pop("trust_remote_code", None)  # the package's own code is used, not the folder's copy
     revision = kwargs.pop("revision", None)
     dtype = kwargs.pop("dtype", "float32")
@@ -481,7 +505,7 @@ def _load_model(name: str, args: CausalSFTConfig) -> CausalQwenForCausalLM:
     model_type = config.get("model_type")
     if model_type == CausalQwenForCausalLM.config_class.model_type:
         return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
-    heads = {f: getattr(args, f) for f in _HEAD_FIELDS}
+    heads = _head_options(args)
     if model_type != "qwen2":
         return CausalQwenForCausalLM.from_base(name, revision=revision, **heads)  # raises the not-Qwen2 error
     base = Qwen2ForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
@@ -582,4 +606,7 @@ def _check_targets(dataset, vocab_size: int, split: str, *, require_targets: boo
         )
 
 
-__all__ = ["CausalSFTConfig", "CausalSFTTrainer", "CausalOvRLossOutput", "add_ovr_loss_forward"]
+__all__ = [
+    "AdapterCheckpointMixin", "CausalHeadArguments", "CausalOvRLossOutput", "CausalSFTConfig", "CausalSFTTrainer",
+    "add_ovr_loss_forward", "prepare_causal_model",
+]

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_BASE = Path(os.environ.get("CAUSALQWEN_DEMO_BASE", REPO_ROOT / "build" / "demo-base"))
@@ -63,3 +64,53 @@ def demo_base() -> Path:
     if not (DEMO_BASE / "config.json").exists():
         pytest.skip(f"real demo base not built at {DEMO_BASE}: run `make test-real`")
     return DEMO_BASE
+
+
+# A tiny Qwen2 saved with a word-level tokenizer trained on these sentences (trainer and distillation tests).
+TOKENIZER_BASE_VOCAB = 128
+
+PAIRS = [
+    ("what is two plus two", " two plus two is four"),
+    ("hello how are you", " i am fine thank you"),
+    ("the sky is", " blue today"),
+    ("a dog", " ran in the park"),
+    ("the cat sat on", " the mat"),
+    ("cats and dogs", " are friends"),
+    ("hello", " how are you today"),
+    ("two plus two", " is four"),
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def build_tiny_base_with_tokenizer(folder: Path) -> Path:
+    """A tiny Qwen2 and a word-level tokenizer trained on the test sentences, saved together like a Hub base."""
+    words = [p + c for p, c in PAIRS] + ["user assistant system"]
+    special = ["<unk>", "<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=special))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=TOKENIZER_BASE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        # A pad id would zero its embedding row, i.e. a row of W_A with scale_S = 0; the base stays generic.
+        pad_token_id=None,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sft_base(tmp_path_factory) -> Path:
+    return build_tiny_base_with_tokenizer(tmp_path_factory.mktemp("trainer-tiny-base"))

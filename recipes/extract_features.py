@@ -1,0 +1,71 @@
+"""Stage 1 of offline distillation: store the frozen Qwen2 teacher's features (DESIGN §2.6).
+
+For every real token of the corpus: the final hidden state z and the teacher's top-K next-token ids and
+probabilities, in a `datasets` folder that `recipes/distill_heads.py` trains on (run this once, train many epochs).
+
+    python recipes/extract_features.py \
+        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
+        --dataset_name data/train.jsonl --text_field text \
+        --top_k 32 --max_length 1024 --batch_size 8 \
+        --output_dir features/train
+
+The dataset is a `datasets` name or a local .jsonl/.json/.parquet/.csv file or folder with a text column (or
+`input_ids`). Run with `--help` for every option.
+"""
+
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser
+
+from causalqwen_adapter.distill import extract_features
+from sft_ovr import load_training_data  # same data sources as the SFT recipe
+
+
+@dataclass
+class ExtractArguments:
+    model_name_or_path: str = field(metadata={"help": "The Qwen2 teacher: the base the heads attach to (Hub id or folder)."})
+    dataset_name: str = field(
+        metadata={"help": "A `datasets` name on the Hub, or a local .jsonl/.json/.parquet/.csv file or data folder."}
+    )
+    output_dir: str = field(metadata={"help": "Folder to write the features to (must not exist, or --overwrite)."})
+    model_revision: str | None = field(default=None, metadata={"help": "Revision (branch, tag, commit) of the teacher."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of the dataset."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to extract."})
+    text_field: str = field(default="text", metadata={"help": "Column holding the texts (ignored when `input_ids` exists)."})
+    top_k: int = field(default=32, metadata={"help": "Teacher tokens kept per position."})
+    max_length: int = field(default=1024, metadata={"help": "Texts are truncated to this many tokens."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per teacher forward."})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Dtype of the teacher (use the one you will run the adapter in).",
+                  "choices": ["auto", "bfloat16", "float16", "float32"]},
+    )
+    feature_dtype: str = field(
+        default="float32", metadata={"help": "Dtype of the stored hidden states.", "choices": ["float32", "float16"]}
+    )
+    overwrite: bool = field(default=False, metadata={"help": "Replace an existing output_dir."})
+
+
+def main(args: ExtractArguments):
+    dataset = load_training_data(args.dataset_name, args.dataset_config, streaming=False)
+    if args.dataset_split not in dataset:
+        raise ValueError(f"{args.dataset_name} has no split {args.dataset_split!r}: it has {list(dataset)}")
+    features = extract_features(
+        args.model_name_or_path,
+        dataset[args.dataset_split],
+        args.output_dir,
+        top_k=args.top_k,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        text_field=args.text_field,
+        feature_dtype=args.feature_dtype,
+        dtype=args.dtype,
+        revision=args.model_revision,
+        overwrite=args.overwrite,
+    )
+    print(f"Features of {len(features)} tokens saved to {args.output_dir}.")
+    return features
+
+
+if __name__ == "__main__":
+    main(*HfArgumentParser(ExtractArguments).parse_args_into_dataclasses())
