@@ -313,11 +313,18 @@ def check_push(repo_id: str, *, token=None, revision: str | None = None, create_
     return token
 
 
+# Remote files of an earlier push that go when the new adapter lacks them (patterns of huggingface_hub's
+# `upload_folder(delete_patterns=...)`, matched with fnmatch: `*` spans folders).
+STALE_FILE_PATTERNS = ["lora/*", "*.py"]
+
+
 def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, revision=None, commit_message=None,
                           create_pr: bool = False):
     """Create the repo if needed and upload `folder` (a disposable copy: its card is retargeted) in one commit.
 
-    Returns huggingface_hub's `CommitInfo`. Run `check_push` first.
+    The same commit deletes what an earlier push left that this adapter does not have: a `lora/` folder (the loader
+    would apply a stale backbone LoRA to these heads) and remote-code `.py` files. Other files in the repo (a
+    tokenizer, results) are kept. Returns huggingface_hub's `CommitInfo`. Run `check_push` first.
     """
     folder = Path(folder)
     api = HfApi(token=token)
@@ -333,6 +340,7 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
         revision=revision,
         commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
         create_pr=create_pr,
+        delete_patterns=STALE_FILE_PATTERNS,  # files this folder uploads are overwritten, never deleted
     )
 
 

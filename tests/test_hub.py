@@ -162,6 +162,13 @@ class FakeHub:
                 ]
                 self._reply(200, {"files": files, "commitOid": "0" * 40})
 
+            def _tree(self, body, query, repo_id, revision):
+                if repo_id not in hub.repos or revision not in hub.repos[repo_id]:
+                    return self._reply(404, {"error": f"Revision not found: {revision}"})
+                entries = [{"type": "file", "path": path, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                           for path, data in sorted(hub.repos[repo_id][revision].items())]
+                self._reply(200, entries)
+
             def _lfs_batch(self, body, query, repo_id):
                 objects = []
                 for obj in json.loads(body)["objects"]:
@@ -192,6 +199,8 @@ class FakeHub:
                         if value["oid"] not in hub.lfs:
                             return self._reply(422, {"error": f"LFS object {value['oid']} was never uploaded"})
                         files[value["path"]] = hub.lfs[value["oid"]]
+                    elif line["key"] == "deletedFile":
+                        files[value["path"]] = None
                     else:
                         return self._reply(400, {"error": f"fake Hub does not handle {line['key']}"})
                     kinds[value["path"]] = line["key"]
@@ -201,7 +210,14 @@ class FakeHub:
                     revision = f"refs/pr/{sum(r.startswith('refs/pr/') for r in hub.repos[repo_id]) + 1}"
                     hub.repos[repo_id][revision] = dict(hub.repos[repo_id]["main"])
                     pr_url = f"{hub.endpoint}/{repo_id}/discussions/{revision.rsplit('/', 1)[1]}"
-                hub.repos[repo_id][revision].update(files)
+                tree = hub.repos[repo_id][revision]
+                for path, data in files.items():
+                    if data is None:
+                        if path not in tree:
+                            return self._reply(404, {"error": f"cannot delete {path}: not in the repo"})
+                        del tree[path]
+                    else:
+                        tree[path] = data
                 hub.commits.append({"repo_id": repo_id, "revision": revision, "summary": header["summary"], "oid": oid,
                                     "kinds": kinds})
                 self._reply(200, {"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{oid}", "commitOid": oid,
@@ -217,6 +233,7 @@ ROUTES = [  # "METHOD name" → path pattern (groups: repo id, then revision/bra
     ("POST create-branch", rf"/api/models{_REPO}/branch/([^/]+)"),
     ("POST preupload", rf"/api/models{_REPO}/preupload/([^/]+)"),
     ("POST commit", rf"/api/models{_REPO}/commit/([^/]+)"),
+    ("GET tree", rf"/api/models{_REPO}/tree/([^/]+)"),
     ("POST lfs-batch", rf"{_REPO}\.git/info/lfs/objects/batch"),
     ("PUT lfs-upload", r"/lfs-upload/([0-9a-f]{64})"),
 ]
@@ -348,8 +365,8 @@ def test_push_uploads_exactly_the_adapter_folder_and_loads_back(hub, trained, ca
     assert isinstance(commit, CommitInfo) and commit.oid == record["oid"] and commit.pr_url is None
     assert record["summary"] == "Upload CausalQwen adapter"
     assert record["kinds"] == {name: "lfsFile" if name == "model.safetensors" else "file" for name in uploaded}
-    assert hub.route_names() == {"POST create-repo", "POST validate-yaml", "POST preupload", "POST lfs-batch",
-                                 "PUT lfs-upload", "POST commit"}
+    assert hub.route_names() == {"POST create-repo", "GET tree", "POST validate-yaml", "POST preupload",
+                                 "POST lfs-batch", "PUT lfs-upload", "POST commit"}
 
     # what was uploaded loads by repo id, as remote code, from an offline cache laid out from the upload
     _publish_files(cache, "user/tiny-causal", uploaded, commit.oid)
@@ -383,6 +400,21 @@ def test_push_on_the_default_upload_path(monkeypatch, no_token, trained, tmp_pat
     assert hub.created == [{"name": "tiny-causal", "organization": None, "visibility": "private"}]
     assert [c["summary"] for c in hub.commits] == ["first heads"] and commit.oid == hub.commits[0]["oid"]
     assert "POST create-branch" in hub.route_names()
+
+
+@pytest.mark.parametrize("xet", [False, True], ids=["lfs", "default"])
+def test_a_new_push_removes_a_stale_lora_and_keeps_other_files(monkeypatch, no_token, trained, xet):
+    """An earlier push left lora/ and an old remote-code file; the user added a tokenizer. Re-pushing heads without
+    backbone LoRA must remove lora/ (loading would apply it to the new heads) and keep the tokenizer."""
+    with _serve(monkeypatch, xet=xet, lfs_suffixes=(".safetensors",) if not xet else ()) as hub:
+        trained.push_to_hub("user/tiny-causal", token=TOKEN)
+        main = hub.repos["user/tiny-causal"]["main"]
+        main.update({"lora/adapter_config.json": b"{}", "lora/adapter_model.safetensors": b"old",
+                     "old_helper.py": b"# gone", "tokenizer.json": b"{}"})
+        trained.push_to_hub("user/tiny-causal", token=TOKEN)
+    main = hub.repos["user/tiny-causal"]["main"]
+    assert not [p for p in main if p.startswith("lora/") or p == "old_helper.py"]
+    assert main["tokenizer.json"] == b"{}" and "modeling_causalqwen.py" in main and "model.safetensors" in main
 
 
 def test_push_as_a_pull_request(hub, trained):
