@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import tempfile
+import weakref
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -402,7 +403,11 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
                 weight = (weight.double() @ pinv).to(weight.dtype)
             model.action.reset_parameters(config.b_noise_init, weight, lm_head.bias)
         model.generation_config = base.generation_config
-        model.__dict__["_base_lm_head"] = lm_head  # for verify_initialization; kept out of the module tree, never saved
+        # For verify_initialization, outside the module tree, never saved. Held strongly only when the model keeps
+        # its weight anyway (tied embedding, or W_A bound to it); an untied base's own V×H matrix beside a "full"
+        # W_A copy lives only as long as the caller keeps the base.
+        shared = config.text_config.tie_word_embeddings or config.action_weight != "full"
+        model.__dict__["_base_lm_head"] = lm_head if shared else weakref.ref(lm_head)
         return model
 
     @classmethod
@@ -597,11 +602,17 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         if base_model is not None:
             base_out = base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
             z_base, base_logits = base_out.hidden_states[-1], base_out.logits
-        elif getattr(self, "_base_lm_head", None) is not None:
-            z_base = z
-            base_logits = self._base_lm_head(z.to(self._base_lm_head.weight.dtype))
         else:
-            raise ValueError("this model was not built by from_base: pass base_model=<the Qwen2ForCausalLM base> to compare against")
+            lm_head = getattr(self, "_base_lm_head", None)
+            if isinstance(lm_head, weakref.ref):
+                lm_head = lm_head()
+            if lm_head is None:
+                raise ValueError(
+                    "no base output layer to compare against (the model was not built by from_base, or its untied "
+                    "base was released): pass base_model=<the Qwen2ForCausalLM base>"
+                )
+            z_base = z
+            base_logits = lm_head(z.to(lm_head.weight.dtype))
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         z, z_base, base_logits, probs = z[mask].float(), z_base[mask].float(), base_logits[mask].float(), probs[mask]
         loc_U, scale_U, loc_S = loc_U[mask].float(), scale_U[mask].float(), loc_S[mask].float()

@@ -1,6 +1,8 @@
 """The heads' initialisation and forward against the base model and a float64 reference (DESIGN §2)."""
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from transformers import Qwen2ForCausalLM
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
 from causalqwen_adapter.cauchy import softplus_inverse
 
-from conftest import TINY_HIDDEN, TINY_VOCAB
+from conftest import TINY_HIDDEN, TINY_VOCAB, save_tiny_qwen2
 
 
 def test_softplus_inverse_is_exact():
@@ -143,7 +145,8 @@ def test_logits_to_keep_scores_only_kept_positions(tied_base, input_ids):
 
 
 def test_verify_initialization_reports_a_faithful_copy(tiny_base, input_ids):
-    model = CausalQwenForCausalLM.from_base(tiny_base)
+    base = Qwen2ForCausalLM.from_pretrained(tiny_base)
+    model = CausalQwenForCausalLM.from_base(base)
     report = model.verify_initialization(input_ids)
     assert report["feature_diff"] == 0.0
     assert report["loc_U_vs_z"] < 1e-6
@@ -153,6 +156,25 @@ def test_verify_initialization_reports_a_faithful_copy(tiny_base, input_ids):
     # against a separately loaded base the comparison is real, not trivially shared
     separate = model.verify_initialization(input_ids, base_model=Qwen2ForCausalLM.from_pretrained(tiny_base))
     assert separate["feature_diff"] < 1e-6 and separate["logits_diff"] < 1e-6
+
+
+def test_from_base_keeps_no_second_copy_of_an_untied_output_layer(tmp_path, input_ids):
+    """An untied base's lm_head beside a "full" W_A copy is only referenced weakly: once the base is released it
+    is freed, and verify_initialization asks for the base instead of keeping V×H alive."""
+    folder = save_tiny_qwen2(tmp_path / "untied", tie_word_embeddings=False)
+    base = Qwen2ForCausalLM.from_pretrained(folder)
+    lm_head = weakref.ref(base.lm_head)
+    model = CausalQwenForCausalLM.from_base(base)
+    del base
+    gc.collect()
+    assert lm_head() is None
+    with pytest.raises(ValueError, match="pass base_model=<the Qwen2ForCausalLM base>"):
+        model.verify_initialization(input_ids)
+    report = model.verify_initialization(input_ids, base_model=Qwen2ForCausalLM.from_pretrained(folder))
+    assert report["logits_diff"] < 1e-6
+    # a tied base (or W_A bound to the base's layer) costs nothing extra: the reference stays
+    tied = CausalQwenForCausalLM.from_base(save_tiny_qwen2(tmp_path / "tied"))
+    assert tied.verify_initialization(input_ids)["logits_diff"] < 1e-6
 
 
 def test_compatible_greedy_generation_equals_base(tiny_base, input_ids):
