@@ -192,6 +192,28 @@ def ovr_loss(
     return total / num_items_in_batch
 
 
+def signed_log1p(v: torch.Tensor) -> torch.Tensor:
+    """φ(v) = sign(v)·ln(1 + |v|): how a number enters the input embedding (DESIGN §2.5); φ(0) = 0."""
+    return torch.sign(v) * torch.log1p(v.abs())
+
+
+def cauchy_regression(
+    loc_U: torch.Tensor, scale_U: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, log_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The numeric head on the Cauchy path: loc_Y = w·loc_U' + b, scale_Y = |w|·scale_U' + exp(s).
+
+    ``loc_U``, ``scale_U``: [..., C] after noise fusion; ``weight``: [C]; ``bias``, ``log_scale``: scalars.
+    """
+    loc_Y = loc_U @ weight + bias
+    scale_Y = scale_U @ weight.abs() + log_scale.exp()
+    return loc_Y, scale_Y
+
+
+def cauchy_nll(y: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """−log density of Cauchy(loc, scale) at y: log(π·scale) + log1p(((y − loc)/scale)²), elementwise."""
+    return _LOG_PI + torch.log(scale) + torch.log1p(((y - loc) / scale).square())
+
+
 def check_labels(valid_labels: torch.Tensor, vocab_size: int) -> None:
     """Labels other than −100 must index the vocabulary."""
     if valid_labels.numel() and (valid_labels.min() < 0 or valid_labels.max() >= vocab_size):

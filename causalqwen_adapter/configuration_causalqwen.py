@@ -8,6 +8,9 @@ from transformers import PreTrainedConfig, Qwen2Config
 from .cauchy import INFERENCE_MODES
 
 ACTION_WEIGHTS = ("full", "tied", "lora")
+# Qwen2's embedding has 151936 rows; the tokenizer uses the first 151665, the last 271 are reserved.
+QWEN2_VOCAB_SIZE = 151936
+QWEN2_RESERVED_ROWS = 271
 
 
 class CausalQwenConfig(PreTrainedConfig):
@@ -29,6 +32,11 @@ class CausalQwenConfig(PreTrainedConfig):
         action_weight (`str`): where W_A lives — "full" (its own trained and saved matrix), "tied" (the base's
             output embedding itself, frozen, not saved) or "lora" (the base's plus a trained low-rank B·A).
         action_lora_rank (`int`): the rank r of B·A when action_weight="lora".
+        numeric (`bool`): the numeric-aware extension (DESIGN §2.5): numbers enter as `<NUM>` tokens with a value
+            (`numeric_values`), and a Cauchy regression head predicts the value of each `<NUM>`.
+        num_token_id (`int`, *optional*): the id of `<NUM>`, a reserved (unused) row of the base vocabulary;
+            defaults to V − 271 (151665) for the 151936-row Qwen2 vocabulary, required otherwise.
+        numeric_loss_weight (`float`): λ, the weight of the Cauchy NLL of `<NUM>` values beside the OvR loss.
     """
 
     model_type = "causalqwen"
@@ -47,6 +55,9 @@ class CausalQwenConfig(PreTrainedConfig):
     causal_temperature: float = 1.0
     action_weight: str = "full"
     action_lora_rank: int = 16
+    numeric: bool = False
+    num_token_id: int | None = None
+    numeric_loss_weight: float = 1.0
 
     def __post_init__(self, **kwargs):
         # The base's attention implementation survives wrapping: the parent resets it on sub-configs.
@@ -75,6 +86,19 @@ class CausalQwenConfig(PreTrainedConfig):
             )
         if self.action_lora_rank < 1:
             raise ValueError(f"action_lora_rank must be a positive integer, got {self.action_lora_rank}")
+        if self.numeric:
+            vocab = self.text_config.vocab_size
+            if self.num_token_id is None and vocab == QWEN2_VOCAB_SIZE:
+                self.num_token_id = QWEN2_VOCAB_SIZE - QWEN2_RESERVED_ROWS  # the first reserved row, 151665
+            if self.num_token_id is None:
+                raise ValueError(
+                    f"numeric=True needs num_token_id: the id of an unused row of this {vocab}-token vocabulary "
+                    "that <NUM> maps to (the default V − 271 applies to the 151936-row Qwen2 vocabulary only)"
+                )
+            if not 0 <= self.num_token_id < vocab:
+                raise ValueError(f"num_token_id={self.num_token_id} is outside the vocabulary [0, {vocab})")
+            if self.numeric_loss_weight < 0:
+                raise ValueError(f"numeric_loss_weight must be >= 0, got {self.numeric_loss_weight}")
 
     @property
     def hidden_size(self) -> int:

@@ -346,7 +346,7 @@ class CausalDistillTrainer(AdapterCheckpointMixin, Trainer):
             args = CausalDistillConfig(f"{os.path.basename(os.path.normpath(name))}-CausalDistill")
         if not isinstance(args, CausalDistillConfig):
             raise TypeError(f"args must be a CausalDistillConfig, got {type(args).__name__}")
-        model = prepare_causal_model(model, args)
+        model, _ = prepare_causal_model(model, args)
         if getattr(model.model, "_hf_peft_config_loaded", False):
             raise ValueError(
                 "this adapter carries a backbone LoRA (lora/): stored features are z of the plain base, so heads "

@@ -33,12 +33,15 @@ from .cauchy import (
     INFERENCE_MODES,
     cauchy_linear,
     cauchy_linear_single_row,
+    cauchy_nll,
+    cauchy_regression,
     fuse_noise,
     ovr_log_prob,
     ovr_loss,
     ovr_probs,
     ovr_standardize,
     sample_standard_cauchy,
+    signed_log1p,
     softplus_inverse,
 )
 from .configuration_causalqwen import CausalQwenConfig
@@ -192,6 +195,42 @@ class OvRClassifier(nn.Module):
         self.threshold.fill_(self.threshold_init)
 
 
+class NumericHead(nn.Module):
+    """Numbers in and out (DESIGN §2.5): the input direction d and the Cauchy regression head of `<NUM>` values.
+
+    In: e = embed(token) + φ(v)·d, φ(v) = sign(v)·ln(1 + |v|), so v = 0 leaves the embedding exactly as it was.
+    Out: Y ~ Cauchy(w·loc_U' + b, |w|·scale_U' + exp(s)) on the noise-fused individual U'.
+    """
+
+    def __init__(self, hidden_size: int, causal_size: int):
+        super().__init__()
+        self.direction = nn.Parameter(torch.empty(hidden_size))
+        self.weight = nn.Parameter(torch.empty(causal_size))
+        self.bias = nn.Parameter(torch.empty(()))
+        self.log_scale = nn.Parameter(torch.empty(()))
+
+    def embed(self, inputs_embeds: torch.Tensor, numeric_values: torch.Tensor) -> torch.Tensor:
+        phi = signed_log1p(numeric_values.to(torch.float32)).unsqueeze(-1)
+        return inputs_embeds + (phi * self.direction.float()).to(inputs_embeds.dtype)
+
+    def forward(self, loc_U: torch.Tensor, scale_U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loc_Y, scale_Y) in float32 from the fused individual (loc_U', scale_U')."""
+        return cauchy_regression(loc_U.float(), scale_U.float(), self.weight.float(), self.bias.float(),
+                                 self.log_scale.float())
+
+    @torch.no_grad()
+    def reset_parameters(self, median: float = 0.0, scale: float = 1.0) -> None:
+        """d ~ N(0, 0.02²) normalised to unit length; w Xavier with gain 0.01; b = median, exp(s) = scale
+        (seed 000: the median and IQR/2 of the training targets, so a fresh head predicts Cauchy(median, IQR/2))."""
+        if not scale > 0:
+            raise ValueError(f"the initial scale of the numeric head must be > 0, got {scale}")
+        nn.init.normal_(self.direction, std=0.02)
+        self.direction.div_(self.direction.norm())
+        nn.init.xavier_uniform_(self.weight.view(1, -1), gain=0.01)
+        self.bias.fill_(median)
+        self.log_scale.fill_(math.log(scale))
+
+
 # --------------------------------------------------------------------------------------- outputs
 
 
@@ -200,7 +239,7 @@ class CausalQwenModelOutput(ModelOutput):
     """Cauchy parameters of the individual U and of the decision scores S at the kept positions.
 
     `scale_S` is None in `compatible` mode (its score is loc_S alone); `causal_noise` is the ε the
-    `sampling` mode drew.
+    `sampling` mode drew; `loc_Y`, `scale_Y` are the Cauchy law of the next `<NUM>` value (numeric models).
     """
 
     loc_U: torch.FloatTensor | None = None
@@ -208,6 +247,8 @@ class CausalQwenModelOutput(ModelOutput):
     loc_S: torch.FloatTensor | None = None
     scale_S: torch.FloatTensor | None = None
     causal_noise: torch.FloatTensor | None = None
+    loc_Y: torch.FloatTensor | None = None
+    scale_Y: torch.FloatTensor | None = None
     last_hidden_state: torch.FloatTensor | None = None
     past_key_values: object | None = None
     hidden_states: tuple | None = None
@@ -216,7 +257,8 @@ class CausalQwenModelOutput(ModelOutput):
 
 @dataclass
 class CausalQwenCausalLMOutput(ModelOutput):
-    """`logits` are loc_S in `compatible` mode and log P_k (OvR) in the other modes."""
+    """`logits` are loc_S in `compatible` mode and log P_k (OvR) in the other modes; `loc_Y`, `scale_Y` the law of
+    the next `<NUM>` value (numeric models)."""
 
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
@@ -225,6 +267,8 @@ class CausalQwenCausalLMOutput(ModelOutput):
     loc_S: torch.FloatTensor | None = None
     scale_S: torch.FloatTensor | None = None
     causal_noise: torch.FloatTensor | None = None
+    loc_Y: torch.FloatTensor | None = None
+    scale_Y: torch.FloatTensor | None = None
     past_key_values: object | None = None
     hidden_states: tuple | None = None
     attentions: tuple | None = None
@@ -252,6 +296,8 @@ class CausalQwenPreTrainedModel(PreTrainedModel):
             module.reset_parameters(self.config.b_noise_init)
         elif isinstance(module, OvRClassifier):
             module.reset_parameters()
+        elif isinstance(module, NumericHead):
+            module.reset_parameters()
         else:
             super()._init_weights(module)
 
@@ -271,6 +317,8 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         self.abduction = AbductionNetwork(text.hidden_size, config.causal_size)
         self.action = ActionNetwork(config.causal_size, text.vocab_size, config.action_weight, config.action_lora_rank)
         self.ovr = OvRClassifier(text.vocab_size, config.ovr_threshold_init, config.learnable_threshold)
+        if config.numeric:
+            self.numeric = NumericHead(text.hidden_size, config.causal_size)
         if config.action_weight != "full":
             # W_base is the base's output embedding: the input embedding when tied, else its lm_head (frozen, not saved).
             if text.tie_word_embeddings:
@@ -290,8 +338,10 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
 
     # ------------------------------------------------------------------ forward
 
-    def _run_backbone(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs):
+    def _run_backbone(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs,
+                      numeric_values=None):
         kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+        input_ids, inputs_embeds = self.embed_numbers(input_ids, inputs_embeds, numeric_values)
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -301,6 +351,30 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             use_cache=use_cache,
             **kwargs,
         )
+
+    def embed_numbers(self, input_ids, inputs_embeds, numeric_values):
+        """(input_ids, inputs_embeds) for the backbone: with `numeric_values`, e = embed(token) + φ(v)·d."""
+        if numeric_values is None:
+            return input_ids, inputs_embeds
+        if not self.config.numeric:
+            raise ValueError("numeric_values were given but this model has numeric=False: drop them, or build the "
+                             "heads with numeric=True")
+        reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
+        if numeric_values.shape != reference.shape:
+            raise ValueError(
+                f"numeric_values has shape {tuple(numeric_values.shape)}, the input tokens {tuple(reference.shape)}: "
+                "pass one value per token (0 where the token is not <NUM>)"
+            )
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_tokens(input_ids)
+        return None, self.numeric.embed(inputs_embeds, numeric_values.to(inputs_embeds.device))
+
+    def numeric_prediction(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
+        """(loc_Y, scale_Y) of numeric models, on U fused as the mode fuses it; (None, None) otherwise."""
+        if not self.config.numeric:
+            return None, None
+        loc, scale = fuse_noise(loc_U, scale_U, self.action.b_noise, mode, temperature, noise)
+        return self.numeric(loc, scale)
 
     def causal_heads(self, z, inference_mode="standard", causal_temperature=1.0, noise=None):
         """z ↦ (loc_U, scale_U, loc_S, scale_S): abduction, then the action network's noise fusion and linear law."""
@@ -348,18 +422,23 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         causal_temperature=None,
         noise_sharing="step",
         causal_noise=None,
+        numeric_values=None,
         **kwargs,
     ) -> CausalQwenModelOutput:
         mode, temperature = self._resolve_mode(inference_mode, causal_temperature, noise_sharing)
-        outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+        outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                                     kwargs, numeric_values)
         z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
         loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
+        loc_Y, scale_Y = self.numeric_prediction(loc_U, scale_U, mode, temperature, noise)
         return CausalQwenModelOutput(
             loc_U=loc_U,
             scale_U=scale_U,
             loc_S=loc_S,
             scale_S=scale_S,
             causal_noise=noise,
+            loc_Y=loc_Y,
+            scale_Y=scale_Y,
             last_hidden_state=outputs.last_hidden_state,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
@@ -402,6 +481,8 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
                 pinv = torch.linalg.pinv(model.abduction.loc.weight.double())
                 weight = (weight.double() @ pinv).to(weight.dtype)
             model.action.reset_parameters(config.b_noise_init, weight, lm_head.bias)
+            if config.numeric:
+                model.numeric.reset_parameters()  # median 0, scale 1 until the trainer sees the data
         model.generation_config = base.generation_config
         # For verify_initialization, outside the module tree, never saved. Held strongly only when the model keeps
         # its weight anyway (tied embedding, or W_A bound to it); an untied base's own V×H matrix beside a "full"
@@ -416,12 +497,14 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         with torch.device("meta"):  # no wasted initialisation of vocabulary-sized heads
             model = cls(config, backbone=backbone, lm_head=lm_head if config.action_weight != "full" else None)
         anchor = backbone.norm.weight
-        for name in ("abduction", "action", "ovr"):
+        for name in ("abduction", "action", "ovr", "numeric")[: 4 if config.numeric else 3]:
             head = getattr(model, name).to(dtype=anchor.dtype)
             head.to_empty(device=anchor.device)
             setattr(model, name, head)
         if config.learnable_threshold:  # thresholds stay float32 like the loss math
             model.ovr.float()
+        if config.numeric:  # b = a median of the data: bf16 would round it (12345.6 → 12352)
+            model.numeric.float()
         model.ovr.reset_parameters()  # a scalar threshold is config, not an adapter tensor: set it here
         return model
 
@@ -648,20 +731,25 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         causal_temperature=None,
         noise_sharing="step",
         causal_noise=None,
+        numeric_values=None,
         **kwargs,
     ) -> CausalQwenCausalLMOutput:
         mode, temperature = self._resolve_mode(inference_mode, causal_temperature, noise_sharing)
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError("labels need scores at every position: call with logits_to_keep=0")
         num_items_in_batch = kwargs.get("num_items_in_batch")
-        outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+        outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                                     kwargs, numeric_values)
         z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
 
         loss = None
         if labels is not None:
             # The loss always scores with the training fusion (standard, T = 1), whatever mode the logits use.
             loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, "standard", 1.0)
-            loss = ovr_loss(loc_S, scale_S, self.ovr.threshold, _shift_labels(labels), num_items_in_batch)
+            targets = _shift_labels(labels)
+            loss = ovr_loss(loc_S, scale_S, self.ovr.threshold, targets, num_items_in_batch)
+            if self.config.numeric:
+                loss = loss + self._numeric_loss(loc_U, scale_U, targets, numeric_values, num_items_in_batch)
             noise = None
             if mode == "compatible":
                 scale_S = None  # same loc_S as the training fusion; compatible scores carry no scale
@@ -671,6 +759,7 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
 
         logits = loc_S if mode == "compatible" else ovr_log_prob(self.ovr(loc_S, scale_S))
+        loc_Y, scale_Y = self.numeric_prediction(loc_U, scale_U, mode, temperature, noise)
         return CausalQwenCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -679,14 +768,44 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             loc_S=loc_S,
             scale_S=scale_S,
             causal_noise=noise,
+            loc_Y=loc_Y,
+            scale_Y=scale_Y,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
 
+    def _numeric_loss(self, loc_U, scale_U, targets, numeric_values, num_items_in_batch):
+        """λ · Σ Cauchy NLL of the `<NUM>` targets' values (training fusion), over the OvR loss's denominator."""
+        is_number = targets == self.config.num_token_id
+        denominator = (targets != -100).sum() if num_items_in_batch is None else num_items_in_batch
+        if not is_number.any():
+            return loc_U.new_zeros((), dtype=torch.float32)
+        if numeric_values is None:
+            raise ValueError("the labels hold <NUM> targets but no numeric_values were given: pass the value of every "
+                             "<NUM> token (0 elsewhere)")
+        y = _shift_labels(numeric_values.float(), fill=0.0)[is_number]
+        loc_Y, scale_Y = self.numeric_prediction(loc_U[is_number], scale_U[is_number])
+        return self.config.numeric_loss_weight * cauchy_nll(y, loc_Y, scale_Y).sum() / denominator
+
+    def prepare_inputs_for_generation(self, input_ids, *args, numeric_values=None, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        if numeric_values is not None:
+            # A value counts only where its token is <NUM>; generated columns hold each step's loc_Y.
+            values = torch.where(input_ids == self.config.num_token_id, numeric_values[:, : input_ids.shape[1]], 0.0)
+            fed = model_inputs.get("input_ids")
+            width = fed.shape[1] if fed is not None else model_inputs["inputs_embeds"].shape[1]
+            model_inputs["numeric_values"] = values[:, -width:]
+        return model_inputs
+
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate` plus the CausalQwen options, checked once per call:
-        `inference_mode`, `causal_temperature` (T ≥ 0) and, for `sampling`, `noise_sharing`."""
+        `inference_mode`, `causal_temperature` (T ≥ 0) and, for `sampling`, `noise_sharing`.
+
+        Numeric models (DESIGN §2.5) take `numeric_values` beside the prompt (0 where a token is not `<NUM>`; zeros
+        when omitted), feed each generated `<NUM>` its predicted value loc_Y, and with `return_dict_in_generate=True`
+        return `numeric_values` [batch, length] (the value of every `<NUM>` of the sequences, 0 elsewhere).
+        """
         mode, _ = self._resolve_mode(
             kwargs.get("inference_mode"), kwargs.get("causal_temperature"), kwargs.get("noise_sharing", "step")
         )
@@ -701,12 +820,43 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
                 UserWarning,
                 stacklevel=2,
             )
+        if self.config.numeric:
+            return self._generate_with_numbers(super().generate, *args, **kwargs)
         return super().generate(*args, **kwargs)
+
+    def _generate_with_numbers(self, generate, inputs=None, generation_config=None, **kwargs):
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError("numeric generation needs the prompt as input_ids (inputs_embeds cannot carry <NUM> values)")
+        config = generation_config if generation_config is not None else self.generation_config
+        if (kwargs.get("num_beams") or config.num_beams or 1) != 1:
+            raise ValueError("numeric models generate with num_beams=1 (greedy or sampling): beams would reorder "
+                             "the sequences without their <NUM> values")
+        values = kwargs.pop("numeric_values", None)
+        if values is None:
+            values = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        elif values.shape != input_ids.shape:
+            raise ValueError(f"numeric_values has shape {tuple(values.shape)}, input_ids {tuple(input_ids.shape)}: "
+                             "pass one value per prompt token (0 where the token is not <NUM>)")
+        self._numeric_generation = None
+        out = generate(inputs, generation_config, numeric_values=values.float(), **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        generated = self._numeric_generation if self._numeric_generation is not None else values.float()
+        self._numeric_generation = None
+        if not isinstance(out, torch.Tensor):
+            generated = generated[:, : sequences.shape[1]]
+            out["numeric_values"] = torch.where(sequences == self.config.num_token_id, generated, 0.0)
+        return out
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
         if model_kwargs.get("noise_sharing") == "sequence" and outputs.causal_noise is not None:
             model_kwargs["causal_noise"] = outputs.causal_noise  # the same individual for the whole answer
+        if model_kwargs.get("numeric_values") is not None and outputs.loc_Y is not None:
+            # The value of the token just chosen, should it be <NUM>; masked by token when fed back.
+            predicted = outputs.loc_Y[:, -1:].to(model_kwargs["numeric_values"])
+            model_kwargs["numeric_values"] = torch.cat([model_kwargs["numeric_values"], predicted], dim=1)
+            self._numeric_generation = model_kwargs["numeric_values"]
         return model_kwargs
 
 
@@ -720,9 +870,9 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
     return hidden[:, logits_to_keep]
 
 
-def _shift_labels(labels: torch.Tensor) -> torch.Tensor:
+def _shift_labels(labels: torch.Tensor, fill=-100) -> torch.Tensor:
     """Position t predicts token t + 1, like every transformers causal LM; the last position has no target."""
-    return F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.pad(labels, (0, 1), value=fill)[..., 1:]
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -32,7 +32,9 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
+from .cauchy import cauchy_nll
 from .losses import chunked_ovr_loss
+from .numeric import NumericCollator, numeric_statistics
 from .modeling_causalqwen import ADAPTER_WEIGHTS_NAME, LORA_FOLDER, CausalQwenForCausalLM, _shift_labels
 
 logger = logging.get_logger(__name__)
@@ -76,6 +78,18 @@ class CausalHeadArguments:
     )
     action_lora_rank: int = field(
         default=16, metadata={"help": "Rank of B·A when action_weight='lora' (fresh heads)."}
+    )
+    numeric: bool = field(
+        default=False,
+        metadata={"help": "Numeric-aware heads (DESIGN §2.5): <NUM> tokens with values in, a Cauchy regression head "
+                  "out. The data then needs input_ids and numeric_values (causalqwen_adapter.numeric)."},
+    )
+    num_token_id: int | None = field(
+        default=None,
+        metadata={"help": "Id of <NUM> for numeric heads: an unused row of the vocabulary (default 151665 for Qwen2)."},
+    )
+    numeric_loss_weight: float = field(
+        default=1.0, metadata={"help": "λ: weight of the Cauchy NLL of <NUM> values beside the OvR loss (numeric heads)."}
     )
 
 
@@ -134,6 +148,8 @@ class CausalOvRLossOutput(ModelOutput):
     units_mean_loc: torch.FloatTensor | None = None
     units_mean_scale: torch.FloatTensor | None = None
     num_tokens: torch.LongTensor | None = None
+    numeric_nll: torch.FloatTensor | None = None
+    num_numbers: torch.LongTensor | None = None
 
 
 def add_ovr_loss_forward(model: CausalQwenForCausalLM, chunk_size: int = 1024) -> None:
@@ -162,11 +178,19 @@ def _ovr_loss_forward(model, *, labels=None, shift_labels=None, num_items_in_bat
     if labels is None and shift_labels is None:
         raise ValueError("the OvR loss needs targets: pass labels (or shift_labels)")
     backbone_kwargs["use_cache"] = False
+    numeric_values = backbone_kwargs.pop("numeric_values", None)
     # A frozen backbone needs no autograd graph: no activations kept, and no backward through the layers even
-    # when gradient checkpointing made the embedding output require grad.
-    trains_backbone = torch.is_grad_enabled() and any(p.requires_grad for p in model.model.parameters())
+    # when gradient checkpointing made the embedding output require grad. The numeric direction d enters at the
+    # input embedding, so training it needs the backward through the layers.
+    trains_backbone = torch.is_grad_enabled() and (
+        any(p.requires_grad for p in model.model.parameters())
+        or (numeric_values is not None and model.config.numeric and model.numeric.direction.requires_grad)
+    )
     with torch.set_grad_enabled(trains_backbone):
-        hidden = model.model(**backbone_kwargs).last_hidden_state
+        input_ids, inputs_embeds = model.embed_numbers(
+            backbone_kwargs.pop("input_ids", None), backbone_kwargs.pop("inputs_embeds", None), numeric_values
+        )
+        hidden = model.model(input_ids=input_ids, inputs_embeds=inputs_embeds, **backbone_kwargs).last_hidden_state
 
     targets = _shift_labels(labels) if shift_labels is None else shift_labels
     targets = targets.reshape(-1).to(hidden.device)
@@ -183,9 +207,26 @@ def _ovr_loss_forward(model, *, labels=None, shift_labels=None, num_items_in_bat
             loc_U, scale_U, weight, action.bias, action.b_noise, model.ovr.threshold, targets[valid],
             num_items_in_batch=num_items_in_batch, chunk_size=chunk_size,
         )
+    numeric_nll = num_numbers = None
+    if model.config.numeric:
+        is_number = targets[valid] == model.config.num_token_id
+        num_numbers = is_number.sum()
+        if num_numbers > 0:
+            if numeric_values is None:
+                raise ValueError("the labels hold <NUM> targets but the batch has no numeric_values")
+            y = _shift_labels(numeric_values.float(), fill=0.0).reshape(-1).to(hidden.device)[valid][is_number]
+            loc_Y, scale_Y = model.numeric_prediction(loc_U[is_number], scale_U[is_number])
+            nll = cauchy_nll(y, loc_Y, scale_Y)
+            denominator = loc_U.shape[0] if num_items_in_batch is None else num_items_in_batch
+            loss = loss + model.config.numeric_loss_weight * nll.sum() / denominator
+            numeric_nll = nll.detach().mean()
+        else:
+            numeric_nll = loss.new_zeros(())
     n = max(loc_U.shape[0], 1)
     return CausalOvRLossOutput(
         loss=loss,
+        numeric_nll=numeric_nll,
+        num_numbers=num_numbers,
         target_prob=stats["target_prob"],
         ovr_prob_sum=stats["ovr_prob_sum"],
         units_mean_loc=loc_U.detach().float().mean(-1).sum() / n,
@@ -306,7 +347,7 @@ class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
 
     _tag_names = ["trl", "sft", "causalqwen"]
     _name = "CausalSFT"
-    _card_metric_names = ("target_prob", "ovr_prob_sum", "units_mean_loc", "units_mean_scale")
+    _card_metric_names = ("target_prob", "ovr_prob_sum", "units_mean_loc", "units_mean_scale", "numeric_nll")
     # `None`: the Trainer counts the loss as already scaled for gradient accumulation exactly when it received
     # `num_items_in_batch` (it divides by the accumulation steps otherwise), which is what `compute_loss` does.
     loss_is_scaled_for_ga = None
@@ -342,8 +383,11 @@ class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
             )
 
         set_seed(args.seed)  # fresh heads are deterministic, LoRA matrices are not
-        model = prepare_causal_model(model, args)
+        model, fresh_heads = prepare_causal_model(model, args)
         _configure_backbone(model, peft_config)
+        if model.config.numeric and args.packing:
+            raise ValueError("packing is not supported with numeric heads: numeric_values would not follow the packed "
+                             "input_ids. Drop packing (padding_free=True keeps batches dense)")
 
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
@@ -374,6 +418,8 @@ class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
         self._loss_shifts_labels = True
         self.model_accepts_loss_kwargs = True
         add_ovr_loss_forward(self.model, args.loss_chunk_size)
+        if model.config.numeric:
+            self._prepare_numeric(model, fresh_heads)
         # Per mode, running sums over the logging window: [tokens, Σ P_y, Σ Σ_k P_k, Σ loc_U, Σ scale_U, inputs].
         self._ovr_sums: dict[str, torch.Tensor] = {}
         self._card_datasets: list[str] = []
@@ -384,6 +430,35 @@ class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
         eval_datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
         for name, dataset in eval_datasets.items():
             _check_targets(dataset, vocab_size, name, require_targets=False)
+
+    def _prepare_numeric(self, model, fresh_heads: bool) -> None:
+        """Numeric heads: batches carry numeric_values, and fresh heads start from the data (seed 000)."""
+        datasets = {"train": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            datasets.update(self.eval_dataset)
+        elif self.eval_dataset is not None:
+            datasets["eval"] = self.eval_dataset
+        for name, dataset in datasets.items():
+            columns = getattr(dataset, "column_names", None)
+            if columns is not None and "numeric_values" not in columns:
+                raise ValueError(
+                    f"the {name} dataset has no numeric_values column (columns: {columns}): numeric heads train on "
+                    "input_ids + numeric_values, e.g. dataset.map(lambda x: encode_with_numbers(tokenizer, x['text'], "
+                    "num_token_id)) from causalqwen_adapter.numeric"
+                )
+        self.data_collator = NumericCollator(
+            self.data_collator, truncation_mode=self.args.truncation_mode, padding_free=self.padding_free
+        )
+        if fresh_heads and isinstance(self.train_dataset, Dataset):
+            table = self.train_dataset.with_format("arrow").data
+            ids = pc.list_flatten(table.column("input_ids"))
+            values = pc.list_flatten(table.column("numeric_values"))
+            if len(ids) != len(values):
+                raise ValueError("the train dataset's numeric_values do not line up with its input_ids (lengths differ)")
+            targets = pc.filter(values, pc.equal(ids, model.config.num_token_id)).to_numpy(zero_copy_only=False)
+            median, scale = numeric_statistics(torch.from_numpy(targets))
+            model.numeric.reset_parameters(median, scale)
+            logger.info(f"Numeric head initialised from {len(targets)} <NUM> values: Cauchy({median:g}, {scale:g})")
 
     # ------------------------------------------------------------------ loss and metrics
 
@@ -418,6 +493,9 @@ class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
             n * outputs.units_mean_scale,
             seen.to(n.device, torch.float32),
         ])
+        if outputs.num_numbers is not None:  # numeric heads: [<NUM> targets, Σ NLL]
+            m = outputs.num_numbers.float()
+            sums = torch.cat([sums, torch.stack([m, m * outputs.numeric_nll])])
         # Summed over ranks on every micro-batch, like TRL gathers its metrics, so no rank waits on another at log time.
         sums = self.accelerator.reduce(sums, reduction="sum")
         self._ovr_sums[mode] = sums if mode not in self._ovr_sums else self._ovr_sums[mode] + sums
@@ -426,7 +504,7 @@ class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
         mode = "train" if self.model.training else "eval"
         sums = self._ovr_sums.pop(mode, None)
         if sums is not None:
-            n, target, prob_sum, loc, scale, seen = sums.tolist()
+            n, target, prob_sum, loc, scale, seen, *numeric = sums.tolist()
             metrics = {}
             if n > 0:  # token-weighted means over the logging window and all ranks
                 metrics = {
@@ -435,6 +513,8 @@ class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
                     "units_mean_loc": loc / n,
                     "units_mean_scale": scale / n,
                 }
+            if numeric and numeric[0] > 0:
+                metrics["numeric_nll"] = numeric[1] / numeric[0]
             if mode == "train":
                 self._total_train_tokens += int(seen) // self._tp_size
                 metrics["num_tokens"] = self._total_train_tokens
@@ -473,13 +553,15 @@ def _head_options(args: CausalHeadArguments) -> dict:
     return {f.name: getattr(args, f.name) for f in fields(CausalHeadArguments)}
 
 
-def prepare_causal_model(model, args) -> CausalQwenForCausalLM:
-    """The trainers' `model` argument as a `CausalQwenForCausalLM`: an adapter (folder, Hub id or loaded) keeps its
-    heads; a Qwen2 base (folder, Hub id or loaded) gets fresh heads from the config's head fields."""
+def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
+    """The trainers' `model` argument as a `CausalQwenForCausalLM`, and whether its heads are fresh: an adapter
+    (folder, Hub id or loaded) keeps its heads; a Qwen2 base (folder, Hub id or loaded) gets fresh heads from the
+    config's head fields."""
+    fresh = False
     if isinstance(model, (str, os.PathLike)):
-        model = _load_model(str(model), args)
+        model, fresh = _load_model(str(model), args)
     elif isinstance(model, Qwen2ForCausalLM):
-        model = CausalQwenForCausalLM.from_base(model, **_head_options(args))
+        model, fresh = CausalQwenForCausalLM.from_base(model, **_head_options(args)), True
     elif not isinstance(model, CausalQwenForCausalLM):
         raise TypeError(
             f"model must be a CausalQwenForCausalLM, a Qwen2ForCausalLM, or a path/Hub id of either, got "
@@ -490,7 +572,10 @@ def prepare_causal_model(model, args) -> CausalQwenForCausalLM:
             "learnable_threshold=True but this model's heads have a fixed threshold: it applies to fresh heads "
             "only (pass the Qwen2 base instead of an adapter, or drop the option)"
         )
-    return model
+    if args.numeric and not model.config.numeric:
+        raise ValueError("numeric=True but this adapter's heads are not numeric: it applies to fresh heads only (pass "
+                         "the Qwen2 base instead of an adapter, or drop the option)")
+    return model, fresh
 
 
 def _load_model(name: str, args) -> CausalQwenForCausalLM:
@@ -504,12 +589,12 @@ def _load_model(name: str, args) -> CausalQwenForCausalLM:
     config, _ = PreTrainedConfig.get_config_dict(name, revision=revision)
     model_type = config.get("model_type")
     if model_type == CausalQwenForCausalLM.config_class.model_type:
-        return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
+        return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs), False
     heads = _head_options(args)
     if model_type != "qwen2":
-        return CausalQwenForCausalLM.from_base(name, revision=revision, **heads)  # raises the not-Qwen2 error
+        return CausalQwenForCausalLM.from_base(name, revision=revision, **heads), True  # raises the not-Qwen2 error
     base = Qwen2ForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
-    return CausalQwenForCausalLM.from_base(base, revision=revision, **heads)
+    return CausalQwenForCausalLM.from_base(base, revision=revision, **heads), True
 
 
 def _configure_backbone(model: CausalQwenForCausalLM, peft_config) -> None:

@@ -1,0 +1,130 @@
+"""Numeric-aware data (DESIGN §2.5): the `<NUM>` token, text ↔ (input_ids, numeric_values), target statistics, and
+the collator that carries `numeric_values` through TRL's batches.
+
+A number in the text becomes one `<NUM>` token whose value travels beside it in `numeric_values` (0 at every other
+token). `<NUM>` is a reserved row of the base vocabulary (`config.num_token_id`, 151665 for Qwen2), registered in
+the tokenizer as a special token without growing the vocabulary.
+"""
+
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+
+NUM_TOKEN = "<NUM>"
+# Decimal numbers with an optional sign, fraction and exponent: "42", "-3.5", ".5", "6.02e23".
+NUMBER_PATTERN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def add_num_token(tokenizer, num_token_id: int) -> None:
+    """Register `<NUM>` as a special token of `tokenizer` at `num_token_id` (the model's `config.num_token_id`).
+
+    The tokenizer gives a new special token the next free id, `len(tokenizer)`; for Qwen2 tokenizers that is 151665,
+    the first reserved row of the 151936-row embedding, which is where `<NUM>` must land. Anything else is an error
+    (nothing is changed then): the id would not be the row the model reads.
+    """
+    if NUM_TOKEN in tokenizer.get_vocab():
+        have = tokenizer.convert_tokens_to_ids(NUM_TOKEN)
+        if have != num_token_id:
+            raise ValueError(f"the tokenizer already maps {NUM_TOKEN} to {have}, the model expects {num_token_id}")
+        return
+    if len(tokenizer) != num_token_id:
+        raise ValueError(
+            f"{NUM_TOKEN} would get id {len(tokenizer)} in this tokenizer, but the model's num_token_id is "
+            f"{num_token_id}: build the heads with num_token_id={len(tokenizer)} (an unused row of the embedding), "
+            "or use the tokenizer of the base they were built for"
+        )
+    tokenizer.add_special_tokens({"extra_special_tokens": [NUM_TOKEN]}, replace_extra_special_tokens=False)
+    if tokenizer.convert_tokens_to_ids(NUM_TOKEN) != num_token_id:  # defensive: tokenizers differ in how they add
+        raise RuntimeError(f"{NUM_TOKEN} was registered at {tokenizer.convert_tokens_to_ids(NUM_TOKEN)}, not {num_token_id}")
+
+
+def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_tokens: bool = False) -> dict:
+    """Tokenize `text` with every number replaced by one `<NUM>` token carrying its value.
+
+    Returns `{"input_ids": [...], "numeric_values": [...]}` of equal length, values 0.0 off `<NUM>`. The text between
+    numbers is tokenized piece by piece (a number's surrounding spaces stay with the text).
+    """
+    input_ids: list[int] = []
+    values: list[float] = []
+    if add_special_tokens:
+        input_ids += tokenizer.build_inputs_with_special_tokens([])
+        values += [0.0] * len(input_ids)
+    position = 0
+    for match in NUMBER_PATTERN.finditer(text):
+        piece = tokenizer(text[position : match.start()], add_special_tokens=False)["input_ids"]
+        input_ids += [*piece, num_token_id]
+        values += [0.0] * len(piece) + [float(match.group())]
+        position = match.end()
+    piece = tokenizer(text[position:], add_special_tokens=False)["input_ids"]
+    input_ids += piece
+    values += [0.0] * len(piece)
+    return {"input_ids": input_ids, "numeric_values": values}
+
+
+def decode_with_numbers(tokenizer, input_ids: Sequence[int], numeric_values: Sequence[float], num_token_id: int,
+                        *, skip_special_tokens: bool = True, number_format: str = "{:g}") -> str:
+    """The text of `input_ids` with each `<NUM>` written as its value (e.g. from `generate(...).numeric_values`)."""
+    ids = [int(i) for i in input_ids]
+    values = [float(v) for v in numeric_values]
+    if len(ids) != len(values):
+        raise ValueError(f"{len(ids)} tokens but {len(values)} numeric values: pass one value per token")
+    pieces, start = [], 0
+    for i, token in enumerate(ids):
+        if token == num_token_id:
+            pieces.append(tokenizer.decode(ids[start:i], skip_special_tokens=skip_special_tokens))
+            pieces.append(number_format.format(values[i]))
+            start = i + 1
+    pieces.append(tokenizer.decode(ids[start:], skip_special_tokens=skip_special_tokens))
+    return "".join(pieces)
+
+
+def numeric_statistics(values: Iterable[float] | torch.Tensor) -> tuple[float, float]:
+    """(median, IQR/2) of the numeric targets: the Cauchy location and scale estimates the regression head starts
+    from (seed 000; mean and standard deviation do not exist for a Cauchy law).
+
+    An IQR of 0 (most targets equal) would give a zero scale; it is floored at 1e-3·max(1, |median|).
+    """
+    values = torch.as_tensor(list(values) if not torch.is_tensor(values) else values, dtype=torch.float64).flatten()
+    if values.numel() == 0:
+        raise ValueError(f"no numeric target to estimate the regression head from: the data holds no {NUM_TOKEN} value")
+    if not torch.isfinite(values).all():
+        raise ValueError(f"the numeric targets hold {values[~torch.isfinite(values)][0].item()}: values must be finite")
+    median = values.quantile(0.5).item()
+    q1, q3 = values.quantile(0.25).item(), values.quantile(0.75).item()
+    return median, max((q3 - q1) / 2, 1e-3 * max(1.0, abs(median)))
+
+
+class NumericCollator:
+    """Wraps a TRL collator: `numeric_values` follow `input_ids` through truncation, padding (0) and padding-free
+    concatenation, so batch["numeric_values"] lines up with batch["input_ids"] position by position."""
+
+    def __init__(self, collator, *, truncation_mode: str = "keep_start", padding_free: bool = False):
+        self.collator = collator
+        self.truncation_mode = truncation_mode
+        self.padding_free = padding_free
+
+    def __call__(self, examples: list[dict]) -> dict:
+        if any("numeric_values" not in example for example in examples):
+            raise ValueError("a numeric model trains on examples with numeric_values beside input_ids (build them with "
+                             "causalqwen_adapter.numeric.encode_with_numbers)")
+        batch = self.collator([{k: v for k, v in example.items() if k != "numeric_values"} for example in examples])
+        rows = []
+        for example in examples:
+            values = torch.as_tensor(example["numeric_values"], dtype=torch.float32).flatten()
+            n = len(example["input_ids"])  # TRL truncates input_ids and labels, not our column
+            rows.append(values[:n] if self.truncation_mode == "keep_start" else values[len(values) - n :])
+        if self.padding_free:
+            rows = [torch.cat(rows)]
+        width = batch["input_ids"].shape[1]
+        padded = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, row in enumerate(rows):
+            padded[i, : len(row)] = row[:width]
+        batch["numeric_values"] = padded
+        return batch
+
+
+__all__ = [
+    "NUM_TOKEN", "NUMBER_PATTERN", "NumericCollator", "add_num_token", "decode_with_numbers", "encode_with_numbers",
+    "numeric_statistics",
+]
