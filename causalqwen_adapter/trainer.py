@@ -456,9 +456,14 @@ class CausalSFTTrainer(AdapterCheckpointMixin, SFTTrainer):
             if len(ids) != len(values):
                 raise ValueError("the train dataset's numeric_values do not line up with its input_ids (lengths differ)")
             targets = pc.filter(values, pc.equal(ids, model.config.num_token_id)).to_numpy(zero_copy_only=False)
-            median, scale = numeric_statistics(torch.from_numpy(targets))
+            median, scale = numeric_statistics(torch.tensor(targets))
             model.numeric.reset_parameters(median, scale)
             logger.info(f"Numeric head initialised from {len(targets)} <NUM> values: Cauchy({median:g}, {scale:g})")
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if "numeric_values" not in self._signature_columns:  # numeric heads read it; TRL's list omits it
+            self._signature_columns = [*self._signature_columns, "numeric_values"]
 
     # ------------------------------------------------------------------ loss and metrics
 

@@ -17,6 +17,9 @@ The model is a Qwen2 base (fresh heads are attached) or a CausalQwen adapter (tr
     # LoRA on the backbone too (saved in my-causal-adapter/lora/)
     python recipes/sft_ovr.py ... --use_peft --lora_r 16 --lora_target_modules q_proj v_proj
 
+    # numeric-aware heads (DESIGN §2.5): numbers in the `text` column become <NUM> tokens with values
+    python recipes/sft_ovr.py ... --numeric
+
 Every option of `CausalSFTConfig` (TRL's `SFTConfig` plus the head options) is a flag; `--config recipe.yaml` reads
 them from a YAML file. Run with `--help` for the list.
 """
@@ -27,8 +30,10 @@ from pathlib import Path
 
 from accelerate import PartialState
 from datasets import load_dataset
+from transformers import AutoTokenizer
 from trl import TrlParser
 
+from causalqwen_adapter.numeric import add_num_token, encode_with_numbers
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -93,6 +98,22 @@ def peft_config_from(script_args: ScriptArguments):
     )
 
 
+def numeric_data(dataset, script_args: ScriptArguments, training_args: CausalSFTConfig):
+    """For numeric heads: the base's tokenizer with <NUM>, and every `text` turned into input_ids + numeric_values."""
+    tokenizer = AutoTokenizer.from_pretrained(script_args.model_name_or_path, revision=script_args.model_revision)
+    if training_args.num_token_id is None:
+        training_args.num_token_id = len(tokenizer)  # the next free id: 151665, the first reserved row, for Qwen2
+    add_num_token(tokenizer, training_args.num_token_id)
+    for split, data in dataset.items():
+        if "text" not in (data.column_names or []):
+            raise ValueError(f"--numeric reads numbers from a `text` column; the {split} split has {data.column_names}")
+        dataset[split] = data.map(
+            lambda row: encode_with_numbers(tokenizer, row["text"], training_args.num_token_id),
+            remove_columns=data.column_names,
+        )
+    return dataset, tokenizer
+
+
 def adapter_digest(model) -> str:
     """sha256 of the adapter tensors: equal on every rank when data-parallel training kept the replicas in sync."""
     digest = hashlib.sha256()
@@ -114,6 +135,9 @@ def main(script_args: ScriptArguments, training_args: CausalSFTConfig) -> Causal
     if script_args.dataset_train_split not in dataset:
         raise ValueError(f"{script_args.dataset_name} has no split {script_args.dataset_train_split!r}: it has {list(dataset)}")
     evaluate = training_args.eval_strategy != "no"
+    tokenizer = None
+    if training_args.numeric:
+        dataset, tokenizer = numeric_data(dataset, script_args, training_args)
 
     trainer = CausalSFTTrainer(
         model=script_args.model_name_or_path,
@@ -121,6 +145,7 @@ def main(script_args: ScriptArguments, training_args: CausalSFTConfig) -> Causal
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if evaluate else None,
         peft_config=peft_config_from(script_args),
+        processing_class=tokenizer,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     # The card names the data; a local file by its name only, not the path on this machine.

@@ -1,0 +1,313 @@
+"""Numeric-aware heads (DESIGN §2.5): <NUM> values in, the Cauchy regression head out, its loss, generation with
+fed-back values, the data helpers and CausalSFTTrainer on numeric data.
+
+References: the formulas of §2.5 written out in float64, the backbone run on hand-built input embeddings, and a
+teacher-forced forward pass for the generated values.
+"""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
+from causalqwen_adapter.cauchy import cauchy_nll, ovr_loss, signed_log1p
+from causalqwen_adapter.numeric import (
+    NUM_TOKEN, NumericCollator, add_num_token, decode_with_numbers, encode_with_numbers, numeric_statistics,
+)
+from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
+from conftest import TINY_VOCAB, save_tiny_qwen2, tiny_qwen2_config
+
+NUM = TINY_VOCAB - 8  # an id the tiny tests use as <NUM>
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def numeric_base(tmp_path_factory):
+    return save_tiny_qwen2(tmp_path_factory.mktemp("numeric-base"), seed=5, pad_token_id=None)
+
+
+@pytest.fixture
+def model(numeric_base):
+    torch.manual_seed(0)
+    model = CausalQwenForCausalLM.from_base(numeric_base, numeric=True, num_token_id=NUM).eval()
+    with torch.no_grad():  # move the regression head off its init so every term shows
+        model.numeric.weight.normal_(std=0.3)
+        model.numeric.bias.fill_(1.5)
+        model.numeric.log_scale.fill_(-0.7)
+    return model
+
+
+IDS = torch.tensor([[3, NUM, 9, 11, NUM, 4, NUM], [NUM, 5, 6, NUM, 8, 2, 7]])
+VALUES = torch.where(IDS == NUM, torch.tensor([[0.0, 12.5, 0, 0, -3.0, 0, 1e4], [7.0, 0, 0, 0.25, 0, 0, 0]]), 0.0)
+
+
+def test_formulas_match_float64():
+    v = torch.tensor([-1e6, -2.5, -1e-3, 0.0, 1e-3, 2.5, 1e6], dtype=torch.float64)
+    torch.testing.assert_close(signed_log1p(v), torch.tensor([math.copysign(math.log(1 + abs(x)), x) for x in v.tolist()],
+                                                             dtype=torch.float64))
+    y, loc, scale = torch.tensor([1.0, -4.0, 100.0]), torch.tensor([0.5, 2.0, -3.0]), torch.tensor([0.1, 3.0, 50.0])
+    want = [math.log(math.pi * s) + math.log(1 + ((a - b) / s) ** 2) for a, b, s in zip(y.tolist(), loc.tolist(), scale.tolist())]
+    torch.testing.assert_close(cauchy_nll(y, loc, scale), torch.tensor(want))
+
+
+def test_zero_values_change_nothing(numeric_base, model):
+    plain = CausalQwenForCausalLM.from_base(numeric_base).eval()
+    ids = torch.tensor([[3, 9, 11, 4, 20]])
+    with torch.no_grad():
+        without = model(ids)
+        with_zeros = model(ids, numeric_values=torch.zeros(ids.shape))
+        reference = plain(ids)
+    assert torch.equal(with_zeros.logits, without.logits) and torch.equal(without.logits, reference.logits)
+    assert torch.equal(with_zeros.loc_Y, without.loc_Y)
+
+
+def test_numbers_enter_as_phi_times_the_unit_direction(model):
+    d = model.numeric.direction.detach()
+    assert d.norm().item() == pytest.approx(1.0, abs=1e-6)
+    embeds = model.model.embed_tokens(IDS).detach().double()
+    embeds = embeds + torch.sign(VALUES.double()).unsqueeze(-1) * torch.log1p(VALUES.double().abs()).unsqueeze(-1) * d.double()
+    with torch.no_grad():
+        got = model(IDS, numeric_values=VALUES)
+        want = model(inputs_embeds=embeds.float())
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["standard", "causal", "sampling"])
+def test_regression_head_is_the_cauchy_law_of_the_fused_individual(model, mode):
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out = model(IDS, numeric_values=VALUES, inference_mode=mode, causal_temperature=0.7)
+    loc_U, scale_U = out.loc_U.double(), out.scale_U.double()
+    b_noise = model.action.b_noise.double()
+    if mode == "standard":
+        scale_U = scale_U + 0.7 * b_noise.abs()
+    elif mode == "sampling":
+        loc_U = loc_U + 0.7 * b_noise.abs() * out.causal_noise.double()
+    w = model.numeric.weight.double()
+    torch.testing.assert_close(out.loc_Y.double(), loc_U @ w + model.numeric.bias.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.scale_Y.double(), scale_U @ w.abs() + model.numeric.log_scale.double().exp(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_loss_is_ovr_plus_lambda_times_the_nll_of_num_targets(numeric_base, model):
+    model.config.numeric_loss_weight = 0.5
+    labels = IDS.clone()
+    labels[0, 1] = -100  # a masked <NUM> target does not count
+    out = model(IDS, numeric_values=VALUES, labels=labels)
+    targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1)
+    ovr = ovr_loss(out.loc_S, out.scale_S, model.ovr.threshold, targets)
+    is_number = targets == NUM
+    y = torch.cat([VALUES[:, 1:], torch.zeros(2, 1)], 1)[is_number].double()
+    loc_U, scale_U = out.loc_U[is_number].double(), out.scale_U[is_number].double() + model.action.b_noise.double().abs()
+    w = model.numeric.weight.double()
+    loc_Y = loc_U @ w + model.numeric.bias.double()
+    scale_Y = scale_U @ w.abs() + model.numeric.log_scale.double().exp()
+    nll = (torch.log(math.pi * scale_Y) + torch.log1p(((y - loc_Y) / scale_Y) ** 2)).sum()
+    assert is_number.sum() == 3
+    torch.testing.assert_close(out.loss.double(), ovr.double() + 0.5 * nll / (targets != -100).sum(), rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    assert model.numeric.direction.grad.abs().sum() > 0 and model.numeric.weight.grad.abs().sum() > 0
+
+
+def test_bad_numeric_inputs(numeric_base, model):
+    plain = CausalQwenForCausalLM.from_base(numeric_base)
+    with pytest.raises(ValueError, match="this model has numeric=False"):
+        plain(IDS, numeric_values=VALUES)
+    with pytest.raises(ValueError, match=r"numeric_values has shape \(2, 6\), the input tokens \(2, 7\)"):
+        model(IDS, numeric_values=VALUES[:, :6])
+    with pytest.raises(ValueError, match="<NUM> targets but no numeric_values"):
+        model(IDS, labels=IDS)
+    with pytest.raises(ValueError, match="numeric=True needs num_token_id"):
+        CausalQwenConfig(text_config=tiny_qwen2_config(), numeric=True)
+    with pytest.raises(ValueError, match=r"num_token_id=128 is outside the vocabulary \[0, 128\)"):
+        CausalQwenConfig(text_config=tiny_qwen2_config(), numeric=True, num_token_id=TINY_VOCAB)
+    with pytest.raises(ValueError, match="numeric_loss_weight must be >= 0"):
+        CausalQwenConfig(text_config=tiny_qwen2_config(), numeric=True, num_token_id=NUM, numeric_loss_weight=-1)
+    qwen = CausalQwenConfig(text_config=tiny_qwen2_config(vocab_size=151936), numeric=True)
+    assert qwen.num_token_id == 151665
+
+
+# --------------------------------------------------------------------------------------- generation
+
+
+def _force_numbers(model):
+    with torch.no_grad():
+        model.action.bias[NUM] = 40.0  # <NUM> wins every step in compatible mode
+
+
+def test_generated_numbers_are_loc_y_and_are_fed_back(model):
+    _force_numbers(model)
+    prompt, values = IDS[:1, :4], VALUES[:1, :4]
+    out = model.generate(prompt, numeric_values=values, max_new_tokens=3, do_sample=False,
+                         inference_mode="compatible", return_dict_in_generate=True)
+    seq, got = out.sequences, out.numeric_values
+    assert (seq[0, 4:] == NUM).all()
+    assert torch.equal(got[:, :4], values)
+    # teacher forcing: each generated value is loc_Y of the previous position given all earlier values
+    for p in range(4, seq.shape[1]):
+        with torch.no_grad():
+            step = model(seq[:, :p], numeric_values=got[:, :p], inference_mode="compatible")
+        torch.testing.assert_close(got[0, p], step.loc_Y[0, -1], rtol=1e-5, atol=1e-5)
+    no_cache = model.generate(prompt, numeric_values=values, max_new_tokens=3, do_sample=False, use_cache=False,
+                              inference_mode="compatible", return_dict_in_generate=True)
+    assert torch.equal(no_cache.sequences, seq)
+    torch.testing.assert_close(no_cache.numeric_values, got, rtol=1e-5, atol=1e-5)
+    # without return_dict: the usual tensor; without numeric_values: zeros for the prompt
+    plain = model.generate(prompt, max_new_tokens=2, do_sample=False, inference_mode="compatible")
+    assert isinstance(plain, torch.Tensor) and plain.shape == (1, 6)
+
+
+def test_generation_refuses_beams_and_misaligned_values(model):
+    with pytest.raises(ValueError, match="num_beams=1"):
+        model.generate(IDS[:1], max_new_tokens=2, num_beams=2)
+    with pytest.raises(ValueError, match=r"numeric_values has shape \(1, 3\), input_ids \(1, 7\)"):
+        model.generate(IDS[:1], numeric_values=VALUES[:1, :3], max_new_tokens=2)
+
+
+def test_adapter_round_trip_and_remote_code(model, tmp_path):
+    model.save_pretrained(tmp_path / "adapter")
+    for loaded in (CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter"),
+                   AutoModelForCausalLM.from_pretrained(tmp_path / "adapter", trust_remote_code=True)):
+        assert loaded.config.numeric and loaded.config.num_token_id == NUM
+        assert loaded.numeric.bias.dtype == torch.float32
+        with torch.no_grad():
+            a, b = model(IDS, numeric_values=VALUES), loaded(IDS, numeric_values=VALUES)
+        assert torch.equal(a.loc_Y, b.loc_Y) and torch.equal(a.logits, b.logits)
+
+
+# --------------------------------------------------------------------------------------- data helpers
+
+
+def test_encode_decode_and_num_token(sft_base):
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    num_id = len(tokenizer)
+    with pytest.raises(ValueError, match=f"{NUM_TOKEN} would get id {num_id} in this tokenizer, but the model's"):
+        add_num_token(tokenizer, num_id + 1)
+    assert len(tokenizer) == num_id  # nothing changed
+    add_num_token(tokenizer, num_id)
+    assert tokenizer.convert_tokens_to_ids(NUM_TOKEN) == num_id and len(tokenizer) == num_id + 1
+    add_num_token(tokenizer, num_id)  # idempotent
+
+    encoded = encode_with_numbers(tokenizer, "the cat sat on 3 mats and -2.5e3 dogs ran .5", num_id)
+    ids, values = encoded["input_ids"], encoded["numeric_values"]
+    assert len(ids) == len(values)
+    assert [v for i, v in zip(ids, values) if i == num_id] == [3.0, -2500.0, 0.5]
+    assert all(v == 0.0 for i, v in zip(ids, values) if i != num_id)
+    assert decode_with_numbers(tokenizer, ids, values, num_id) == tokenizer.decode(
+        encode_with_numbers(tokenizer, "the cat sat on", num_id)["input_ids"]) + "3" + tokenizer.decode(
+        encode_with_numbers(tokenizer, " mats and ", num_id)["input_ids"]) + "-2500" + tokenizer.decode(
+        encode_with_numbers(tokenizer, " dogs ran ", num_id)["input_ids"]) + "0.5"
+
+
+def test_numeric_statistics_are_the_median_and_half_the_iqr():
+    values = torch.tensor([1.0, 2.0, 4.0, 8.0, 100.0, -50.0])
+    median, scale = numeric_statistics(values)
+    q1, q3 = torch.quantile(values.double(), 0.25).item(), torch.quantile(values.double(), 0.75).item()
+    assert median == pytest.approx(3.0) and scale == pytest.approx((q3 - q1) / 2)
+    assert numeric_statistics([5.0, 5.0, 5.0]) == (5.0, pytest.approx(5e-3))
+    with pytest.raises(ValueError, match="no numeric target"):
+        numeric_statistics([])
+    with pytest.raises(ValueError, match="values must be finite"):
+        numeric_statistics([1.0, float("nan")])
+
+
+@pytest.mark.parametrize("truncation_mode, padding_free", [("keep_start", False), ("keep_end", False), ("keep_start", True)])
+def test_collator_keeps_values_aligned_with_tokens(truncation_mode, padding_free):
+    def inner(examples):  # like TRL's: input_ids already truncated, padded right or concatenated
+        rows = [torch.tensor(e["input_ids"]) for e in examples]
+        if padding_free:
+            return {"input_ids": torch.cat(rows)[None]}
+        width = max(map(len, rows))
+        return {"input_ids": torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=-1) for r in rows])}
+
+    full = [[1, 2, 3, 4], [5, 6]]
+    values = [[0.0, 2.5, 0.0, 9.0], [7.0, 0.0]]
+    kept = [ids[:3] if truncation_mode == "keep_start" else ids[-3:] for ids in full[:1]] + [full[1]]
+    examples = [{"input_ids": k, "numeric_values": v} for k, v in zip(kept, values)]
+    batch = NumericCollator(inner, truncation_mode=truncation_mode, padding_free=padding_free)(examples)
+    lookup = {i: v for ids, vals in zip(full, values) for i, v in zip(ids, vals)}
+    expected = batch["input_ids"].clone().float().apply_(lambda i: lookup.get(int(i), 0.0))
+    assert torch.equal(batch["numeric_values"], expected)
+
+
+# --------------------------------------------------------------------------------------- training
+
+
+def _numeric_data(tokenizer, num_id):
+    texts = ["the cat sat on 3 mats", "a dog ran 12 times in the park", "two plus two is 4",
+             "hello 7 how are you 2.5", "the sky is 100 blue today", "cats and dogs are 40 friends"]
+    return Dataset.from_list([encode_with_numbers(tokenizer, t, num_id) for t in texts])
+
+
+def test_trainer_starts_from_the_data_and_matches_the_naive_loss(sft_base, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    num_id = len(tokenizer)
+    add_num_token(tokenizer, num_id)
+    data = _numeric_data(tokenizer, num_id)
+    args = CausalSFTConfig(str(tmp_path), numeric=True, num_token_id=num_id, numeric_loss_weight=0.5, max_steps=2,
+                           per_device_train_batch_size=3, learning_rate=1e-2, logging_steps=1, report_to="none",
+                           save_strategy="no", use_cpu=True, dataloader_pin_memory=False, disable_tqdm=True, seed=0)
+    trainer = CausalSFTTrainer(str(sft_base), args=args, train_dataset=data, processing_class=tokenizer)
+    model = trainer.model
+    targets = [3.0, 12.0, 4.0, 7.0, 2.5, 100.0, 40.0]
+    median, scale = numeric_statistics(targets)
+    assert model.numeric.bias.item() == pytest.approx(median)
+    assert model.numeric.log_scale.exp().item() == pytest.approx(scale, rel=1e-6)
+
+    batch = trainer.data_collator([data[i] for i in range(3)])
+    assert batch["numeric_values"].shape == batch["input_ids"].shape
+    fused = trainer.compute_loss(model, dict(batch))
+    with torch.no_grad():
+        naive = model(**batch)  # the model's own forward: materialised OvR + λ NLL
+    torch.testing.assert_close(fused.detach(), naive.loss, rtol=1e-5, atol=1e-5)
+
+    direction = model.numeric.direction.detach().clone()
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all("numeric_nll" in h for h in logged)
+    assert not torch.equal(model.numeric.direction, direction)  # d trains through the frozen backbone
+    assert all(not p.requires_grad for p in model.model.parameters())
+
+
+def test_trainer_refuses_numeric_heads_without_values_or_with_packing(sft_base, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    num_id = len(tokenizer)
+    add_num_token(tokenizer, num_id)
+    common = dict(numeric=True, num_token_id=num_id, report_to="none", use_cpu=True, save_strategy="no")
+    with pytest.raises(ValueError, match="has no numeric_values column"):
+        CausalSFTTrainer(str(sft_base), args=CausalSFTConfig(str(tmp_path), **common),
+                         train_dataset=Dataset.from_dict({"text": ["the cat sat on 3 mats"]}), processing_class=tokenizer)
+    with pytest.raises(ValueError, match="packing is not supported with numeric heads"):
+        CausalSFTTrainer(str(sft_base), args=CausalSFTConfig(str(tmp_path), packing=True, **common),
+                         train_dataset=_numeric_data(tokenizer, num_id), processing_class=tokenizer)
+    adapter = tmp_path / "plain-adapter"
+    CausalQwenForCausalLM.from_base(Qwen2ForCausalLM.from_pretrained(sft_base)).save_pretrained(adapter)
+    with pytest.raises(ValueError, match="this adapter's heads are not numeric"):
+        CausalSFTTrainer(str(adapter), args=CausalSFTConfig(str(tmp_path), **common),
+                         train_dataset=_numeric_data(tokenizer, num_id), processing_class=tokenizer)
+
+
+def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
+    spec = importlib.util.spec_from_file_location("sft_ovr_recipe", REPO_ROOT / "recipes" / "sft_ovr.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    data = tmp_path / "numbers.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the cat sat on 3 mats", "two plus two is 4",
+                                                                     "a dog ran 12 times"]))
+    script_args, training_args = recipe.make_parser().parse_args_and_config(args=[
+        "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
+        "--numeric", "--max_steps", "1", "--per_device_train_batch_size", "3", "--report_to", "none",
+        "--use_cpu", "true", "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
+    ])
+    trainer = recipe.main(script_args, training_args)
+    num_id = trainer.model.config.num_token_id
+    assert num_id == len(AutoTokenizer.from_pretrained(sft_base))  # the next free id
+    assert sorted(v for row in trainer.train_dataset["numeric_values"] for v in row if v) == [3.0, 4.0, 12.0]
+    assert "numeric_nll" in trainer.state.log_history[0]
+    assert CausalQwenForCausalLM.from_pretrained(tmp_path / "out").config.numeric
