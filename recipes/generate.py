@@ -3,7 +3,8 @@
     python recipes/generate.py ADAPTER --prompt "Write a function that reverses a string." --mode standard
 
 The tokenizer is the base's (adapters carry none); its chat template is applied when it has one
-(`--no-chat` to feed the prompt raw).
+(`--no-chat` to feed the prompt raw). With a numeric adapter (DESIGN §2.5) the numbers of the prompt enter as <NUM>
+tokens with their values, and the answer is printed once done, each generated <NUM> written as its predicted value.
 """
 
 import argparse
@@ -13,6 +14,7 @@ from transformers import AutoTokenizer, TextStreamer
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.cauchy import INFERENCE_MODES
+from causalqwen_adapter.numeric import add_num_token, decode_with_numbers, encode_with_numbers
 
 
 def build_inputs(tokenizer, prompt: str, chat: bool):
@@ -55,13 +57,36 @@ def main() -> None:
         "top_k": args.top_k,
         "top_p": args.top_p,
     }
+    options = {k: v for k, v in options.items() if v is not None}
+    if model.config.numeric:
+        print(generate_with_numbers(model, tokenizer, args.prompt, not args.no_chat, args, options))
+        return
     model.generate(
         **inputs,
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
         streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-        **{k: v for k, v in options.items() if v is not None},
+        **options,
     )
+
+
+def generate_with_numbers(model, tokenizer, prompt: str, chat: bool, args, options) -> str:
+    num_id = model.config.num_token_id
+    add_num_token(tokenizer, num_id)
+    if chat and tokenizer.chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=False)
+    encoded = encode_with_numbers(tokenizer, prompt, num_id)
+    out = model.generate(
+        torch.tensor([encoded["input_ids"]]),
+        numeric_values=torch.tensor([encoded["numeric_values"]]),
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        return_dict_in_generate=True,
+        **options,
+    )
+    start = len(encoded["input_ids"])
+    return decode_with_numbers(tokenizer, out.sequences[0, start:], out.numeric_values[0, start:], num_id)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """generate() in every inference mode (DESIGN §2.4): exactness, the cache, sampling noise, options."""
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from causalqwen_adapter import CausalQwenForCausalLM
@@ -165,3 +168,22 @@ def test_single_row_kernel_matches_two_matmuls():
     for got, want in zip(fused, expected):
         assert got.shape == (1, 1, 300)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------- recipes/generate.py
+
+
+def test_generate_recipe_streams_the_greedy_answer(sft_base, tmp_path):
+    """Compatible mode with fresh heads: what the recipe prints is the base's own greedy continuation."""
+    base = Qwen2ForCausalLM.from_pretrained(sft_base).eval()
+    CausalQwenForCausalLM.from_base(base).save_pretrained(tmp_path / "adapter")
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    prompt = "the cat sat on"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = tokenizer.decode(base.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1]:],
+                                skip_special_tokens=True)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "generate.py"
+    proc = subprocess.run([sys.executable, str(recipe), str(tmp_path / "adapter"), "--prompt", prompt, "--no-chat",
+                           "--mode", "compatible", "--max-new-tokens", "5"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == expected.strip()

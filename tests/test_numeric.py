@@ -8,6 +8,8 @@ teacher-forced forward pass for the generated values.
 import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -311,3 +313,25 @@ def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
     assert sorted(v for row in trainer.train_dataset["numeric_values"] for v in row if v) == [3.0, 4.0, 12.0]
     assert "numeric_nll" in trainer.state.log_history[0]
     assert CausalQwenForCausalLM.from_pretrained(tmp_path / "out").config.numeric
+
+
+def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    num_id = len(tokenizer)
+    model = CausalQwenForCausalLM.from_base(str(sft_base), numeric=True, num_token_id=num_id).eval()
+    with torch.no_grad():
+        model.action.bias[num_id] = 40.0  # every generated token is <NUM>
+        model.numeric.bias.fill_(42.0)
+    model.save_pretrained(tmp_path / "adapter")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "recipes" / "generate.py"), str(tmp_path / "adapter"),
+                           "--prompt", "the cat sat on 3", "--no-chat", "--mode", "compatible", "--max-new-tokens", "2"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    add_num_token(tokenizer, num_id)
+    encoded = encode_with_numbers(tokenizer, "the cat sat on 3", num_id)
+    out = model.generate(torch.tensor([encoded["input_ids"]]), numeric_values=torch.tensor([encoded["numeric_values"]]),
+                         max_new_tokens=2, do_sample=False, inference_mode="compatible", return_dict_in_generate=True)
+    n = len(encoded["input_ids"])
+    values = out.numeric_values[0, n:]
+    assert proc.stdout.strip() == "".join(f"{v:g}" for v in values.tolist())
+    assert all(abs(v - 42.0) < 5 for v in values.tolist())
