@@ -335,3 +335,11 @@ def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
     values = out.numeric_values[0, n:]
     assert proc.stdout.strip() == "".join(f"{v:g}" for v in values.tolist())
     assert all(abs(v - 42.0) < 5 for v in values.tolist())
+
+
+def test_model_card_says_the_adapter_is_numeric(model, tmp_path):
+    model.save_pretrained(tmp_path / "adapter")
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert f"`<NUM>` (id {NUM})" in card and "numeric_values" in card
+    CausalQwenForCausalLM.from_base(model.config.base_model_name_or_path).save_pretrained(tmp_path / "plain")
+    assert "<NUM>" not in (tmp_path / "plain" / "README.md").read_text()
