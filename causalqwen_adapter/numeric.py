@@ -10,6 +10,9 @@ import re
 from collections.abc import Iterable, Sequence
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 NUM_TOKEN = "<NUM>"
 # Decimal numbers with an optional sign, fraction and exponent: "42", "-3.5", ".5", "6.02e23".
@@ -28,6 +31,14 @@ def add_num_token(tokenizer, num_token_id: int) -> None:
         if have != num_token_id:
             raise ValueError(f"the tokenizer already maps {NUM_TOKEN} to {have}, the model expects {num_token_id}")
         return
+    if num_token_id < len(tokenizer):
+        taken = tokenizer.convert_ids_to_tokens(num_token_id)
+        if re.fullmatch(r"\[PAD\d+\]", taken or ""):
+            # Tokenizers converted from GGUF name every reserved row "[PAD<id>]": that row is unused, so it serves
+            # as <NUM> by id (encode_with_numbers / decode_with_numbers), without a string of its own.
+            logger.warning(f"the tokenizer names the reserved row {num_token_id} {taken!r}: <NUM> is used by id there")
+            return
+        raise ValueError(f"id {num_token_id} is the tokenizer's token {taken!r}, not a free row: <NUM> needs an unused id")
     if len(tokenizer) != num_token_id:
         raise ValueError(
             f"{NUM_TOKEN} would get id {len(tokenizer)} in this tokenizer, but the model's num_token_id is "

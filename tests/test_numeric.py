@@ -343,3 +343,13 @@ def test_model_card_says_the_adapter_is_numeric(model, tmp_path):
     assert f"`<NUM>` (id {NUM})" in card and "numeric_values" in card
     CausalQwenForCausalLM.from_base(model.config.base_model_name_or_path).save_pretrained(tmp_path / "plain")
     assert "<NUM>" not in (tmp_path / "plain" / "README.md").read_text()
+
+
+def test_num_token_on_a_reserved_placeholder_row_or_a_taken_id(sft_base):
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    size = len(tokenizer)
+    tokenizer.add_tokens(["[PAD999]"])  # how GGUF-built tokenizers name reserved rows
+    add_num_token(tokenizer, size)  # used by id, nothing added
+    assert len(tokenizer) == size + 1 and NUM_TOKEN not in tokenizer.get_vocab()
+    with pytest.raises(ValueError, match="is the tokenizer's token 'the', not a free row"):
+        add_num_token(tokenizer, tokenizer.convert_tokens_to_ids("the"))

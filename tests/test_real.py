@@ -50,3 +50,40 @@ def test_compatible_greedy_equals_base_greedy(demo_base):
     expected = base.generate(**batch, max_new_tokens=24, do_sample=False)
     got = model.generate(**batch, max_new_tokens=24, do_sample=False, inference_mode="compatible")
     assert torch.equal(got, expected)
+
+
+def test_num_token_is_the_first_reserved_row_of_the_real_vocabulary(real):
+    from causalqwen_adapter.numeric import NUM_TOKEN, add_num_token, encode_with_numbers
+
+    tokenizer, base, _ = real
+    numeric = CausalQwenForCausalLM.from_base(base, numeric=True).eval()
+    assert numeric.config.num_token_id == 151665
+    # A Hub Qwen2 tokenizer has 151665 entries and gets <NUM> there; the GGUF-built demo tokenizer names the
+    # reserved rows "[PAD151665]"...: <NUM> is then used by id, and the vocabulary never grows.
+    size = len(tokenizer)
+    add_num_token(tokenizer, numeric.config.num_token_id)
+    if size == 151665:
+        assert tokenizer.convert_tokens_to_ids(NUM_TOKEN) == 151665 and len(tokenizer) == 151666
+    else:
+        assert tokenizer.convert_ids_to_tokens(151665) == "[PAD151665]" and len(tokenizer) == size
+    enc = encode_with_numbers(tokenizer, "x = 42 * 3.5", 151665)
+    assert [v for i, v in zip(enc["input_ids"], enc["numeric_values"]) if i == 151665] == [42.0, 3.5]
+    batch = tokenizer(PROMPTS[:1], return_tensors="pt")
+    with torch.no_grad():  # numbers at 0 leave the base untouched
+        got = numeric(**batch, numeric_values=torch.zeros(batch.input_ids.shape), inference_mode="compatible").logits
+        want = base(**batch).logits
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_extracted_features_are_the_base_hidden_states(real, tmp_path):
+    from causalqwen_adapter.distill import extract_features
+
+    tokenizer, base, _ = real
+    stored = extract_features(base, PROMPTS, tmp_path / "features", top_k=4, tokenizer=tokenizer)
+    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        z = base.model(ids).last_hidden_state[0]
+        top = torch.softmax(base.lm_head(z), -1).topk(4)
+    rows = stored[: ids.shape[1]]
+    torch.testing.assert_close(rows["hidden_state"], z, rtol=1e-4, atol=1e-4)
+    assert torch.equal(rows["topk_ids"].long(), top.indices)
