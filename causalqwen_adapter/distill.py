@@ -11,12 +11,10 @@ token. Checkpoints, `save_model`, resuming and the model card are the adapter fo
 Heads trained this way see the base's z: they belong on the base without a backbone LoRA.
 """
 
-import functools
 import json
 import os
 import shutil
 import tempfile
-import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +29,7 @@ from transformers.utils import logging
 
 from .losses import topk_mse_loss
 from .modeling_causalqwen import CausalQwenForCausalLM
-from .trainer import AdapterCheckpointMixin, CausalHeadArguments, prepare_causal_model
+from .trainer import AdapterCheckpointMixin, CausalHeadArguments, add_forward_path, prepare_causal_model
 
 logger = logging.get_logger(__name__)
 
@@ -287,17 +285,7 @@ def add_distill_forward(model: CausalQwenForCausalLM) -> None:
     It runs the abduction head on the stored z [N, H] and the top-K MSE against the action head; the backbone is not
     used. Like the OvR path of `CausalSFTTrainer`, it lives inside `forward` so that DDP syncs the gradients.
     """
-    original_forward = model.forward
-
-    @functools.wraps(type(model).forward)
-    def forward(self, *args, distill_loss=False, **kwargs):
-        if not distill_loss:
-            return original_forward(*args, **kwargs)
-        if args:
-            raise TypeError("model(..., distill_loss=True) takes keyword arguments only")
-        return _distill_forward(self, **kwargs)
-
-    model.forward = types.MethodType(forward, model)
+    add_forward_path(model, "distill_loss", _distill_forward)
 
 
 def _distill_forward(model, *, hidden_state, topk_ids, topk_probs) -> CausalDistillOutput:

@@ -152,6 +152,23 @@ class CausalOvRLossOutput(ModelOutput):
     num_numbers: torch.LongTensor | None = None
 
 
+def add_forward_path(model, flag: str, path) -> None:
+    """Give `model.forward` an extra path: `model(..., <flag>=True, **kwargs)` returns `path(model, **kwargs)`;
+    without the flag the forward is the model's own. The original signature stays visible (`generate` and the
+    Trainer's column filter read it)."""
+    original_forward = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, **kwargs):
+        if not kwargs.pop(flag, False):
+            return original_forward(*args, **kwargs)
+        if args:
+            raise TypeError(f"model(..., {flag}=True) takes keyword arguments only")
+        return path(self, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
 def add_ovr_loss_forward(model: CausalQwenForCausalLM, chunk_size: int = 1024) -> None:
     """Give `model.forward` the path `model(input_ids, ..., labels=labels, ovr_loss=True, num_items_in_batch=n)`.
 
@@ -159,18 +176,7 @@ def add_ovr_loss_forward(model: CausalQwenForCausalLM, chunk_size: int = 1024) -
     chunked OvR loss with the action head and thresholds; it returns a [`CausalOvRLossOutput`]. `shift_labels`
     (already aligned with the positions) may replace `labels`. Without `ovr_loss=True` the forward is unchanged.
     """
-    original_forward = model.forward
-
-    # The original signature stays visible: `generate` validates its kwargs against it.
-    @functools.wraps(type(model).forward)
-    def forward(self, *args, ovr_loss=False, **kwargs):
-        if not ovr_loss:
-            return original_forward(*args, **kwargs)
-        if args:
-            raise TypeError("model(..., ovr_loss=True) takes keyword arguments only")
-        return _ovr_loss_forward(self, chunk_size=chunk_size, **kwargs)
-
-    model.forward = types.MethodType(forward, model)
+    add_forward_path(model, "ovr_loss", functools.partial(_ovr_loss_forward, chunk_size=chunk_size))
 
 
 def _ovr_loss_forward(model, *, labels=None, shift_labels=None, num_items_in_batch=None, chunk_size=1024,
@@ -698,5 +704,5 @@ def _check_targets(dataset, vocab_size: int, split: str, *, require_targets: boo
 
 __all__ = [
     "AdapterCheckpointMixin", "CausalHeadArguments", "CausalOvRLossOutput", "CausalSFTConfig", "CausalSFTTrainer",
-    "add_ovr_loss_forward", "prepare_causal_model",
+    "add_forward_path", "add_ovr_loss_forward", "prepare_causal_model",
 ]

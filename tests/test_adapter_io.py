@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 import causalqwen_adapter.modeling_causalqwen as modeling
 from causalqwen_adapter import CausalQwenForCausalLM
