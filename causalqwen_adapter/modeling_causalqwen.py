@@ -791,11 +791,13 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids, *args, numeric_values=None, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         if numeric_values is not None:
-            # A value counts only where its token is <NUM>; generated columns hold each step's loc_Y.
-            values = torch.where(input_ids == self.config.num_token_id, numeric_values[:, : input_ids.shape[1]], 0.0)
+            # The values of the positions fed this step; one counts only where its token is <NUM> (generated
+            # columns hold each step's loc_Y, whatever token was chosen).
             fed = model_inputs.get("input_ids")
             width = fed.shape[1] if fed is not None else model_inputs["inputs_embeds"].shape[1]
-            model_inputs["numeric_values"] = values[:, -width:]
+            length = input_ids.shape[1]
+            tokens, values = input_ids[:, length - width :], numeric_values[:, length - width : length]
+            model_inputs["numeric_values"] = torch.where(tokens == self.config.num_token_id, values, 0.0)
         return model_inputs
 
     def generate(self, *args, **kwargs):
