@@ -788,7 +788,7 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         loc_Y, scale_Y = self.numeric_prediction(loc_U[is_number], scale_U[is_number])
         return self.config.numeric_loss_weight * cauchy_nll(y, loc_Y, scale_Y).sum() / denominator
 
-    def prepare_inputs_for_generation(self, input_ids, *args, numeric_values=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, *args, numeric_values=None, numeric_record=None, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         if numeric_values is not None:
             # The values of the positions fed this step; one counts only where its token is <NUM> (generated
@@ -840,11 +840,12 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         elif values.shape != input_ids.shape:
             raise ValueError(f"numeric_values has shape {tuple(values.shape)}, input_ids {tuple(input_ids.shape)}: "
                              "pass one value per prompt token (0 where the token is not <NUM>)")
-        self._numeric_generation = None
-        out = generate(inputs, generation_config, numeric_values=values.float(), **kwargs)
+        # This call's values, grown step by step in the generation loop's model kwargs (which generate() does not
+        # return): a per-call record, so concurrent calls on one model do not mix.
+        record = {"values": values.float()}
+        out = generate(inputs, generation_config, numeric_values=values.float(), numeric_record=record, **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        generated = self._numeric_generation if self._numeric_generation is not None else values.float()
-        self._numeric_generation = None
+        generated = record["values"]
         if not isinstance(out, torch.Tensor):
             generated = generated[:, : sequences.shape[1]]
             out["numeric_values"] = torch.where(sequences == self.config.num_token_id, generated, 0.0)
@@ -858,7 +859,8 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             # The value of the token just chosen, should it be <NUM>; masked by token when fed back.
             predicted = outputs.loc_Y[:, -1:].to(model_kwargs["numeric_values"])
             model_kwargs["numeric_values"] = torch.cat([model_kwargs["numeric_values"], predicted], dim=1)
-            self._numeric_generation = model_kwargs["numeric_values"]
+            if model_kwargs.get("numeric_record") is not None:
+                model_kwargs["numeric_record"]["values"] = model_kwargs["numeric_values"]
         return model_kwargs
 
 

@@ -160,6 +160,11 @@ def test_generated_numbers_are_loc_y_and_are_fed_back(model):
                               inference_mode="compatible", return_dict_in_generate=True)
     assert torch.equal(no_cache.sequences, seq)
     torch.testing.assert_close(no_cache.numeric_values, got, rtol=1e-5, atol=1e-5)
+    # several samples per prompt: the values are expanded with the sequences
+    multi = model.generate(prompt, numeric_values=values, max_new_tokens=2, do_sample=True, num_return_sequences=2,
+                           inference_mode="compatible", return_dict_in_generate=True)
+    assert multi.numeric_values.shape == multi.sequences.shape == (2, 6)
+    assert torch.equal(multi.numeric_values[:, :4], values.expand(2, -1))
     # without return_dict: the usual tensor; without numeric_values: zeros for the prompt
     plain = model.generate(prompt, max_new_tokens=2, do_sample=False, inference_mode="compatible")
     assert isinstance(plain, torch.Tensor) and plain.shape == (1, 6)
