@@ -748,8 +748,11 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, "standard", 1.0)
             targets = _shift_labels(labels)
             loss = ovr_loss(loc_S, scale_S, self.ovr.threshold, targets, num_items_in_batch)
-            if self.config.numeric:
-                loss = loss + self._numeric_loss(loc_U, scale_U, targets, numeric_values, num_items_in_batch)
+            if self.config.numeric:  # λ · Σ NLL over the OvR loss's denominator
+                values = None if numeric_values is None else _shift_labels(numeric_values.float(), fill=0.0)
+                nll = self.numeric_nll(loc_U, scale_U, targets, values)
+                denominator = (targets != -100).sum() if num_items_in_batch is None else num_items_in_batch
+                loss = loss + self.config.numeric_loss_weight * nll.sum() / denominator
             noise = None
             if mode == "compatible":
                 scale_S = None  # same loc_S as the training fusion; compatible scores carry no scale
@@ -775,18 +778,20 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
-    def _numeric_loss(self, loc_U, scale_U, targets, numeric_values, num_items_in_batch):
-        """λ · Σ Cauchy NLL of the `<NUM>` targets' values (training fusion), over the OvR loss's denominator."""
+    def numeric_nll(self, loc_U, scale_U, targets, values):
+        """Cauchy NLL (training fusion) of the value of every `<NUM>` target, [number of <NUM> targets].
+
+        `targets` (token ids, −100 for none) and `values` (their numeric values) are aligned with the positions of
+        `loc_U`/`scale_U`, i.e. already shifted.
+        """
         is_number = targets == self.config.num_token_id
-        denominator = (targets != -100).sum() if num_items_in_batch is None else num_items_in_batch
         if not is_number.any():
-            return loc_U.new_zeros((), dtype=torch.float32)
-        if numeric_values is None:
+            return loc_U.new_zeros(0, dtype=torch.float32)
+        if values is None:
             raise ValueError("the labels hold <NUM> targets but no numeric_values were given: pass the value of every "
                              "<NUM> token (0 elsewhere)")
-        y = _shift_labels(numeric_values.float(), fill=0.0)[is_number]
         loc_Y, scale_Y = self.numeric_prediction(loc_U[is_number], scale_U[is_number])
-        return self.config.numeric_loss_weight * cauchy_nll(y, loc_Y, scale_Y).sum() / denominator
+        return cauchy_nll(values.to(loc_Y.device)[is_number].float(), loc_Y, scale_Y)
 
     def prepare_inputs_for_generation(self, input_ids, *args, numeric_values=None, numeric_record=None, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)

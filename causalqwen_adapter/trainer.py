@@ -32,7 +32,6 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
-from .cauchy import cauchy_nll
 from .losses import chunked_ovr_loss
 from .numeric import NumericCollator, numeric_statistics
 from .modeling_causalqwen import ADAPTER_WEIGHTS_NAME, LORA_FOLDER, CausalQwenForCausalLM, _shift_labels
@@ -215,19 +214,14 @@ def _ovr_loss_forward(model, *, labels=None, shift_labels=None, num_items_in_bat
         )
     numeric_nll = num_numbers = None
     if model.config.numeric:
-        is_number = targets[valid] == model.config.num_token_id
-        num_numbers = is_number.sum()
-        if num_numbers > 0:
-            if numeric_values is None:
-                raise ValueError("the labels hold <NUM> targets but the batch has no numeric_values")
-            y = _shift_labels(numeric_values.float(), fill=0.0).reshape(-1).to(hidden.device)[valid][is_number]
-            loc_Y, scale_Y = model.numeric_prediction(loc_U[is_number], scale_U[is_number])
-            nll = cauchy_nll(y, loc_Y, scale_Y)
-            denominator = loc_U.shape[0] if num_items_in_batch is None else num_items_in_batch
-            loss = loss + model.config.numeric_loss_weight * nll.sum() / denominator
-            numeric_nll = nll.detach().mean()
-        else:
-            numeric_nll = loss.new_zeros(())
+        values = None
+        if numeric_values is not None:
+            values = _shift_labels(numeric_values.float(), fill=0.0).reshape(-1).to(hidden.device)[valid]
+        nll = model.numeric_nll(loc_U, scale_U, targets[valid], values)
+        denominator = loc_U.shape[0] if num_items_in_batch is None else num_items_in_batch
+        loss = loss + model.config.numeric_loss_weight * nll.sum() / denominator
+        num_numbers = torch.tensor(nll.numel(), device=loss.device)
+        numeric_nll = nll.detach().mean() if nll.numel() else loss.new_zeros(())
     n = max(loc_U.shape[0], 1)
     return CausalOvRLossOutput(
         loss=loss,
