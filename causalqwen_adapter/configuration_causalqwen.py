@@ -8,6 +8,7 @@ from transformers import PreTrainedConfig, Qwen2Config
 from .cauchy import INFERENCE_MODES
 
 ACTION_WEIGHTS = ("full", "tied", "lora")
+OBJECTIVES = ("ovr", "softmax")
 # Qwen2's embedding has 151936 rows; the tokenizer uses the first 151665, the last 271 are reserved.
 QWEN2_VOCAB_SIZE = 151936
 QWEN2_RESERVED_ROWS = 271
@@ -37,6 +38,11 @@ class CausalQwenConfig(PreTrainedConfig):
         num_token_id (`int`, *optional*): the id of `<NUM>`, a reserved (unused) row of the base vocabulary;
             defaults to V − 271 (151665) for the 151936-row Qwen2 vocabulary, required otherwise.
         numeric_loss_weight (`float`): λ, the weight of the Cauchy NLL of `<NUM>` values beside the OvR loss.
+        objective (`str`): the training loss `forward(labels=...)` computes: "ovr" (the one-vs-rest loss of
+            DESIGN §2.3) or "softmax" (the cross-entropy of softmax(loc_S), the baseline every OvR figure is
+            compared with).
+        softmax_loss_weight (`float`): with objective="ovr", the weight of an auxiliary softmax cross-entropy on
+            loc_S added to the OvR loss (0 = the OvR loss alone).
     """
 
     model_type = "causalqwen"
@@ -58,6 +64,8 @@ class CausalQwenConfig(PreTrainedConfig):
     numeric: bool = False
     num_token_id: int | None = None
     numeric_loss_weight: float = 1.0
+    objective: str = "ovr"
+    softmax_loss_weight: float = 0.0
 
     def __post_init__(self, **kwargs):
         # The base's attention implementation survives wrapping: the parent resets it on sub-configs.
@@ -84,6 +92,10 @@ class CausalQwenConfig(PreTrainedConfig):
                 f"action_weight={self.action_weight!r} reuses the base's [vocab × hidden] output weights, so "
                 f"causal_size must equal the hidden size {self.text_config.hidden_size} (got {self.causal_size})"
             )
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if not self.softmax_loss_weight >= 0:
+            raise ValueError(f"softmax_loss_weight must be a finite number >= 0, got {self.softmax_loss_weight}")
         if self.action_lora_rank < 1:
             raise ValueError(f"action_lora_rank must be a positive integer, got {self.action_lora_rank}")
         if self.numeric:

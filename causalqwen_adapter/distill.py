@@ -24,12 +24,10 @@ import torch
 from datasets import Dataset, Features, IterableDataset, Sequence, Value, load_from_disk
 from datasets.arrow_writer import ArrowWriter
 from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM, Trainer, TrainingArguments
-from transformers.modeling_outputs import ModelOutput
 from transformers.utils import logging
 
-from .losses import topk_mse_loss
 from .modeling_causalqwen import CausalQwenForCausalLM
-from .trainer import AdapterCheckpointMixin, CausalHeadArguments, add_forward_path, prepare_causal_model
+from .training import AdapterCheckpointMixin, CausalHeadArguments, LossMetricsMixin, prepare_causal_model
 
 logger = logging.get_logger(__name__)
 
@@ -269,39 +267,7 @@ class CausalDistillConfig(CausalHeadArguments, TrainingArguments):
             raise ValueError("remove_unused_columns=True would drop the feature columns: leave it False")
 
 
-@dataclass
-class CausalDistillOutput(ModelOutput):
-    """What `model(hidden_state=..., topk_ids=..., topk_probs=..., distill_loss=True)` returns."""
-
-    loss: torch.FloatTensor | None = None
-    top1_match: torch.FloatTensor | None = None
-    topk_prob_sum: torch.FloatTensor | None = None
-    num_tokens: torch.LongTensor | None = None
-
-
-def add_distill_forward(model: CausalQwenForCausalLM) -> None:
-    """Give `model.forward` the path `model(hidden_state=z, topk_ids=..., topk_probs=..., distill_loss=True)`.
-
-    It runs the abduction head on the stored z [N, H] and the top-K MSE against the action head; the backbone is not
-    used. Like the OvR path of `CausalSFTTrainer`, it lives inside `forward` so that DDP syncs the gradients.
-    """
-    add_forward_path(model, "distill_loss", _distill_forward)
-
-
-def _distill_forward(model, *, hidden_state, topk_ids, topk_probs) -> CausalDistillOutput:
-    action = model.action
-    z = hidden_state.reshape(-1, hidden_state.shape[-1])
-    with torch.autocast(z.device.type, enabled=False):  # float32 loss math, as in the OvR path
-        weight = action.effective_weight()
-        loc_U, scale_U = model.abduction(z.to(model.abduction.loc.weight.dtype))
-        loss, stats = topk_mse_loss(
-            loc_U, scale_U, weight, action.bias, action.b_noise, model.ovr.threshold,
-            topk_ids.reshape(len(z), -1), topk_probs.reshape(len(z), -1),
-        )
-    return CausalDistillOutput(loss=loss, num_tokens=torch.tensor(len(z), device=z.device), **stats)
-
-
-class CausalDistillTrainer(AdapterCheckpointMixin, Trainer):
+class CausalDistillTrainer(LossMetricsMixin, AdapterCheckpointMixin, Trainer):
     """
     Trains the causal heads on stored teacher features with the top-K MSE (DESIGN §2.6), as a
     [`~transformers.Trainer`]; stage 2 of offline distillation.
@@ -360,32 +326,19 @@ class CausalDistillTrainer(AdapterCheckpointMixin, Trainer):
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         self.model_accepts_loss_kwargs = False  # a mean over the batch; the Trainer scales it for accumulation
-        add_distill_forward(self.model)
-        self._distill_sums: dict[str, torch.Tensor] = {}
         self._card_datasets: list[str] = []
         self._card_tags: list[str] = []
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The model's own distillation loss, `model(hidden_state=z, topk_ids=..., topk_probs=...)`, with its metrics."""
         mode = "train" if self.model.training else "eval"
-        outputs = model(**inputs, distill_loss=True)
-        if not torch.isfinite(outputs.loss):
-            raise FloatingPointError(
-                f"the top-K MSE is {outputs.loss.item()} at step {self.state.global_step + 1}: training stopped. "
-                "Lower learning_rate or max_grad_norm and resume from the last checkpoint"
-            )
-        n = outputs.num_tokens.float()
-        sums = torch.stack([n, n * outputs.top1_match, n * outputs.topk_prob_sum])
-        sums = self.accelerator.reduce(sums, reduction="sum")
-        self._distill_sums[mode] = sums if mode not in self._distill_sums else self._distill_sums[mode] + sums
-        return (outputs.loss, outputs) if return_outputs else outputs.loss
+        outputs = model(**inputs)
+        loss = self._check_finite(outputs.loss, mode)
+        self._accumulate_metrics(mode, outputs.metrics)
+        return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
-        sums = self._distill_sums.pop(mode, None)
-        if sums is not None and sums[0] > 0:
-            n, top1, prob_sum = sums.tolist()
-            prefix = "eval_" if mode == "eval" else ""
-            logs.update({f"{prefix}top1_match": top1 / n, f"{prefix}topk_prob_sum": prob_sum / n})
+        self._log_metrics(logs, "train" if self.model.training else "eval")
         super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -436,6 +389,6 @@ def _as_feature_dataset(data, model: CausalQwenForCausalLM, split: str) -> Datas
 
 
 __all__ = [
-    "CausalDistillConfig", "CausalDistillOutput", "CausalDistillTrainer", "FEATURES_CONFIG_NAME", "add_distill_forward",
+    "CausalDistillConfig", "CausalDistillTrainer", "FEATURES_CONFIG_NAME",
     "extract_features", "features_info", "load_features",
 ]

@@ -1,5 +1,6 @@
 """Training losses of the causal heads: the chunked one-vs-rest loss (DESIGN §2.3), fused with the action head,
-and the top-K distillation loss (§2.6).
+the chunked softmax cross-entropy on loc_S (the baseline and the auxiliary term), and the top-K distillation
+loss (§2.6).
 
 The naive loss materialises loc_S and scale_S for every token ([N × V] each, 0.6 GB per
 tensor at N = 1024, V = 151936) and autograd keeps several more of that size. Here, as in
@@ -21,6 +22,8 @@ is the same function, −log(atan2(1, z)/π): −log(1 − P_k) off target, −l
 import math
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_probs, ovr_standardize
 
@@ -171,6 +174,9 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
         w = v1 - v0
         w_blk = weight[v0:v1].to(dtype)
         abs_w = torch.abs(w_blk, out=abs_buf[:w])
+        # A zero row of W_A (a padding embedding) has scale_S = 0: its P is a step in loc_S, whose derivative is 0
+        # (a Dirac at the step itself, which no finite gradient can represent); 1/tiny would overflow the sums.
+        degenerate = (abs_w.sum(1) == 0).nonzero().squeeze(1)
         if grad_W is not None:
             acc_l, acc_s = acc_loc[:w].zero_(), acc_scale[:w].zero_()
         for r0 in range(0, n_valid, chunk):
@@ -196,6 +202,8 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
                 torch.mul(x, a, out=t)
                 torch.addcmul(a, t, x, out=t).reciprocal_()
                 t.div_(s)
+                if degenerate.numel():
+                    t.index_fill_(1, degenerate, 0.0)
                 x.mul_(t)  # −π ∂ℓ/∂scale_S
                 t.scatter_(1, col, t.gather(1, col) * flip)  # π ∂ℓ/∂loc_S
                 if grad_W is not None:
@@ -258,3 +266,43 @@ def topk_mse_loss(
             "topk_prob_sum": probs.sum(-1).mean() if len(probs) else probs.new_zeros(()),
         }
     return loss.to(torch.float32), {k: v.to(torch.float32) for k, v in stats.items()}
+
+
+def chunked_softmax_loss(
+    loc_U: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    num_items_in_batch=None,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Softmax cross-entropy of the decision-score locations, −log softmax(loc_S)_y, without [N × V] tensors kept.
+
+    ``loc_U``: [N, C]; ``weight``: [V, C]; ``labels``: [N] aligned with the positions. loc_S = W_A loc_U + b_A is the
+    compatible mode's score, so this is the ordinary language-model loss of the heads: the softmax baseline, or an
+    auxiliary term that keeps loc_S a calibrated language model beside the OvR loss. Each token chunk's logits are
+    recomputed in backward (activation checkpointing), so one chunk's [chunk × V] lives at a time. Float32 math; sum
+    over targets divided by their count, or by ``num_items_in_batch``.
+    """
+    labels = labels.reshape(-1)
+    rows = (labels != ignore_index).nonzero().squeeze(1)
+    targets = labels[rows]
+    check_labels(targets, weight.shape[0])
+    loc = loc_U[rows]
+    total = loc.new_zeros((), dtype=torch.float32)
+    for r0 in range(0, len(rows), chunk_size):
+        chunk = (loc[r0 : r0 + chunk_size], weight, bias, targets[r0 : r0 + chunk_size])
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_softmax_chunk, *chunk, use_reentrant=False)
+        else:
+            total = total + _softmax_chunk(*chunk)
+    denom = max(len(rows), 1) if num_items_in_batch is None else num_items_in_batch
+    return total / denom
+
+
+def _softmax_chunk(loc, weight, bias, targets):
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    logits = F.linear(loc.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    return F.cross_entropy(logits, targets, reduction="sum")

@@ -37,7 +37,6 @@ from .cauchy import (
     cauchy_regression,
     fuse_noise,
     ovr_log_prob,
-    ovr_loss,
     ovr_probs,
     ovr_standardize,
     sample_standard_cauchy,
@@ -45,6 +44,7 @@ from .cauchy import (
     softplus_inverse,
 )
 from .configuration_causalqwen import CausalQwenConfig
+from .losses import chunked_ovr_loss, chunked_softmax_loss, topk_mse_loss
 from .model_card import check_push, upload_adapter_folder, write_model_card
 
 logger = logging.get_logger(__name__)
@@ -258,10 +258,12 @@ class CausalQwenModelOutput(ModelOutput):
 @dataclass
 class CausalQwenCausalLMOutput(ModelOutput):
     """`logits` are loc_S in `compatible` mode and log P_k (OvR) in the other modes; `loc_Y`, `scale_Y` the law of
-    the next `<NUM>` value (numeric models)."""
+    the next `<NUM>` value (numeric models). With labels: `loss`, and `metrics`, a detached [sum, count] tensor per
+    name (`target_prob`, `ovr_prob_sum`, `units_mean_loc`, `units_mean_scale`, `softmax_nll`, `numeric_nll`)."""
 
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
+    metrics: dict | None = None
     loc_U: torch.FloatTensor | None = None
     scale_U: torch.FloatTensor | None = None
     loc_S: torch.FloatTensor | None = None
@@ -715,7 +717,17 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
 
 
 class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
-    """CausalQwen as a causal LM: `logits` per the inference mode (DESIGN §2.4), OvR loss with `labels`."""
+    """CausalQwen as a causal LM: `logits` per the inference mode (DESIGN §2.4); with `labels`, the training loss.
+
+    The model owns its losses, as every transformers causal LM does: `model(input_ids, labels=labels)` returns the
+    loss the config names (`objective`: the OvR loss, or the softmax cross-entropy of loc_S; plus
+    `softmax_loss_weight` × that cross-entropy beside the OvR loss, and the numeric NLL of numeric heads), computed in
+    token × vocabulary tiles over the positions that have a target. That path returns no [tokens × V] scores
+    (`logits` is None) and runs a frozen backbone without autograd. `model(hidden_state=z, topk_ids=..., topk_probs=...)`
+    returns the top-K distillation loss on stored features (the backbone does not run).
+    """
+
+    loss_chunk_size = 1024  # target tokens per tile of the chunked losses: speed and memory, not the result
 
     def forward(
         self,
@@ -732,39 +744,31 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         noise_sharing="step",
         causal_noise=None,
         numeric_values=None,
+        shift_labels=None,
+        num_items_in_batch=None,
+        hidden_state=None,
+        topk_ids=None,
+        topk_probs=None,
         **kwargs,
     ) -> CausalQwenCausalLMOutput:
+        if hidden_state is not None or topk_ids is not None or topk_probs is not None:
+            if hidden_state is None or topk_ids is None or topk_probs is None:
+                raise ValueError("the distillation loss needs hidden_state, topk_ids and topk_probs together")
+            return self._distillation_loss(hidden_state, topk_ids, topk_probs)
+        if labels is not None or shift_labels is not None:
+            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+                raise ValueError("labels need scores at every position: call with logits_to_keep=0")
+            return self._training_loss(input_ids, attention_mask, position_ids, inputs_embeds, numeric_values, labels,
+                                       shift_labels, num_items_in_batch, kwargs)
+
         mode, temperature = self._resolve_mode(inference_mode, causal_temperature, noise_sharing)
-        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError("labels need scores at every position: call with logits_to_keep=0")
-        num_items_in_batch = kwargs.get("num_items_in_batch")
         outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
                                      kwargs, numeric_values)
         z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
-
-        loss = None
-        if labels is not None:
-            # The loss always scores with the training fusion (standard, T = 1), whatever mode the logits use.
-            loc_U, scale_U, loc_S, scale_S = self.causal_heads(z, "standard", 1.0)
-            targets = _shift_labels(labels)
-            loss = ovr_loss(loc_S, scale_S, self.ovr.threshold, targets, num_items_in_batch)
-            if self.config.numeric:  # λ · Σ NLL over the OvR loss's denominator
-                values = None if numeric_values is None else _shift_labels(numeric_values.float(), fill=0.0)
-                nll = self.numeric_nll(loc_U, scale_U, targets, values)
-                denominator = (targets != -100).sum() if num_items_in_batch is None else num_items_in_batch
-                loss = loss + self.config.numeric_loss_weight * nll.sum() / denominator
-            noise = None
-            if mode == "compatible":
-                scale_S = None  # same loc_S as the training fusion; compatible scores carry no scale
-            elif (mode, temperature) != ("standard", 1.0):
-                loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
-        else:
-            loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
-
+        loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
         logits = loc_S if mode == "compatible" else ovr_log_prob(self.ovr(loc_S, scale_S))
         loc_Y, scale_Y = self.numeric_prediction(loc_U, scale_U, mode, temperature, noise)
         return CausalQwenCausalLMOutput(
-            loss=loss,
             logits=logits,
             loc_U=loc_U,
             scale_U=scale_U,
@@ -777,6 +781,81 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    # ------------------------------------------------------------------ losses
+
+    def _training_loss(self, input_ids, attention_mask, position_ids, inputs_embeds, numeric_values, labels,
+                       shift_labels, num_items_in_batch, kwargs) -> CausalQwenCausalLMOutput:
+        # A frozen backbone needs no autograd graph: no activations kept, no backward through the layers. The numeric
+        # direction d enters at the input embedding, so training it needs the backward through the layers.
+        trains_backbone = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.model.parameters())
+            or (numeric_values is not None and self.config.numeric and self.numeric.direction.requires_grad)
+        )
+        with torch.set_grad_enabled(trains_backbone):
+            hidden = self._run_backbone(input_ids, attention_mask, position_ids, None, inputs_embeds, False, kwargs,
+                                        numeric_values).last_hidden_state
+        targets = _shift_labels(labels) if shift_labels is None else shift_labels
+        targets = targets.reshape(-1).to(hidden.device)
+        valid = targets != -100
+        values = None
+        if numeric_values is not None:
+            values = _shift_labels(numeric_values.float(), fill=0.0).reshape(-1).to(hidden.device)[valid]
+        z = hidden.reshape(-1, hidden.shape[-1])[valid]
+        return self.heads_loss(z, targets[valid], values, num_items_in_batch)
+
+    def heads_loss(self, z, targets, numeric_values=None, num_items_in_batch=None) -> CausalQwenCausalLMOutput:
+        """The training loss of the heads on the final hidden states `z` [N, H] of positions with a target.
+
+        `targets` [N] are the next tokens; `numeric_values` [N] their values (numeric heads). The loss is the sum over
+        targets divided by N, or by `num_items_in_batch` (gradient accumulation: the targets of the whole step; 0
+        when the step has none, and the loss is then 0). Returns the loss and `metrics`: for each name a [sum, count]
+        tensor, detached, so that callers can average over any window.
+        """
+        config = self.config
+        n = len(targets)
+        denom = max(n, 1) if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).clamp_min(1)
+        # Loss math in float32 whatever the autocast; the kernels upcast themselves.
+        with torch.autocast(z.device.type, enabled=False):
+            weight = self.action.effective_weight()  # W_A as used: own, the base's frozen tensor, or base + B·A
+            loc_U, scale_U = self.abduction(z.to(weight.dtype))
+            count = torch.tensor(float(n), device=z.device)
+            metrics = {
+                "units_mean_loc": _sum_count(loc_U.detach().float().mean(-1).sum(), count),
+                "units_mean_scale": _sum_count(scale_U.detach().float().mean(-1).sum(), count),
+            }
+            loss = loc_U.new_zeros((), dtype=torch.float32)
+            if config.objective == "ovr":
+                loss, stats = chunked_ovr_loss(
+                    loc_U, scale_U, weight, self.action.bias, self.action.b_noise, self.ovr.threshold, targets,
+                    num_items_in_batch=denom, chunk_size=self.loss_chunk_size,
+                )
+                metrics["target_prob"] = _sum_count(stats["target_prob"] * n, count)
+                metrics["ovr_prob_sum"] = _sum_count(stats["ovr_prob_sum"] * n, count)
+            softmax_weight = 1.0 if config.objective == "softmax" else config.softmax_loss_weight
+            if softmax_weight > 0:
+                ce = chunked_softmax_loss(loc_U, weight, self.action.bias, targets, num_items_in_batch=denom,
+                                          chunk_size=self.loss_chunk_size)
+                loss = loss + softmax_weight * ce
+                metrics["softmax_nll"] = _sum_count(ce.detach() * denom, count)
+            if config.numeric:  # λ · Σ NLL over the same denominator
+                nll = self.numeric_nll(loc_U, scale_U, targets, numeric_values)
+                loss = loss + config.numeric_loss_weight * nll.sum() / denom
+                metrics["numeric_nll"] = _sum_count(nll.detach().sum(), torch.tensor(float(nll.numel()), device=z.device))
+        return CausalQwenCausalLMOutput(loss=loss, metrics=metrics)
+
+    def _distillation_loss(self, hidden_state, topk_ids, topk_probs) -> CausalQwenCausalLMOutput:
+        """Top-K MSE of DESIGN §2.6 on stored z [..., H] (mean over positions); the backbone does not run."""
+        z = hidden_state.reshape(-1, hidden_state.shape[-1])
+        with torch.autocast(z.device.type, enabled=False):
+            weight = self.action.effective_weight()
+            loc_U, scale_U = self.abduction(z.to(weight.dtype))
+            loss, stats = topk_mse_loss(
+                loc_U, scale_U, weight, self.action.bias, self.action.b_noise, self.ovr.threshold,
+                topk_ids.reshape(len(z), -1), topk_probs.reshape(len(z), -1),
+            )
+        count = torch.tensor(float(len(z)), device=z.device)
+        return CausalQwenCausalLMOutput(loss=loss, metrics={k: _sum_count(v * len(z), count) for k, v in stats.items()})
 
     def numeric_nll(self, loc_U, scale_U, targets, values):
         """Cauchy NLL (training fusion) of the value of every `<NUM>` target, [number of <NUM> targets].
@@ -882,6 +961,10 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
 def _shift_labels(labels: torch.Tensor, fill=-100) -> torch.Tensor:
     """Position t predicts token t + 1, like every transformers causal LM; the last position has no target."""
     return F.pad(labels, (0, 1), value=fill)[..., 1:]
+
+
+def _sum_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return torch.stack([total.detach().float(), count.float()])
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

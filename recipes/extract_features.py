@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from causalqwen_adapter.distill import extract_features
-from sft_ovr import load_training_data  # same data sources as the SFT recipe
+from causalqwen_adapter.data import load_text_dataset  # the data sources of the SFT recipe
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ExtractArguments:
 
 
 def main(args: ExtractArguments):
-    dataset = load_training_data(args.dataset_name, args.dataset_config, streaming=False)
+    dataset = load_text_dataset(args.dataset_name, args.dataset_config, streaming=False)
     if args.dataset_split not in dataset:
         raise ValueError(f"{args.dataset_name} has no split {args.dataset_split!r}: it has {list(dataset)}")
     features = extract_features(

@@ -8,8 +8,7 @@ The model is a Qwen2 base (fresh heads are attached) or a CausalQwen adapter (tr
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
         --dataset_name data/train.jsonl \
         --per_device_train_batch_size 4 --gradient_accumulation_steps 4 \
-        --learning_rate 1e-4 --num_train_epochs 1 --bf16 \
-        --output_dir my-causal-adapter
+        --num_train_epochs 1 --output_dir my-causal-adapter
 
     # the same on two GPUs (or `--cpu` for two CPU processes)
     accelerate launch --num_processes 2 recipes/sft_ovr.py <same arguments>
@@ -33,10 +32,9 @@ from datasets import load_dataset
 from transformers import AutoTokenizer
 from trl import TrlParser
 
+from causalqwen_adapter.data import check_text_dataset, load_text_dataset
 from causalqwen_adapter.numeric import add_num_token, encode_with_numbers
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
-
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 @dataclass
@@ -72,16 +70,6 @@ class ScriptArguments:
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "Backbone modules to adapt (default: PEFT's choice for Qwen2, q_proj v_proj)."}
     )
-
-
-def load_training_data(name: str, config: str | None, streaming: bool):
-    path = Path(name)
-    if path.is_file():
-        builder = _FILE_BUILDERS.get(path.suffix)
-        if builder is None:
-            raise ValueError(f"{name}: unsupported data file type {path.suffix!r}; use one of {', '.join(_FILE_BUILDERS)}")
-        return load_dataset(builder, data_files=str(path), streaming=streaming)  # one split, "train"
-    return load_dataset(name, name=config, streaming=streaming)
 
 
 def peft_config_from(script_args: ScriptArguments):
@@ -131,10 +119,13 @@ def main(script_args: ScriptArguments, training_args: CausalSFTConfig) -> Causal
 
     # One process fills the datasets cache, the others read it.
     with PartialState().main_process_first():
-        dataset = load_training_data(script_args.dataset_name, script_args.dataset_config, script_args.dataset_streaming)
+        dataset = load_text_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_streaming)
     if script_args.dataset_train_split not in dataset:
         raise ValueError(f"{script_args.dataset_name} has no split {script_args.dataset_train_split!r}: it has {list(dataset)}")
     evaluate = training_args.eval_strategy != "no"
+    check_text_dataset(dataset[script_args.dataset_train_split], script_args.dataset_train_split)
+    if evaluate:
+        check_text_dataset(dataset[script_args.dataset_test_split], script_args.dataset_test_split)
     tokenizer = None
     if training_args.numeric:
         dataset, tokenizer = numeric_data(dataset, script_args, training_args)

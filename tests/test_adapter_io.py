@@ -47,7 +47,7 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     folder = tmp_path / "adapter"
     assert {p.name for p in folder.iterdir()} == {
         "config.json", "model.safetensors", "generation_config.json", "README.md",
-        "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "model_card.py",
+        "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py",
     }
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert set(f.keys()) == ADAPTER_KEYS
@@ -61,7 +61,7 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert config["base_model_name_or_path"] == str(trained_like.config.base_model_name_or_path)
     assert config["text_config"]["model_type"] == "qwen2"
     # the remote code imports nothing of this package
-    for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "model_card.py"):
+    for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py"):
         assert "causalqwen_adapter" not in (folder / name).read_text()
 
 

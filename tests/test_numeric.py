@@ -101,7 +101,9 @@ def test_loss_is_ovr_plus_lambda_times_the_nll_of_num_targets(numeric_base, mode
     model.config.numeric_loss_weight = 0.5
     labels = IDS.clone()
     labels[0, 1] = -100  # a masked <NUM> target does not count
-    out = model(IDS, numeric_values=VALUES, labels=labels)
+    loss = model(IDS, numeric_values=VALUES, labels=labels).loss
+    with torch.no_grad():  # the reference scores: the standard-mode forward, training fusion
+        out = model(IDS, numeric_values=VALUES, inference_mode="standard", causal_temperature=1.0)
     targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1)
     ovr = ovr_loss(out.loc_S, out.scale_S, model.ovr.threshold, targets)
     is_number = targets == NUM
@@ -112,8 +114,8 @@ def test_loss_is_ovr_plus_lambda_times_the_nll_of_num_targets(numeric_base, mode
     scale_Y = scale_U @ w.abs() + model.numeric.log_scale.double().exp()
     nll = (torch.log(math.pi * scale_Y) + torch.log1p(((y - loc_Y) / scale_Y) ** 2)).sum()
     assert is_number.sum() == 3
-    torch.testing.assert_close(out.loss.double(), ovr.double() + 0.5 * nll / (targets != -100).sum(), rtol=1e-5, atol=1e-5)
-    out.loss.backward()
+    torch.testing.assert_close(loss.double(), ovr.double() + 0.5 * nll / (targets != -100).sum(), rtol=1e-5, atol=1e-5)
+    loss.backward()
     assert model.numeric.direction.grad.abs().sum() > 0 and model.numeric.weight.grad.abs().sum() > 0
 
 

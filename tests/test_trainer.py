@@ -274,7 +274,7 @@ def test_non_finite_loss_stops_training_naming_the_step(sft_base, tmp_path):
     trainer = CausalSFTTrainer(
         str(sft_base), args=_args(tmp_path, max_steps=5), train_dataset=_prompt_completion(), callbacks=[Poison()]
     )
-    with pytest.raises(FloatingPointError, match="OvR loss is nan at step 3"):
+    with pytest.raises(FloatingPointError, match="training loss is nan at step 3"):
         trainer.train()
     assert trainer.state.global_step == 2
 
@@ -415,3 +415,40 @@ def test_recipe_under_accelerate_launch_two_processes(sft_base, tmp_path):
         torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
     loaded = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
     assert set(loaded.adapter_state_dict()) == set(saved)
+
+
+def test_evaluation_logs_the_harness_metrics_of_each_mode(sft_base, tmp_path):
+    from causalqwen_adapter.evaluation import evaluate
+
+    trainer = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path, per_device_eval_batch_size=3, eval_inference_modes=["compatible", "causal"]),
+        train_dataset=_prompt_completion(), eval_dataset=_prompt_completion(),
+    )
+    metrics = trainer.evaluate()
+    expected = evaluate(trainer.model, list(trainer.get_eval_dataloader()), modes=("compatible", "causal"))
+    for mode in ("compatible", "causal"):
+        for name in ("top1_accuracy", "nll", "target_prob", "prob_sum_median", "ece_top1", "ece_top10", "num_tokens"):
+            assert metrics[f"eval_{mode}_{name}"] == pytest.approx(expected[mode][name], rel=1e-6), (mode, name)
+    # every completion token after the causal shift (the collator's labels), nothing else
+    assert metrics["eval_causal_num_tokens"] == sum(
+        (b["labels"][:, 1:] != -100).sum().item() for b in trainer.get_eval_dataloader()
+    ) > 0
+    with pytest.raises(ValueError, match="eval_inference_modes has unknown mode"):
+        _args(tmp_path, eval_inference_modes=["greedy"])
+
+
+def test_softmax_objective_is_the_cross_entropy_of_loc_S(sft_base, tmp_path):
+    trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, objective="softmax"), train_dataset=_prompt_completion())
+    model = trainer.model
+    assert model.config.objective == "softmax"
+    batch = next(iter(trainer.get_train_dataloader()))
+    loss = trainer.compute_loss(model, batch)
+    with torch.no_grad():
+        loc_S = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], inference_mode="compatible").logits
+    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    keep = targets != -100
+    expected = torch.nn.functional.cross_entropy(loc_S[keep].double(), targets[keep])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    loss.backward()
+    assert model.abduction.loc.weight.grad.abs().sum() > 0
+    assert model.abduction.scale.weight.grad is None or model.abduction.scale.weight.grad.abs().sum() == 0

@@ -1,0 +1,97 @@
+"""Text datasets as the recipes read them: a `datasets` name or a local file, in any format TRL's SFT reads.
+
+Formats (TRL's): `text` (language modeling), `prompt` + `completion` (scored on the completion only) and chat
+`messages`; conversational rows go through the tokenizer's chat template (`trl.data_utils.maybe_apply_chat_template`).
+"""
+
+from pathlib import Path
+
+import torch
+
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+FORMATS = ("text", "prompt/completion", "messages")
+
+
+def load_text_dataset(name: str, config: str | None = None, streaming: bool = False):
+    """A `DatasetDict`: a local .jsonl/.json/.parquet/.csv file (one split, `train`) or a `datasets` name/folder."""
+    from datasets import load_dataset
+
+    path = Path(name)
+    if path.is_file():
+        builder = _FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise ValueError(f"{name}: unsupported data file type {path.suffix!r}; use one of {', '.join(_FILE_BUILDERS)}")
+        return load_dataset(builder, data_files=str(path), streaming=streaming)
+    return load_dataset(name, name=config, streaming=streaming)
+
+
+def check_text_dataset(dataset, split: str = "train") -> None:
+    """Refuse, with what to do, a dataset none of the formats can read: no rows, no text column, non-text values."""
+    columns = list(getattr(dataset, "column_names", None) or [])
+    if not columns:
+        return  # streaming datasets may not know their columns; TRL checks rows as they come
+    if "input_ids" in columns:
+        return  # already tokenized
+    if "messages" not in columns and "text" not in columns and not {"prompt", "completion"} <= set(columns):
+        raise ValueError(
+            f"the {split} dataset has columns {columns}, none of the formats: give it a `text` column, `prompt` and "
+            "`completion` columns, or chat `messages` (rename yours with dataset.rename_column)"
+        )
+    if hasattr(dataset, "__len__") and len(dataset) == 0:
+        raise ValueError(f"the {split} dataset has no rows: nothing to train or evaluate on")
+    column = "messages" if "messages" in columns else "text" if "text" in columns else "completion"
+    values = dataset[column] if hasattr(dataset, "__len__") else []
+    for row, value in enumerate(values):
+        if column != "messages" and not isinstance(value, (str, list)):
+            raise ValueError(
+                f"the {split} dataset's `{column}` in row {row} is {value!r} ({type(value).__name__}), not text: "
+                "drop or fix such rows (dataset.filter(lambda r: isinstance(r[...], str)))"
+            )
+
+
+def tokenize_for_evaluation(dataset, tokenizer, max_length: int | None = None) -> list[dict[str, list[int]]]:
+    """Rows of `input_ids` and `labels` (−100 on prompts), truncated to `max_length` tokens, as SFT would score them."""
+    from trl.data_utils import maybe_apply_chat_template
+
+    check_text_dataset(dataset, "evaluation")
+    rows = []
+    for example in dataset:
+        if "input_ids" in example:
+            ids = list(example["input_ids"])
+            labels = list(example.get("labels") or ids)
+        else:
+            example = maybe_apply_chat_template({k: v for k, v in example.items() if k in ("text", "prompt", "completion", "messages")}, tokenizer)
+            if "text" in example:
+                ids = tokenizer(example["text"], add_special_tokens=False).input_ids
+                labels = list(ids)
+            else:
+                prompt = tokenizer(example["prompt"], add_special_tokens=False).input_ids
+                completion = tokenizer(example["completion"], add_special_tokens=False).input_ids
+                ids = prompt + completion
+                labels = [-100] * len(prompt) + completion
+        if max_length is not None:
+            ids, labels = ids[:max_length], labels[:max_length]
+        if len(ids) > 1:
+            rows.append({"input_ids": ids, "labels": labels})
+    if not rows:
+        raise ValueError("no evaluation row has two tokens or more: nothing to score")
+    return rows
+
+
+def batches(rows: list[dict], batch_size: int, pad_token_id: int = 0):
+    """Right-padded tensors of `input_ids`, `labels` (−100 at padding) and `attention_mask`, `batch_size` rows each."""
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        width = max(len(r["input_ids"]) for r in chunk)
+        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, r in enumerate(chunk):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.tensor(r["input_ids"])
+            labels[i, :n] = torch.tensor(r["labels"])
+            mask[i, :n] = 1
+        yield {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+__all__ = ["FORMATS", "batches", "check_text_dataset", "load_text_dataset", "tokenize_for_evaluation"]

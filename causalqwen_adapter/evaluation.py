@@ -1,0 +1,238 @@
+"""What a model predicts on held-out text: next-token metrics for a base and for adapters in every mode.
+
+For each scored position (a target token y after the causal shift) a model gives one score per vocabulary entry:
+
+- a softmax model (the Qwen2 base, or an adapter's `compatible` mode) gives logits l_k; its distribution is
+  q_k = softmax(l)_k and its per-token probabilities are p_k = q_k (they sum to 1);
+- an OvR mode (`standard`, `causal`, `sampling`) gives log P_k, the one-vs-rest probabilities of the Cauchy
+  heads; its distribution is q_k = P_k / Σ_j P_j (what sampling draws from) and its per-token probabilities are
+  p_k = P_k (they need not sum to 1).
+
+Metrics (all over target tokens):
+
+| name | what |
+|---|---|
+| `top1_accuracy` | argmax_k q_k == y |
+| `target_prob` | mean p_y (P_y for OvR modes, the softmax probability otherwise) |
+| `prob_sum_p10`, `prob_sum_median`, `prob_sum_p90` | quantiles of Σ_k p_k (1 for softmax models) |
+| `nll` | mean −log q_y: the normalised NLL −log(P_y / ΣP) of OvR modes, the cross-entropy of softmax models |
+| `ece_top1` | expected calibration error (15 equal-width bins) of the top-1 confidence max_k q_k |
+| `ece_top10` | the same over the 10 largest p_k of each position against whether each is y: does p_k mean what it says? |
+
+`EvaluationAccumulator` gathers them batch by batch (the trainer uses it under `eval_strategy`); `evaluate` runs
+models over a tokenized dataset; `reliability_diagram` draws both calibrations (needs matplotlib).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .cauchy import INFERENCE_MODES, ovr_log_prob
+
+ECE_BINS = 15
+TOP_K_CALIBRATION = 10
+SOFTMAX = "softmax"  # the mode name of a plain base model's scores
+
+
+@dataclass
+class _Bins:
+    """Confidence, hit-rate and count per equal-width bin of [0, 1]."""
+
+    confidence: torch.Tensor = field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
+    hits: torch.Tensor = field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
+    count: torch.Tensor = field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
+
+    def add(self, prob: torch.Tensor, hit: torch.Tensor) -> None:
+        prob, hit = prob.reshape(-1).double().cpu(), hit.reshape(-1).double().cpu()
+        index = (prob * ECE_BINS).long().clamp_(0, ECE_BINS - 1)  # p = 1 falls in the last bin
+        self.confidence.index_add_(0, index, prob)
+        self.hits.index_add_(0, index, hit)
+        self.count.index_add_(0, index, torch.ones_like(prob))
+
+    def ece(self) -> float:
+        total = self.count.sum()
+        if total == 0:
+            return float("nan")
+        return ((self.confidence - self.hits).abs().sum() / total).item()
+
+    def curve(self) -> tuple[list, list, list]:
+        """(mean confidence, hit rate, count) of the non-empty bins."""
+        keep = self.count > 0
+        n = self.count[keep]
+        return (self.confidence[keep] / n).tolist(), (self.hits[keep] / n).tolist(), n.tolist()
+
+
+class EvaluationAccumulator:
+    """Next-token metrics of one model in one mode, accumulated over batches of scored positions."""
+
+    def __init__(self, kind: str):
+        if kind not in (SOFTMAX, *INFERENCE_MODES):
+            raise ValueError(f"unknown score kind {kind!r}: choose softmax or one of {', '.join(INFERENCE_MODES)}")
+        self.kind = kind
+        self.n = 0
+        self.correct = 0
+        self.target_prob = 0.0
+        self.nll = 0.0
+        self.prob_sums: list[torch.Tensor] = []
+        self.top1 = _Bins()
+        self.top10 = _Bins()
+
+    @property
+    def is_softmax(self) -> bool:
+        return self.kind in (SOFTMAX, "compatible")
+
+    @torch.no_grad()
+    def update(self, scores: torch.Tensor, targets: torch.Tensor) -> None:
+        """`scores` [N, V]: logits (softmax kinds) or log P_k (OvR modes); `targets` [N] the next tokens."""
+        if len(targets) == 0:
+            return
+        scores = scores.float()
+        targets = targets.to(scores.device)
+        if self.is_softmax:
+            log_p = F.log_softmax(scores, -1)  # per-token probabilities p_k = q_k
+            log_sum = torch.zeros(len(targets), device=scores.device)
+        else:
+            log_p = scores  # log P_k
+            log_sum = torch.logsumexp(log_p, -1)  # log Σ_k P_k
+        log_p_y = log_p.gather(1, targets[:, None]).squeeze(1)
+        top_log_p, top_ids = log_p.topk(min(TOP_K_CALIBRATION, log_p.shape[1]), -1)
+        self.n += len(targets)
+        self.correct += (top_ids[:, 0] == targets).sum().item()
+        self.target_prob += log_p_y.double().exp().sum().item()
+        self.nll += (log_sum - log_p_y).double().sum().item()
+        self.prob_sums.append(log_sum.double().exp().cpu())
+        self.top1.add((top_log_p[:, 0] - log_sum).exp(), top_ids[:, 0] == targets)
+        self.top10.add(top_log_p.exp(), top_ids == targets[:, None])
+
+    def compute(self) -> dict[str, float]:
+        if self.n == 0:
+            return {"num_tokens": 0}
+        sums = torch.cat(self.prob_sums)
+        p10, median, p90 = torch.quantile(sums, torch.tensor([0.1, 0.5, 0.9], dtype=sums.dtype)).tolist()
+        return {
+            "top1_accuracy": self.correct / self.n,
+            "target_prob": self.target_prob / self.n,
+            "prob_sum_p10": p10,
+            "prob_sum_median": median,
+            "prob_sum_p90": p90,
+            "nll": self.nll / self.n,
+            "ece_top1": self.top1.ece(),
+            "ece_top10": self.top10.ece(),
+            "num_tokens": self.n,
+        }
+
+
+def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk_size: int = 256):
+    """Yield (mode, scores [n, V], targets [n]) over the target positions of `batch`, `chunk_size` at a time.
+
+    `model` is a `CausalQwenForCausalLM` (scored in each of `modes` from one backbone pass) or any causal LM with
+    `logits` (scored as `softmax`). `batch` holds `input_ids`, optionally `attention_mask`, `labels` (−100 where there
+    is no target; `input_ids` otherwise) and `numeric_values`.
+    """
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels")
+    labels = input_ids if labels is None else labels
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    if batch.get("attention_mask") is not None:  # neither a padding token nor a padding position is scored
+        mask = batch["attention_mask"].bool()
+        targets = targets.masked_fill(~(mask & F.pad(mask, (0, 1), value=False)[:, 1:]), -100)
+    targets = targets.reshape(-1)
+    valid = (targets != -100).nonzero().squeeze(1)
+    targets = targets[valid]
+    heads = getattr(model, "causal_heads", None)
+    with torch.no_grad():
+        if heads is None:  # a plain causal LM
+            logits = model(input_ids=input_ids, attention_mask=batch.get("attention_mask"),
+                           position_ids=batch.get("position_ids")).logits
+            logits = logits.reshape(-1, logits.shape[-1])
+            for start in range(0, len(valid), chunk_size):
+                rows = valid[start : start + chunk_size]
+                yield SOFTMAX, logits[rows], targets[start : start + chunk_size]
+            return
+        ids, embeds = model.embed_numbers(input_ids, None, batch.get("numeric_values"))
+        hidden = model.model(input_ids=ids, inputs_embeds=embeds, attention_mask=batch.get("attention_mask"),
+                             position_ids=batch.get("position_ids")).last_hidden_state
+        z = hidden.reshape(-1, hidden.shape[-1])
+        temperature = model.config.causal_temperature if causal_temperature is None else causal_temperature
+        for mode in modes:
+            for start in range(0, len(valid), chunk_size):
+                rows = valid[start : start + chunk_size]
+                _, _, loc_S, scale_S = model.causal_heads(z[rows], mode, temperature)
+                scores = loc_S if mode == "compatible" else ovr_log_prob(model.ovr(loc_S, scale_S))
+                yield mode, scores, targets[start : start + chunk_size]
+
+
+def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, causal_temperature=None,
+             progress: bool = False, desc: str | None = None):
+    """Metrics of `model` over `batches` (dicts as in `score_positions`): {mode: {metric: value}} plus, under the
+    key `"accumulators"`, the `EvaluationAccumulator` of each mode (for reliability diagrams).
+
+    A plain causal LM is scored once, as `softmax`; a CausalQwen model in every mode of `modes`.
+    """
+    is_causal = hasattr(model, "causal_heads")
+    kinds = list(modes) if is_causal else [SOFTMAX]
+    for mode in kinds:
+        if mode != SOFTMAX and mode not in INFERENCE_MODES:
+            raise ValueError(f"unknown inference mode {mode!r}: choose from {', '.join(INFERENCE_MODES)}")
+    accumulators = {kind: EvaluationAccumulator(kind) for kind in kinds}
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc=desc or "evaluating")
+    for batch in batches:
+        for kind, scores, targets in score_positions(model, batch, kinds, causal_temperature=causal_temperature):
+            accumulators[kind].update(scores, targets)
+    results = {kind: acc.compute() for kind, acc in accumulators.items()}
+    results["accumulators"] = accumulators
+    return results
+
+
+def markdown_table(results: dict[str, dict[str, dict]]) -> str:
+    """One row per (model, mode): {model name: {mode: metrics}} as a markdown table."""
+    columns = ["top1_accuracy", "nll", "target_prob", "prob_sum_median", "prob_sum_p10", "prob_sum_p90", "ece_top1",
+               "ece_top10", "num_tokens"]
+    lines = ["| model | mode | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
+    for name, per_mode in results.items():
+        for mode, metrics in per_mode.items():
+            if mode == "accumulators":
+                continue
+            cells = [_format(metrics.get(c)) for c in columns]
+            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _format(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.3e}"
+
+
+def reliability_diagram(accumulators: dict[str, dict[str, EvaluationAccumulator]], path) -> None:
+    """A PNG with two panels, top-1 confidence and top-10 OvR probabilities, one curve per (model, mode)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("the reliability diagram needs matplotlib: pip install matplotlib") from err
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, attr, title in ((axes[0], "top1", "top-1 confidence (q = P/ΣP)"), (axes[1], "top10", "top-10 p_k (OvR)")):
+        ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
+        for name, per_mode in accumulators.items():
+            for mode, acc in per_mode.items():
+                confidence, hit_rate, _ = getattr(acc, attr).curve()
+                ece = getattr(acc, attr).ece()
+                ax.plot(confidence, hit_rate, marker="o", markersize=3, label=f"{name} {mode} (ECE {ece:.3f})")
+        ax.set(title=title, xlabel="predicted probability", ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["EvaluationAccumulator", "evaluate", "markdown_table", "reliability_diagram", "score_positions"]

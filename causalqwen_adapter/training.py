@@ -1,0 +1,337 @@
+"""What both trainers share: the head options of their configs, the model they train, adapter checkpoints and
+metrics by name.
+
+- `CausalHeadArguments`: the head fields of `CausalSFTConfig` and `CausalDistillConfig` (used for fresh heads);
+- `prepare_causal_model`: the `model` argument (a Qwen2 base, an adapter, or a loaded model) as a
+  `CausalQwenForCausalLM`; `configure_backbone`: frozen, or with LoRA;
+- `AdapterCheckpointMixin`: checkpoints, `save_model`, resuming and the model card as adapter folders;
+- `LossMetricsMixin`: the metrics the model's loss returns, averaged per logging window across ranks.
+"""
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedConfig, Qwen2ForCausalLM
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.utils import SAFE_WEIGHTS_NAME, logging
+
+from .modeling_causalqwen import LORA_FOLDER, CausalQwenForCausalLM
+
+logger = logging.get_logger(__name__)
+
+_LORA_WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+@dataclass
+class CausalHeadArguments:
+    """The head hyper-parameters of the trainers' configs, used only when a trainer builds fresh heads (when `model`
+    is a Qwen2 base); an adapter brings its own."""
+
+    causal_size: int | None = field(
+        default=None,
+        metadata={"help": "Size C of the individual U for fresh heads; defaults to the base hidden size H."},
+    )
+    gamma_init: float = field(
+        default=10.0,
+        metadata={"help": "Initial Cauchy scale of U for fresh heads: softplus(b_scale) = gamma_init."},
+    )
+    b_noise_init: float = field(
+        default=0.1,
+        metadata={"help": "Initial value of every component of the action noise b_noise for fresh heads."},
+    )
+    ovr_threshold_init: float = field(
+        default=0.0,
+        metadata={"help": "Initial one-vs-rest threshold C_k for fresh heads."},
+    )
+    learnable_threshold: bool = field(
+        default=False,
+        metadata={"help": "Learn one OvR threshold per vocabulary entry (fresh heads; saved in the adapter)."},
+    )
+    action_weight: str = field(
+        default="full",
+        metadata={
+            "help": "Where W_A lives for fresh heads: `full` (a trained copy of the base's output layer, saved), "
+            "`tied` (the base's output layer itself, frozen, not saved) or `lora` (the base's plus a trained "
+            "low-rank B·A; only A and B are saved).",
+            "choices": ["full", "tied", "lora"],
+        },
+    )
+    action_lora_rank: int = field(
+        default=16, metadata={"help": "Rank of B·A when action_weight='lora' (fresh heads)."}
+    )
+    numeric: bool = field(
+        default=False,
+        metadata={"help": "Numeric-aware heads (DESIGN §2.5): <NUM> tokens with values in, a Cauchy regression head "
+                  "out. The data then needs input_ids and numeric_values (causalqwen_adapter.numeric)."},
+    )
+    num_token_id: int | None = field(
+        default=None,
+        metadata={"help": "Id of <NUM> for numeric heads: an unused row of the vocabulary (default 151665 for Qwen2)."},
+    )
+    numeric_loss_weight: float = field(
+        default=1.0, metadata={"help": "λ: weight of the Cauchy NLL of <NUM> values beside the OvR loss (numeric heads)."}
+    )
+    objective: str = field(
+        default="ovr",
+        metadata={
+            "help": "The training loss: `ovr` (the one-vs-rest loss of the causal heads) or `softmax` (cross-entropy "
+            "of softmax(loc_S) on the same trainable heads: the baseline every OvR figure is compared with). Sets "
+            "the model config's `objective`, for fresh heads and adapters alike.",
+            "choices": ["ovr", "softmax"],
+        },
+    )
+    softmax_loss_weight: float | None = field(
+        default=None,
+        metadata={"help": "Weight of an auxiliary softmax cross-entropy on loc_S beside the OvR loss. Sets the model "
+                  "config's `softmax_loss_weight` when given; the config's value (default for fresh heads) otherwise."},
+    )
+
+
+class LossMetricsMixin:
+    """Metrics the model's loss returns (`outputs.metrics`: a [sum, count] per name), averaged per logging window.
+
+    Summed over ranks on every micro-batch, like TRL gathers its metrics, so no rank waits on another at log time.
+    """
+
+    def _check_finite(self, loss: torch.Tensor, mode: str) -> torch.Tensor:
+        if not torch.isfinite(loss):
+            where = f"step {self.state.global_step + 1}" if mode == "train" else f"evaluation at step {self.state.global_step}"
+            raise FloatingPointError(
+                f"the training loss is {loss.item()} at {where}: training stopped. The heads diverged or the data is "
+                "bad; lower learning_rate or max_grad_norm and resume from the last checkpoint"
+            )
+        return loss
+
+    def _accumulate_metrics(self, mode: str, metrics: dict[str, torch.Tensor]) -> None:
+        sums = self.__dict__.setdefault("_metric_sums", {}).setdefault(mode, {})
+        for name, value in metrics.items():
+            value = self.accelerator.reduce(value.detach(), reduction="sum")
+            sums[name] = value if name not in sums else sums[name] + value
+
+    def _pop_metrics(self, mode: str) -> dict[str, tuple[float, float]]:
+        """The window's (sum, count) per name for `mode`, and a fresh window."""
+        sums = self.__dict__.setdefault("_metric_sums", {}).pop(mode, {})
+        return {name: tuple(v.tolist()) for name, v in sums.items()}
+
+    def _log_metrics(self, logs: dict, mode: str) -> dict[str, tuple[float, float]]:
+        """Add the window's averages (sum / count; names with no count left out) to `logs`, `eval_`-prefixed in
+        evaluation. Returns the raw sums of the names it was asked to leave alone (see `_raw_metric_names`)."""
+        raw = self._pop_metrics(mode)
+        kept = {name: raw.pop(name) for name in self._raw_metric_names if name in raw}
+        prefix = "eval_" if mode == "eval" else ""
+        logs.update({prefix + name: total / count for name, (total, count) in raw.items() if count > 0})
+        return kept
+
+    _raw_metric_names: tuple[str, ...] = ()
+
+
+class AdapterCheckpointMixin:
+    """Checkpoints, `save_model`, resuming and the model card of a trainer whose model is a `CausalQwenForCausalLM`:
+    adapter folders (heads only, DESIGN §3), never full weights and never TRL's generic card.
+
+    The trainer sets `_card_datasets`, `_card_tags` (lists) and `_card_metric_names` (logged metrics the card shows).
+    """
+
+    _card_metric_names: tuple[str, ...] = ()
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """An adapter folder (DESIGN §3) plus `training_args.bin`; no tokenizer, the base provides it."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        model.training_summary = self._training_summary()  # rendered into the adapter's README.md
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Load the adapter tensors of a checkpoint (the Trainer's version expects full weights)."""
+        model = self.accelerator.unwrap_model(model if model is not None else self.model)
+        weights_file = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
+        if not os.path.isfile(weights_file):
+            raise ValueError(
+                f"{resume_from_checkpoint} holds no {SAFE_WEIGHTS_NAME}: it is not a checkpoint written by "
+                f"{type(self).__name__} (pass an output_dir/checkpoint-N folder)"
+            )
+        load_adapter_tensors(model, weights_file)
+        load_backbone_lora(model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        logger.info(f"Loading best adapter from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs):
+        """Write the adapter's own model card into `output_dir`, never TRL's.
+
+        TRL writes a generic `README.md` into `output_dir` at every checkpoint and before `push_to_hub`, which would
+        replace the adapter's card (DESIGN §3: rendered from `model_card/`). This passes through to the model's card
+        writer, with the run recorded in `model.training_summary`. `dataset_name` and `tags` are kept for every
+        later card of this run (checkpoints, `save_model`); `model_name` is TRL's and not used.
+        """
+        for name in [dataset_name] if isinstance(dataset_name, str) else dataset_name or []:
+            if name not in self._card_datasets:
+                self._card_datasets.append(name)
+        for tag in [tags] if isinstance(tags, str) else tags or []:
+            if tag not in self._card_tags:
+                self._card_tags.append(tag)
+        if not self.is_world_process_zero():
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        model.training_summary = self._training_summary()
+        output_dir = Path(self.args.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        model._write_model_card(output_dir)
+
+    def _training_summary(self) -> dict:
+        """The run as the model card shows it (see model_card.py): settings, last logged metrics, data, tags."""
+        args = self.args
+        backbone = self.accelerator.unwrap_model(self.model).model
+        lora = backbone.peft_config.get("default") if getattr(backbone, "_hf_peft_config_loaded", False) else None
+        hyperparameters = {
+            "learning_rate": args.learning_rate,
+            "lr_scheduler_type": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+            "optimizer": getattr(args.optim, "value", args.optim),
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * args.world_size,
+            "steps": self.state.global_step,
+            "seed": args.seed,
+            "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            "backbone": "frozen" if lora is None else f"frozen + LoRA r={lora.r} on {sorted(lora.target_modules)}",
+        }
+        if getattr(args, "max_length", None) is not None:
+            hyperparameters["max_length"] = args.max_length
+        metrics = {}
+        for entry in self.state.log_history:  # the latest value of each metric
+            for key in ("loss", *self._card_metric_names, "train_loss"):
+                for name in (key, f"eval_{key}"):
+                    if name in entry:
+                        metrics[name] = entry[name]
+        return {
+            "hyperparameters": hyperparameters,
+            "metrics": metrics,
+            "datasets": list(self._card_datasets),
+            "tags": [*self._tag_names, *self._card_tags],
+        }
+
+
+def head_options(args: CausalHeadArguments) -> dict:
+    """The fresh-head config fields the arguments set (None leaves the config's default)."""
+    return {f.name: getattr(args, f.name) for f in fields(CausalHeadArguments) if getattr(args, f.name) is not None}
+
+
+def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
+    """The trainers' `model` argument as a `CausalQwenForCausalLM`, and whether its heads are fresh: an adapter
+    (folder, Hub id or loaded) keeps its heads; a Qwen2 base (folder, Hub id or loaded) gets fresh heads from the
+    config's head fields."""
+    fresh = False
+    if isinstance(model, (str, os.PathLike)):
+        model, fresh = _load_model(str(model), args)
+    elif isinstance(model, Qwen2ForCausalLM):
+        model, fresh = CausalQwenForCausalLM.from_base(model, **head_options(args)), True
+    elif not isinstance(model, CausalQwenForCausalLM):
+        raise TypeError(
+            f"model must be a CausalQwenForCausalLM, a Qwen2ForCausalLM, or a path/Hub id of either, got "
+            f"{type(model).__name__}"
+        )
+    if args.learnable_threshold and not model.config.learnable_threshold:
+        raise ValueError(
+            "learnable_threshold=True but this model's heads have a fixed threshold: it applies to fresh heads "
+            "only (pass the Qwen2 base instead of an adapter, or drop the option)"
+        )
+    if args.numeric and not model.config.numeric:
+        raise ValueError("numeric=True but this adapter's heads are not numeric: it applies to fresh heads only (pass "
+                         "the Qwen2 base instead of an adapter, or drop the option)")
+    if args.objective != model.config.objective or (
+        args.softmax_loss_weight is not None and args.softmax_loss_weight != model.config.softmax_loss_weight
+    ):
+        # The loss is the model's (forward(labels=...)): the trainer's choice goes into its config, saved with it.
+        model.config.objective = args.objective
+        if args.softmax_loss_weight is not None:
+            model.config.softmax_loss_weight = args.softmax_loss_weight
+        model.config.__post_init__()  # validates the new values
+    return model, fresh
+
+
+def _load_model(name: str, args) -> CausalQwenForCausalLM:
+    """An adapter (model_type causalqwen) loads with its heads; a Qwen2 base gets fresh heads from the config."""
+    kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+    kwargs.pop("trust_remote_code", None)  # the package's own code is used, not the folder's copy
+    revision = kwargs.pop("revision", None)
+    dtype = kwargs.pop("dtype", "float32")
+    if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
+        dtype = getattr(torch, dtype)
+    config, _ = PreTrainedConfig.get_config_dict(name, revision=revision)
+    model_type = config.get("model_type")
+    if model_type == CausalQwenForCausalLM.config_class.model_type:
+        return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs), False
+    heads = head_options(args)
+    if model_type != "qwen2":
+        return CausalQwenForCausalLM.from_base(name, revision=revision, **heads), True  # raises the not-Qwen2 error
+    base = Qwen2ForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
+    return CausalQwenForCausalLM.from_base(base, revision=revision, **heads), True
+
+
+def configure_backbone(model: CausalQwenForCausalLM, peft_config) -> None:
+    """Frozen base weights; LoRA on the backbone when asked (or when the loaded adapter brought some)."""
+    backbone = model.model
+    has_lora = getattr(backbone, "_hf_peft_config_loaded", False)
+    if peft_config is None:
+        backbone.requires_grad_(False)
+        if has_lora:  # an adapter trained with LoRA: its LoRA matrices keep training with the heads
+            for name, param in backbone.named_parameters():
+                param.requires_grad_("lora_" in name)
+        return
+    if has_lora:
+        raise ValueError("the backbone already carries a LoRA adapter: drop peft_config to keep training it")
+    if getattr(peft_config, "modules_to_save", None):
+        raise ValueError("peft_config.modules_to_save is not supported: the causal heads are always trained and saved")
+    backbone.add_adapter(peft_config)  # injects LoRA and freezes every other backbone weight
+
+
+def load_adapter_tensors(model: CausalQwenForCausalLM, weights_file: str) -> None:
+    """Copy a checkpoint's adapter tensors into the model, strict on the adapter keys.
+
+    In place (not `assign`): the optimizer and the DDP wrapper keep references to these very parameters.
+    """
+    tensors = load_file(weights_file)
+    expected = model.adapter_keys()
+    if set(tensors) != expected:
+        raise ValueError(
+            f"{weights_file} does not hold this model's adapter tensors: missing {sorted(expected - set(tensors))}, "
+            f"unexpected {sorted(set(tensors) - expected)}. Resume with the heads configuration the checkpoint was "
+            "trained with (causal_size, learnable_threshold)."
+        )
+    model.load_state_dict(tensors, strict=False)  # raises on a shape mismatch
+
+
+def load_backbone_lora(model: CausalQwenForCausalLM, checkpoint: str) -> None:
+    from_disk = os.path.join(checkpoint, LORA_FOLDER, _LORA_WEIGHTS_NAME)
+    has_lora = getattr(model.model, "_hf_peft_config_loaded", False)
+    if not os.path.isfile(from_disk):
+        if has_lora:
+            raise ValueError(f"{checkpoint} has no {LORA_FOLDER}/{_LORA_WEIGHTS_NAME} but the backbone is trained with LoRA")
+        return
+    if not has_lora:
+        raise ValueError(f"{checkpoint} holds backbone LoRA weights: pass the same peft_config to resume from it")
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    # transformers saves backbone adapters in PEFT's layout, under the `base_model.model.` prefix.
+    tensors = {k.removeprefix("base_model.model."): v for k, v in load_file(from_disk).items()}
+    expected = set(get_peft_model_state_dict(model.model))
+    if set(tensors) != expected:
+        raise ValueError(
+            f"{from_disk} does not match the LoRA adapter on the backbone: missing {sorted(expected - set(tensors))}, "
+            f"unexpected {sorted(set(tensors) - expected)}. Resume with the peft_config the checkpoint was trained with."
+        )
+    set_peft_model_state_dict(model.model, tensors)
+
+
+__all__ = [
+    "AdapterCheckpointMixin", "CausalHeadArguments", "LossMetricsMixin", "configure_backbone", "head_options",
+    "prepare_causal_model",
+]

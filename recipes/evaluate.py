@@ -1,0 +1,95 @@
+"""Evaluate models on held-out text: a base and CausalQwen adapters (in every mode) side by side.
+
+    python recipes/evaluate.py --models build/demo-base out/heads out/heads-softmax \
+        --dataset_name held_out.jsonl --modes compatible standard causal --max_length 160 \
+        --output_dir out/eval --reliability_diagram
+
+Each model is a Qwen2 base (scored with its softmax) or a CausalQwen adapter (scored in each of `--modes`). The data
+is any format `sft_ovr.py` reads (`text`, `prompt`/`completion`, chat `messages`; a local file or a `datasets` name).
+Writes `metrics.json` and `metrics.md` (the table printed at the end) to `--output_dir`, and `reliability.png` with
+`--reliability_diagram` (needs matplotlib). The metrics are described in `causalqwen_adapter/evaluation.py`.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedConfig
+
+from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.cauchy import INFERENCE_MODES
+from causalqwen_adapter.data import batches, load_text_dataset, tokenize_for_evaluation
+from causalqwen_adapter.evaluation import evaluate, markdown_table, reliability_diagram
+
+
+@dataclass
+class EvaluationArguments:
+    models: list[str] = field(metadata={"help": "Qwen2 bases and CausalQwen adapters (folders or Hub ids)."})
+    dataset_name: str = field(metadata={"help": "A local .jsonl/.json/.parquet/.csv file, or a `datasets` name."})
+    output_dir: str = field(metadata={"help": "Where metrics.json, metrics.md (and reliability.png) are written."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of the dataset."})
+    dataset_split: str = field(default="train", metadata={"help": "The split to evaluate on."})
+    modes: list[str] = field(
+        default_factory=lambda: ["compatible", "standard", "causal"],
+        metadata={"help": f"Inference modes adapters are scored in ({', '.join(INFERENCE_MODES)})."},
+    )
+    causal_temperature: float | None = field(default=None, metadata={"help": "T of the modes' noise (default: config)."})
+    max_length: int = field(default=1024, metadata={"help": "Tokens per row (truncated beyond)."})
+    max_rows: int | None = field(default=None, metadata={"help": "Evaluate the first N rows only."})
+    batch_size: int = field(default=4, metadata={"help": "Rows per forward pass."})
+    dtype: str = field(default="bfloat16", metadata={"help": "Dtype the models load in.",
+                                                     "choices": ["bfloat16", "float32", "auto"]})
+    reliability_diagram: bool = field(default=False, metadata={"help": "Also write reliability.png."})
+    seed: int = field(default=0, metadata={"help": "Seed of the sampling mode's noise."})
+
+
+def load_model(name: str, dtype):
+    config, _ = PreTrainedConfig.get_config_dict(name)
+    if config.get("model_type") == CausalQwenForCausalLM.config_class.model_type:
+        model = CausalQwenForCausalLM.from_pretrained(name, dtype=dtype)
+        return model, model.config.base_model_name_or_path
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), name
+
+
+def main(args: EvaluationArguments) -> dict:
+    bad = [m for m in args.modes if m not in INFERENCE_MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}: choose from {', '.join(INFERENCE_MODES)}")
+    output_dir = Path(args.output_dir)
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    dataset = load_text_dataset(args.dataset_name, args.dataset_config)
+    if args.dataset_split not in dataset:
+        raise ValueError(f"{args.dataset_name} has no split {args.dataset_split!r}: it has {list(dataset)}")
+    dataset = dataset[args.dataset_split]
+    if args.max_rows is not None:
+        dataset = dataset.select(range(min(args.max_rows, len(dataset))))
+
+    results, accumulators, rows = {}, {}, None
+    for name in args.models:
+        model, base_name = load_model(name, dtype)
+        model.eval()
+        if rows is None:  # the first model's tokenizer: every model must share the base's vocabulary
+            tokenizer = AutoTokenizer.from_pretrained(base_name)
+            rows = tokenize_for_evaluation(dataset, tokenizer, args.max_length)
+        torch.manual_seed(args.seed)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        out = evaluate(model, batches(rows, args.batch_size, pad), args.modes, causal_temperature=args.causal_temperature,
+                       progress=True, desc=Path(name).name or name)
+        accumulators[name] = out.pop("accumulators")
+        results[name] = out
+        del model
+
+    table = markdown_table(results)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
+    (output_dir / "metrics.md").write_text(table + "\n")
+    if args.reliability_diagram:
+        reliability_diagram(accumulators, output_dir / "reliability.png")
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    (arguments,) = HfArgumentParser(EvaluationArguments).parse_args_into_dataclasses()
+    main(arguments)
