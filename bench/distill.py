@@ -1,4 +1,4 @@
-"""Benchmark: offline distillation (DESIGN §2.6) on the demo base — throughput, and what the top-K loss learns.
+"""Benchmark: offline distillation (docs/design.md, Offline distillation) on the demo base — throughput, and what the top-K loss learns.
 
 Texts are the standard-library docstrings of `recipes/demo.py`, shuffled, the first --train-texts for training and
 the last --heldout-texts held out, truncated to --max-length tokens. Measured in one run:

@@ -1,4 +1,4 @@
-"""Benchmark: does the numeric path (DESIGN §2.5) learn on the real demo base? Two small tasks, end to end.
+"""Benchmark: does the numeric path (docs/design.md, Numbers) learn on the real demo base? Two small tasks, end to end.
 
 - `--task words`: "The word seven means the number 7." for 1..20 spelled out; the value is in the text, so the
   regression head can read it from z (tests the head and its loss);

@@ -1,4 +1,4 @@
-"""Cauchy / one-vs-rest math of DESIGN.md §2 — the one place it lives.
+"""Cauchy / one-vs-rest math of docs/design.md — the one place it lives.
 
 Shipped as remote code: imports only torch. Every other module (the model, the chunked
 training loss, generation) calls these functions instead of re-deriving the formulas.
@@ -28,7 +28,7 @@ def fuse_noise(
     temperature: float = 1.0,
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noise fusion of DESIGN §2.2; returns (loc_U', scale_U').
+    """Noise fusion of docs/design.md, Action network; returns (loc_U', scale_U').
 
     training / ``standard``: the noise widens the scale,  scale_U + T·|b_noise|;
     ``sampling``: the noise shifts the location, loc_U + T·|b_noise|⊙ε with ε ~ Cauchy(0, 1)
@@ -156,7 +156,7 @@ def ovr_probs(x: torch.Tensor) -> torch.Tensor:
 
 
 def ovr_token_losses(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-position OvR binary cross-entropy summed over the vocabulary (DESIGN §2.3).
+    """Per-position OvR binary cross-entropy summed over the vocabulary (docs/design.md, Training losses).
 
     ℓ = Σ_k −log(1 − P_k) + [−log P_y + log(1 − P_y)], with no one-hot tensor.
     ``x``: [..., V] standardized scores; ``targets``: [...] valid token ids. Returns [...].
@@ -193,7 +193,7 @@ def ovr_loss(
 
 
 def signed_log1p(v: torch.Tensor) -> torch.Tensor:
-    """φ(v) = sign(v)·ln(1 + |v|): how a number enters the input embedding (DESIGN §2.5); φ(0) = 0."""
+    """φ(v) = sign(v)·ln(1 + |v|): how a number enters the input embedding (docs/design.md, Numbers); φ(0) = 0."""
     return torch.sign(v) * torch.log1p(v.abs())
 
 

@@ -33,13 +33,13 @@ class CausalQwenConfig(PreTrainedConfig):
         action_weight (`str`): where W_A lives — "full" (its own trained and saved matrix), "tied" (the base's
             output embedding itself, frozen, not saved) or "lora" (the base's plus a trained low-rank B·A).
         action_lora_rank (`int`): the rank r of B·A when action_weight="lora".
-        numeric (`bool`): the numeric-aware extension (DESIGN §2.5): numbers enter as `<NUM>` tokens with a value
+        numeric (`bool`): the numeric-aware extension (docs/design.md, Numbers): numbers enter as `<NUM>` tokens with a value
             (`numeric_values`), and a Cauchy regression head predicts the value of each `<NUM>`.
         num_token_id (`int`, *optional*): the id of `<NUM>`, a reserved (unused) row of the base vocabulary;
             defaults to V − 271 (151665) for the 151936-row Qwen2 vocabulary, required otherwise.
         numeric_loss_weight (`float`): λ, the weight of the Cauchy NLL of `<NUM>` values beside the OvR loss.
         objective (`str`): the training loss `forward(labels=...)` computes: "ovr" (the one-vs-rest loss of
-            DESIGN §2.3) or "softmax" (the cross-entropy of softmax(loc_S), the baseline every OvR figure is
+            docs/design.md, Training losses) or "softmax" (the cross-entropy of softmax(loc_S), the baseline every OvR figure is
             compared with).
         softmax_loss_weight (`float`): with objective="ovr", the weight of an auxiliary softmax cross-entropy on
             loc_S added to the OvR loss (0 = the OvR loss alone).

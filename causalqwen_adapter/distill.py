@@ -1,4 +1,4 @@
-"""Offline feature distillation (DESIGN §2.6): train the causal heads on stored teacher features.
+"""Offline feature distillation (docs/design.md, Offline distillation): train the causal heads on stored teacher features.
 
 Stage 1, once: `extract_features` runs the frozen Qwen2 teacher over a corpus and stores, for every real token, the
 final hidden state z and the teacher's top-K next-token ids and softmax probabilities, as a `datasets` folder
@@ -27,7 +27,13 @@ from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM, Trainer, T
 from transformers.utils import logging
 
 from .modeling_causalqwen import CausalQwenForCausalLM
-from .training import AdapterCheckpointMixin, CausalHeadArguments, LossMetricsMixin, prepare_causal_model
+from .training import (
+    AdapterCheckpointMixin,
+    CausalHeadArguments,
+    HeadLearningRatesMixin,
+    LossMetricsMixin,
+    prepare_causal_model,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -267,9 +273,9 @@ class CausalDistillConfig(CausalHeadArguments, TrainingArguments):
             raise ValueError("remove_unused_columns=True would drop the feature columns: leave it False")
 
 
-class CausalDistillTrainer(LossMetricsMixin, AdapterCheckpointMixin, Trainer):
+class CausalDistillTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpointMixin, Trainer):
     """
-    Trains the causal heads on stored teacher features with the top-K MSE (DESIGN §2.6), as a
+    Trains the causal heads on stored teacher features with the top-K MSE (docs/design.md, Offline distillation), as a
     [`~transformers.Trainer`]; stage 2 of offline distillation.
 
     Args:

@@ -1,4 +1,4 @@
-"""Training losses of the causal heads: the chunked one-vs-rest loss (DESIGN §2.3), fused with the action head,
+"""Training losses of the causal heads: the chunked one-vs-rest loss (docs/design.md, Training losses), fused with the action head,
 the chunked softmax cross-entropy on loc_S (the baseline and the auxiliary term), and the top-K distillation
 loss (§2.6).
 
@@ -235,7 +235,7 @@ def topk_mse_loss(
     *,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Top-K distillation loss of DESIGN §2.6: Σ_{k∈K} (P_k − p_teacher,k)², summed over K, mean over positions.
+    """Top-K distillation loss of docs/design.md, Offline distillation: Σ_{k∈K} (P_k − p_teacher,k)², summed over K, mean over positions.
 
     ``loc_U``, ``scale_U``: [N, C]; ``weight``: [V, C]; ``topk_ids``: [N, K] the teacher's top-K token ids, its
     top-1 first; ``topk_probs``: [N, K] its softmax probabilities there. P_k is the OvR probability under the

@@ -1,4 +1,4 @@
-"""CausalQwen: causal heads (abduction → action → OvR) on a frozen Qwen2 backbone (DESIGN.md §2).
+"""CausalQwen: causal heads (abduction → action → OvR) on a frozen Qwen2 backbone (docs/design.md).
 
 Read top to bottom: the three head modules, then the model. The heads are an adapter:
 `save_pretrained` writes only their tensors plus this file and the files it imports, and
@@ -196,7 +196,7 @@ class OvRClassifier(nn.Module):
 
 
 class NumericHead(nn.Module):
-    """Numbers in and out (DESIGN §2.5): the input direction d and the Cauchy regression head of `<NUM>` values.
+    """Numbers in and out (docs/design.md, Numbers): the input direction d and the Cauchy regression head of `<NUM>` values.
 
     In: e = embed(token) + φ(v)·d, φ(v) = sign(v)·ln(1 + |v|), so v = 0 leaves the embedding exactly as it was.
     Out: Y ~ Cauchy(w·loc_U' + b, |w|·scale_U' + exp(s)) on the noise-fused individual U'.
@@ -221,7 +221,7 @@ class NumericHead(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, median: float = 0.0, scale: float = 1.0) -> None:
         """d ~ N(0, 0.02²) normalised to unit length; w Xavier with gain 0.01; b = median, exp(s) = scale
-        (seed 000: the median and IQR/2 of the training targets, so a fresh head predicts Cauchy(median, IQR/2))."""
+        (the median and IQR/2 of the training targets, so a fresh head predicts Cauchy(median, IQR/2))."""
         if not scale > 0:
             raise ValueError(f"the initial scale of the numeric head must be > 0, got {scale}")
         nn.init.normal_(self.direction, std=0.02)
@@ -520,7 +520,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
     # ------------------------------------------------------------------ saving
 
     def save_pretrained(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False, **kwargs):
-        """Write the adapter folder of DESIGN §3 atomically: config, adapter tensors, remote code.
+        """Write the adapter folder of docs/design.md (The adapter folder) atomically: config, adapter tensors, remote code.
 
         A new folder appears complete or not at all; files in an existing folder are swapped with
         `config.json` last, so an interrupted save leaves a folder that refuses to load, never one
@@ -676,7 +676,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
 
     @torch.no_grad()
     def verify_initialization(self, input_ids, attention_mask=None, base_model=None) -> dict[str, float]:
-        """Seed 001's verification: how far the fresh CausalQwen is from its base.
+        """How far the fresh CausalQwen is from its base (docs/design.md, Action network: the invariant).
 
         Compares against `base_model` when given (a separately loaded `Qwen2ForCausalLM`), else
         against the base lm_head kept by `from_base` on the shared backbone.
@@ -717,7 +717,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
 
 
 class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
-    """CausalQwen as a causal LM: `logits` per the inference mode (DESIGN §2.4); with `labels`, the training loss.
+    """CausalQwen as a causal LM: `logits` per the inference mode (docs/design.md, Inference modes); with `labels`, the training loss.
 
     The model owns its losses, as every transformers causal LM does: `model(input_ids, labels=labels)` returns the
     loss the config names (`objective`: the OvR loss, or the softmax cross-entropy of loc_S; plus
@@ -845,7 +845,7 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         return CausalQwenCausalLMOutput(loss=loss, metrics=metrics)
 
     def _distillation_loss(self, hidden_state, topk_ids, topk_probs) -> CausalQwenCausalLMOutput:
-        """Top-K MSE of DESIGN §2.6 on stored z [..., H] (mean over positions); the backbone does not run."""
+        """Top-K MSE of docs/design.md, Offline distillation on stored z [..., H] (mean over positions); the backbone does not run."""
         z = hidden_state.reshape(-1, hidden_state.shape[-1])
         with torch.autocast(z.device.type, enabled=False):
             weight = self.action.effective_weight()
@@ -888,7 +888,7 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         """`GenerationMixin.generate` plus the CausalQwen options, checked once per call:
         `inference_mode`, `causal_temperature` (T ≥ 0) and, for `sampling`, `noise_sharing`.
 
-        Numeric models (DESIGN §2.5) take `numeric_values` beside the prompt (0 where a token is not `<NUM>`; zeros
+        Numeric models (docs/design.md, Numbers) take `numeric_values` beside the prompt (0 where a token is not `<NUM>`; zeros
         when omitted), feed each generated `<NUM>` its predicted value loc_Y, and with `return_dict_in_generate=True`
         return `numeric_values` [batch, length] (the value of every `<NUM>` of the sequences, 0 elsewhere).
         """

@@ -1,4 +1,4 @@
-"""Numeric-aware data (DESIGN §2.5): the `<NUM>` token, text ↔ (input_ids, numeric_values), target statistics, and
+"""Numeric-aware data (docs/design.md, Numbers): the `<NUM>` token, text ↔ (input_ids, numeric_values), target statistics, and
 the collator that carries `numeric_values` through TRL's batches.
 
 A number in the text becomes one `<NUM>` token whose value travels beside it in `numeric_values` (0 at every other
@@ -92,7 +92,7 @@ def decode_with_numbers(tokenizer, input_ids: Sequence[int], numeric_values: Seq
 
 def numeric_statistics(values: Iterable[float] | torch.Tensor) -> tuple[float, float]:
     """(median, IQR/2) of the numeric targets: the Cauchy location and scale estimates the regression head starts
-    from (seed 000; mean and standard deviation do not exist for a Cauchy law).
+    from (mean and standard deviation do not exist for a Cauchy law).
 
     An IQR of 0 (most targets equal) would give a zero scale; it is floored at 1e-3·max(1, |median|).
     """

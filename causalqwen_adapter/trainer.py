@@ -27,7 +27,9 @@ from .numeric import NumericCollator, numeric_statistics
 from .training import (
     AdapterCheckpointMixin,
     CausalHeadArguments,
+    HeadLearningRatesMixin,
     LossMetricsMixin,
+    calibrate_threshold,
     configure_backbone,
     prepare_causal_model,
 )
@@ -102,7 +104,7 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
             raise ValueError(f"eval_inference_modes has unknown mode(s) {bad}: choose from {', '.join(INFERENCE_MODES)}")
 
 
-class CausalSFTTrainer(LossMetricsMixin, AdapterCheckpointMixin, SFTTrainer):
+class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpointMixin, SFTTrainer):
     """
     Trains the causal heads of a [`CausalQwenForCausalLM`] with the one-vs-rest loss, as an [`~trl.SFTTrainer`].
 
@@ -206,9 +208,25 @@ class CausalSFTTrainer(LossMetricsMixin, AdapterCheckpointMixin, SFTTrainer):
         eval_datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
         for name, dataset in eval_datasets.items():
             _check_targets(dataset, vocab_size, name, require_targets=False)
+        if fresh_heads and args.ovr_threshold_init is None:
+            calibrate_threshold(model, self._calibration_batches())
+
+    def _calibration_batches(self, rows: int = 64):
+        """The first `rows` training examples in dataset order, collated: the same on every process and at any
+        world size (no sampler, no shard), so calibrated replicas stay equal."""
+        dataset = self.train_dataset
+        if isinstance(dataset, Dataset):
+            dataset = self._remove_unused_columns(dataset.select(range(min(rows, len(dataset)))), "calibration")
+            collator = self.data_collator
+        else:
+            dataset = dataset.take(rows)
+            collator = self._get_collator_with_removed_columns(self.data_collator, "calibration")
+        loader = torch.utils.data.DataLoader(dataset, batch_size=self.args.per_device_train_batch_size,
+                                             collate_fn=collator)
+        return (self._prepare_inputs(batch) for batch in loader)
 
     def _prepare_numeric(self, model, fresh_heads: bool) -> None:
-        """Numeric heads: batches carry numeric_values, and fresh heads start from the data (seed 000)."""
+        """Numeric heads: batches carry numeric_values, and fresh heads start from the data (docs/design.md, Numbers)."""
         datasets = {"train": self.train_dataset}
         if isinstance(self.eval_dataset, dict):
             datasets.update(self.eval_dataset)

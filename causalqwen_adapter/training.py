@@ -27,52 +27,72 @@ _LORA_WEIGHTS_NAME = "adapter_model.safetensors"
 
 @dataclass
 class CausalHeadArguments:
-    """The head hyper-parameters of the trainers' configs, used only when a trainer builds fresh heads (when `model`
-    is a Qwen2 base); an adapter brings its own."""
+    """The head options of the trainers' configs: `CausalQwenConfig` fields, used when a trainer builds fresh heads
+    (when `model` is a Qwen2 base; an adapter brings its own). Unset (None) means the config's default, documented
+    once in `CausalQwenConfig`; `objective` and `softmax_loss_weight` apply to adapters too."""
 
     causal_size: int | None = field(
+        default=None, metadata={"help": "Size C of the individual U; default: the base hidden size H."}
+    )
+    gamma_init: float | None = field(
+        default=None, metadata={"help": "Initial Cauchy scale of U, softplus(b_scale) (default: CausalQwenConfig's)."}
+    )
+    b_noise_init: float | None = field(
+        default=None, metadata={"help": "Initial value of every component of b_noise (default: CausalQwenConfig's)."}
+    )
+    ovr_threshold_init: float | None = field(
         default=None,
-        metadata={"help": "Size C of the individual U for fresh heads; defaults to the base hidden size H."},
+        metadata={"help": "Initial OvR threshold C_k. Unset: calibrated on the first training batches (the value "
+                  "at which argmax_k P_k agrees best with the base's argmax), see `calibrate_threshold`."},
     )
-    gamma_init: float = field(
-        default=10.0,
-        metadata={"help": "Initial Cauchy scale of U for fresh heads: softplus(b_scale) = gamma_init."},
+    learnable_threshold: bool | None = field(
+        default=None, metadata={"help": "Learn one threshold per vocabulary entry (default: CausalQwenConfig's)."}
     )
-    b_noise_init: float = field(
-        default=0.1,
-        metadata={"help": "Initial value of every component of the action noise b_noise for fresh heads."},
-    )
-    ovr_threshold_init: float = field(
-        default=0.0,
-        metadata={"help": "Initial one-vs-rest threshold C_k for fresh heads."},
-    )
-    learnable_threshold: bool = field(
-        default=False,
-        metadata={"help": "Learn one OvR threshold per vocabulary entry (fresh heads; saved in the adapter)."},
-    )
-    action_weight: str = field(
-        default="full",
+    action_weight: str | None = field(
+        default=None,
         metadata={
-            "help": "Where W_A lives for fresh heads: `full` (a trained copy of the base's output layer, saved), "
-            "`tied` (the base's output layer itself, frozen, not saved) or `lora` (the base's plus a trained "
-            "low-rank B·A; only A and B are saved).",
+            "help": "Where W_A lives: `full` (a trained copy of the base's output layer, saved), `tied` (the base's "
+            "output layer itself, frozen, not saved) or `lora` (the base's plus a trained low-rank B·A; only A and B "
+            "are saved). Default: CausalQwenConfig's (`full`).",
             "choices": ["full", "tied", "lora"],
         },
     )
-    action_lora_rank: int = field(
-        default=16, metadata={"help": "Rank of B·A when action_weight='lora' (fresh heads)."}
-    )
+    action_lora_rank: int | None = field(default=None, metadata={"help": "Rank of B·A when action_weight='lora'."})
     numeric: bool = field(
         default=False,
-        metadata={"help": "Numeric-aware heads (DESIGN §2.5): <NUM> tokens with values in, a Cauchy regression head "
-                  "out. The data then needs input_ids and numeric_values (causalqwen_adapter.numeric)."},
+        metadata={"help": "Numeric-aware heads (docs/design.md, Numbers): <NUM> tokens with values in, a Cauchy "
+                  "regression head out. The data then needs input_ids and numeric_values (causalqwen_adapter.numeric)."},
     )
     num_token_id: int | None = field(
         default=None,
         metadata={"help": "Id of <NUM> for numeric heads: an unused row of the vocabulary (default 151665 for Qwen2)."},
     )
-    numeric_loss_weight: float = field(
-        default=1.0, metadata={"help": "λ: weight of the Cauchy NLL of <NUM> values beside the OvR loss (numeric heads)."}
+    numeric_loss_weight: float | None = field(
+        default=None, metadata={"help": "λ: weight of the Cauchy NLL of <NUM> values beside the OvR loss."}
+    )
+    objective: str | None = field(
+        default=None,
+        metadata={
+            "help": "The training loss: `ovr` (the one-vs-rest loss of the causal heads) or `softmax` (cross-entropy "
+            "of softmax(loc_S) on the same trainable heads: the baseline every OvR figure is compared with). Sets "
+            "the model config's `objective`, for fresh heads and adapters alike (default: the model's).",
+            "choices": ["ovr", "softmax"],
+        },
+    )
+    softmax_loss_weight: float | None = field(
+        default=None,
+        metadata={"help": "Weight of an auxiliary softmax cross-entropy on loc_S beside the OvR loss. Sets the model "
+                  "config's `softmax_loss_weight` (default: the model's)."},
+    )
+    location_lr_ratio: float = field(
+        default=1.0,
+        metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A: what ranks the tokens) as a "
+                  "multiple of learning_rate."},
+    )
+    threshold_lr_ratio: float = field(
+        default=1.0,
+        metadata={"help": "Learning rate of the per-token offsets (learnable thresholds C_k, b_A) as a multiple of "
+                  "learning_rate."},
     )
     objective: str = field(
         default="ovr",
@@ -128,9 +148,41 @@ class LossMetricsMixin:
     _raw_metric_names: tuple[str, ...] = ()
 
 
+# Parameter groups of the heads by role, for per-group learning rates (names as in `model.named_parameters()`).
+LOCATION_PARAMETERS = ("abduction.loc.", "action.weight", "action.lora_A", "action.lora_B")
+THRESHOLD_PARAMETERS = ("ovr.threshold", "action.bias")
+
+
+class HeadLearningRatesMixin:
+    """The Trainer's optimizer with per-role learning rates: `learning_rate` × `location_lr_ratio` for the location
+    path (W_loc, b_loc, W_A: what ranks the tokens), × `threshold_lr_ratio` for the per-token offsets (thresholds,
+    b_A); the scale path (W_scale, b_scale, b_noise), numeric head and backbone LoRA at `learning_rate`."""
+
+    def create_optimizer(self, model=None):
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if not fresh:
+            return optimizer
+        names = {id(p): n for n, p in (self.model if model is None else model).named_parameters()}
+        ratios = {LOCATION_PARAMETERS: self.args.location_lr_ratio, THRESHOLD_PARAMETERS: self.args.threshold_lr_ratio}
+
+        def ratio(param) -> float:
+            name = names.get(id(param), "")
+            return next((r for prefixes, r in ratios.items() if name.startswith(prefixes)), 1.0)
+
+        groups = []
+        for group in optimizer.param_groups:
+            by_ratio: dict[float, list] = {}
+            for param in group["params"]:
+                by_ratio.setdefault(ratio(param), []).append(param)
+            groups += [{**group, "params": params, "lr": group["lr"] * r} for r, params in by_ratio.items()]
+        optimizer.param_groups = groups  # no state yet: the schedulers created next read these learning rates
+        return optimizer
+
+
 class AdapterCheckpointMixin:
     """Checkpoints, `save_model`, resuming and the model card of a trainer whose model is a `CausalQwenForCausalLM`:
-    adapter folders (heads only, DESIGN §3), never full weights and never TRL's generic card.
+    adapter folders (heads only, docs/design.md, The adapter folder), never full weights and never TRL's generic card.
 
     The trainer sets `_card_datasets`, `_card_tags` (lists) and `_card_metric_names` (logged metrics the card shows).
     """
@@ -138,7 +190,7 @@ class AdapterCheckpointMixin:
     _card_metric_names: tuple[str, ...] = ()
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """An adapter folder (DESIGN §3) plus `training_args.bin`; no tokenizer, the base provides it."""
+        """An adapter folder (docs/design.md, The adapter folder) plus `training_args.bin`; no tokenizer, the base provides it."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
@@ -167,7 +219,7 @@ class AdapterCheckpointMixin:
         """Write the adapter's own model card into `output_dir`, never TRL's.
 
         TRL writes a generic `README.md` into `output_dir` at every checkpoint and before `push_to_hub`, which would
-        replace the adapter's card (DESIGN §3: rendered from `model_card/`). This passes through to the model's card
+        replace the adapter's card (docs/design.md, The adapter folder: rendered from `model_card/`). This passes through to the model's card
         writer, with the run recorded in `model.training_summary`. `dataset_name` and `tags` are kept for every
         later card of this run (checkpoints, `save_model`); `model_name` is TRL's and not used.
         """
@@ -220,8 +272,11 @@ class AdapterCheckpointMixin:
 
 
 def head_options(args: CausalHeadArguments) -> dict:
-    """The fresh-head config fields the arguments set (None leaves the config's default)."""
-    return {f.name: getattr(args, f.name) for f in fields(CausalHeadArguments) if getattr(args, f.name) is not None}
+    """The config fields the arguments set for fresh heads (None leaves the config's default; the learning-rate
+    ratios are the optimizer's, not the config's)."""
+    config_fields = CausalQwenForCausalLM.config_class.__dataclass_fields__
+    return {f.name: getattr(args, f.name) for f in fields(CausalHeadArguments)
+            if f.name in config_fields and getattr(args, f.name) is not None}
 
 
 def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
@@ -246,15 +301,54 @@ def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
     if args.numeric and not model.config.numeric:
         raise ValueError("numeric=True but this adapter's heads are not numeric: it applies to fresh heads only (pass "
                          "the Qwen2 base instead of an adapter, or drop the option)")
-    if args.objective != model.config.objective or (
-        args.softmax_loss_weight is not None and args.softmax_loss_weight != model.config.softmax_loss_weight
-    ):
-        # The loss is the model's (forward(labels=...)): the trainer's choice goes into its config, saved with it.
-        model.config.objective = args.objective
-        if args.softmax_loss_weight is not None:
-            model.config.softmax_loss_weight = args.softmax_loss_weight
+    # The loss is the model's (forward(labels=...)): the trainer's choice goes into its config, saved with it.
+    changed = False
+    for name in ("objective", "softmax_loss_weight"):
+        value = getattr(args, name)
+        if value is not None and value != getattr(model.config, name):
+            setattr(model.config, name, value)
+            changed = True
+    if changed:
         model.config.__post_init__()  # validates the new values
     return model, fresh
+
+
+@torch.no_grad()
+def calibrate_threshold(model: CausalQwenForCausalLM, batches, max_positions: int = 1024) -> float:
+    """The uniform OvR threshold C at which fresh heads rank tokens most like their base, measured on data.
+
+    At init loc_S is the base's logits and scale_S ∝ ‖W_k‖₁, so argmax_k P_k depends on C alone: too low or too high
+    and the row norms, not the logits, pick the token. Over up to `max_positions` target positions of `batches`
+    (dicts with input_ids, attention_mask, labels), C is chosen among quantiles of the per-position largest logit as
+    the one whose standard-mode argmax agrees most often with the base's argmax. Sets and returns it.
+    """
+    zs = []
+    for batch in batches:
+        labels = batch.get("labels", batch["input_ids"])
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                             position_ids=batch.get("position_ids")).last_hidden_state
+        targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        zs.append(hidden[targets != -100])
+        if sum(len(z) for z in zs) >= max_positions:
+            break
+    if not zs or sum(len(z) for z in zs) == 0:
+        raise ValueError("no target position to calibrate the OvR threshold on: pass ovr_threshold_init explicitly")
+    z = torch.cat(zs)[:max_positions]
+    loc_U, scale_U = model.abduction(z.to(model.action.bias.dtype))
+    loc_S, scale_S = model.action(loc_U, scale_U, "standard", 1.0)
+    loc_S, scale_S = loc_S.float(), scale_S.float().clamp_min(torch.finfo(torch.float32).tiny)
+    base_argmax = loc_S.argmax(-1)
+    quantiles = torch.linspace(0.0, 0.95, 20)
+    candidates = torch.quantile(loc_S.max(-1).values, quantiles).tolist()
+    agreement = [((loc_S - c) / scale_S).argmax(-1).eq(base_argmax).float().mean().item() for c in candidates]
+    best = max(range(len(candidates)), key=lambda i: agreement[i])
+    threshold = float(candidates[best])
+    model.ovr.threshold.fill_(threshold)  # under no_grad: a learnable threshold is a leaf
+    model.config.ovr_threshold_init = threshold
+    model.ovr.threshold_init = threshold
+    logger.info(f"OvR threshold calibrated on {len(z)} positions: C = {threshold:.3f} (standard-mode argmax agrees "
+                f"with the base's on {agreement[best]:.1%} of them)")
+    return threshold
 
 
 def _load_model(name: str, args) -> CausalQwenForCausalLM:
@@ -332,6 +426,6 @@ def load_backbone_lora(model: CausalQwenForCausalLM, checkpoint: str) -> None:
 
 
 __all__ = [
-    "AdapterCheckpointMixin", "CausalHeadArguments", "LossMetricsMixin", "configure_backbone", "head_options",
-    "prepare_causal_model",
+    "AdapterCheckpointMixin", "CausalHeadArguments", "HeadLearningRatesMixin", "LossMetricsMixin", "calibrate_threshold",
+    "configure_backbone", "head_options", "prepare_causal_model",
 ]

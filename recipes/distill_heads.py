@@ -1,4 +1,4 @@
-"""Stage 2 of offline distillation: train the causal heads on stored teacher features (DESIGN §2.6).
+"""Stage 2 of offline distillation: train the causal heads on stored teacher features (docs/design.md, Offline distillation).
 
 No transformer runs: each step scores the stored hidden states with the heads and fits the OvR probabilities of the
 teacher's top-K tokens to the teacher's (top-K MSE). The model is the Qwen2 base the features came from (fresh

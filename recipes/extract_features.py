@@ -1,4 +1,4 @@
-"""Stage 1 of offline distillation: store the frozen Qwen2 teacher's features (DESIGN §2.6).
+"""Stage 1 of offline distillation: store the frozen Qwen2 teacher's features (docs/design.md, Offline distillation).
 
 For every real token of the corpus: the final hidden state z and the teacher's top-K next-token ids and
 probabilities, in a `datasets` folder that `recipes/distill_heads.py` trains on (run this once, train many epochs).

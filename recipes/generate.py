@@ -3,7 +3,7 @@
     python recipes/generate.py ADAPTER --prompt "Write a function that reverses a string." --mode standard
 
 The tokenizer is the base's (adapters carry none); its chat template is applied when it has one
-(`--no-chat` to feed the prompt raw). With a numeric adapter (DESIGN §2.5) the numbers of the prompt enter as <NUM>
+(`--no-chat` to feed the prompt raw). With a numeric adapter (docs/design.md, Numbers) the numbers of the prompt enter as <NUM>
 tokens with their values, and the answer is printed once done, each generated <NUM> written as its predicted value.
 """
 

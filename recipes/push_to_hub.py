@@ -2,7 +2,7 @@
 
     python recipes/push_to_hub.py runs/my-adapter your-username/my-causal-adapter [--private] [--create-pr]
 
-The folder is uploaded as it is, after checking that it is an adapter folder (DESIGN §3): nothing is loaded,
+The folder is uploaded as it is, after checking that it is an adapter folder (docs/design.md, The adapter folder): nothing is loaded,
 so no base model is downloaded or held in memory, the tensors go up byte for byte, and the model card keeps
 the training record the trainer wrote into it. Only the card's title and load snippet are changed to name the
 repo. Files that are not part of the adapter (a trainer's checkpoints, logs) stay local. The token is the one

@@ -16,7 +16,7 @@ The model is a Qwen2 base (fresh heads are attached) or a CausalQwen adapter (tr
     # LoRA on the backbone too (saved in my-causal-adapter/lora/)
     python recipes/sft_ovr.py ... --use_peft --lora_r 16 --lora_target_modules q_proj v_proj
 
-    # numeric-aware heads (DESIGN §2.5): numbers in the `text` column become <NUM> tokens with values
+    # numeric-aware heads (docs/design.md, Numbers): numbers in the `text` column become <NUM> tokens with values
     python recipes/sft_ovr.py ... --numeric
 
 Every option of `CausalSFTConfig` (TRL's `SFTConfig` plus the head options) is a flag; `--config recipe.yaml` reads

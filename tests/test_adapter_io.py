@@ -1,4 +1,4 @@
-"""The adapter folder (DESIGN §3): what save_pretrained writes, what loads it, and what it refuses."""
+"""The adapter folder (docs/design.md, The adapter folder): what save_pretrained writes, what loads it, and what it refuses."""
 
 import json
 import os

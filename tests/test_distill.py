@@ -1,4 +1,4 @@
-"""Offline feature distillation (DESIGN §2.6): the top-K MSE, feature extraction, CausalDistillTrainer, recipes.
+"""Offline feature distillation (docs/design.md, Offline distillation): the top-K MSE, feature extraction, CausalDistillTrainer, recipes.
 
 References are plain: the float64 OvR probabilities of the whole vocabulary gathered at the top-K ids, the teacher run
 on each sequence alone, and a hand-written SGD step.

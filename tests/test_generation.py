@@ -1,4 +1,4 @@
-"""generate() in every inference mode (DESIGN §2.4): exactness, the cache, sampling noise, options."""
+"""generate() in every inference mode (docs/design.md, Inference modes): exactness, the cache, sampling noise, options."""
 
 import subprocess
 import sys

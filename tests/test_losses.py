@@ -12,7 +12,7 @@ NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
 
 
 def reference(loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch=None):
-    """DESIGN §2.3 written out plainly: full scores, P = ½ + atan(x)/π, BCE against a one-hot."""
+    """docs/design.md, Training losses written out plainly: full scores, P = ½ + atan(x)/π, BCE against a one-hot."""
     loc_S = loc_U @ weight.T + (0 if bias is None else bias)
     scale_S = (scale_U + b_noise.abs()) @ weight.abs().T
     P = 0.5 + torch.atan((loc_S - threshold) / scale_S) / math.pi

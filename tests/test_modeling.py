@@ -1,4 +1,4 @@
-"""The heads' initialisation and forward against the base model and a float64 reference (DESIGN §2)."""
+"""The heads' initialisation and forward against the base model and a float64 reference (docs/design.md)."""
 
 import gc
 import math
@@ -77,7 +77,7 @@ def test_backbone_frozen_heads_trainable(tied_base):
 
 
 def _reference_forward(model, input_ids, mode, temperature):
-    """DESIGN §2 in float64, written out plainly."""
+    """docs/design.md in float64, written out plainly."""
     z = model.model(input_ids).last_hidden_state.double()
     loc_U = z @ model.abduction.loc.weight.double().T + model.abduction.loc.bias.double()
     scale_U = F.softplus(z @ model.abduction.scale.weight.double().T + model.abduction.scale.bias.double())

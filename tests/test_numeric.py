@@ -1,4 +1,4 @@
-"""Numeric-aware heads (DESIGN §2.5): <NUM> values in, the Cauchy regression head out, its loss, generation with
+"""Numeric-aware heads (docs/design.md, Numbers): <NUM> values in, the Cauchy regression head out, its loss, generation with
 fed-back values, the data helpers and CausalSFTTrainer on numeric data.
 
 References: the formulas of §2.5 written out in float64, the backbone run on hand-built input embeddings, and a

@@ -145,7 +145,7 @@ def test_gradient_accumulation_matches_one_big_batch(sft_base, tmp_path, micro_b
 
 def test_logs_ovr_metrics_in_training_and_evaluation(sft_base, tmp_path):
     trainer = CausalSFTTrainer(
-        str(sft_base), args=_args(tmp_path, max_steps=2, learning_rate=0.0, gamma_init=4.0),
+        str(sft_base), args=_args(tmp_path, max_steps=2, learning_rate=0.0, gamma_init=4.0, ovr_threshold_init=0.0),
         train_dataset=_prompt_completion(), eval_dataset=_prompt_completion(3),
     )
     trainer.train()
@@ -452,3 +452,48 @@ def test_softmax_objective_is_the_cross_entropy_of_loc_S(sft_base, tmp_path):
     loss.backward()
     assert model.abduction.loc.weight.grad.abs().sum() > 0
     assert model.abduction.scale.weight.grad is None or model.abduction.scale.weight.grad.abs().sum() == 0
+
+
+def test_learning_rates_by_role(sft_base, tmp_path):
+    args = _args(tmp_path, learning_rate=1e-2, location_lr_ratio=1e-3, threshold_lr_ratio=0.5, learnable_threshold=True)
+    trainer = CausalSFTTrainer(str(sft_base), args=args, train_dataset=_prompt_completion())
+    optimizer = trainer.create_optimizer()
+    lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    expected = {
+        "abduction.loc.weight": 1e-5, "abduction.loc.bias": 1e-5, "action.weight": 1e-5,
+        "abduction.scale.weight": 1e-2, "abduction.scale.bias": 1e-2, "action.b_noise": 1e-2,
+        "action.bias": 5e-3, "ovr.threshold": 5e-3,
+    }
+    named = dict(trainer.model.named_parameters())
+    assert {n for n, p in named.items() if p.requires_grad} == set(expected)
+    for name, lr in expected.items():
+        assert lr_of[id(named[name])] == pytest.approx(lr), name
+    trainer.train()  # the scheduler runs on these groups
+    assert trainer.state.global_step > 0
+
+
+def test_fresh_threshold_is_calibrated_on_data_unless_given(sft_base, tmp_path):
+    trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path), train_dataset=_prompt_completion())
+    model = trainer.model
+    threshold = model.config.ovr_threshold_init
+    assert torch.equal(model.ovr.threshold, torch.tensor(threshold))
+    # naive reference: the agreement of every candidate threshold, on the same positions
+    batches = list(trainer._calibration_batches())
+    with torch.no_grad():
+        z = torch.cat([
+            model.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state[
+                torch.nn.functional.pad(b["labels"], (0, 1), value=-100)[:, 1:] != -100]
+            for b in batches
+        ]).double()
+        loc_S = z @ model.action.weight.double().T + model.action.bias.double()
+        gamma, noise = model.config.gamma_init, model.config.b_noise_init  # uniform scale_U' = γ₀ + |b_noise|
+        scale_S = (gamma + abs(noise)) * model.action.weight.double().abs().sum(-1)
+
+        def agreement(c):
+            return (((loc_S - c) / scale_S).argmax(-1) == loc_S.argmax(-1)).double().mean().item()
+
+        candidates = torch.quantile(loc_S.max(-1).values, torch.linspace(0, 0.95, 20, dtype=torch.float64)).tolist()
+    assert agreement(threshold) == pytest.approx(max(agreement(c) for c in candidates))
+    assert agreement(threshold) >= agreement(0.0)
+    given = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, ovr_threshold_init=-1.5), train_dataset=_prompt_completion())
+    assert given.model.config.ovr_threshold_init == -1.5 and given.model.ovr.threshold.item() == -1.5

@@ -1,0 +1,165 @@
+"""Benchmark: which recipe makes the causal heads learn? An ablation on cached backbone features.
+
+Training and held-out text are different modules of Python's standard library (a real corpus nobody here wrote,
+present on every machine). The frozen demo base runs once over both in bf16; its final hidden states z and the next
+tokens are cached under build/bench-heads/. Each configuration then:
+
+1. attaches fresh heads (`CausalQwenForCausalLM.from_base` with the configuration's head fields);
+2. trains them with the model's own loss, `model.heads_loss(z, targets)` — exactly what `forward(labels=...)`
+   computes after the backbone — with AdamW, the trainer's per-role learning rates and its linear decay, for
+   --steps steps of --batch-tokens targets;
+3. is evaluated on the held-out tokens with `causalqwen_adapter.evaluation`, at init and after training, in the
+   compatible mode (the softmax over loc_S) and the OvR modes.
+
+    python bench/heads_recipe.py --base build/demo-base --steps 200 --batch-tokens 640 --configs default softmax
+
+Prints one markdown table (config, stage, mode, metrics); the base's own row is `compatible` at init.
+"""
+
+import argparse
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table
+from causalqwen_adapter.cauchy import ovr_log_prob
+from causalqwen_adapter.training import LOCATION_PARAMETERS, THRESHOLD_PARAMETERS
+
+TRAIN_MODULES = [
+    "argparse", "configparser", "tokenize", "inspect", "typing", "dis", "ast", "dataclasses", "enum", "functools",
+    "subprocess", "threading", "zipfile", "tarfile", "smtplib", "ftplib", "pydoc", "difflib", "textwrap", "calendar",
+    "fractions", "string", "csv", "heapq", "bisect", "statistics", "random", "datetime", "logging/__init__",
+    "http/client", "email/message", "json/decoder", "unittest/case", "asyncio/base_events", "collections/__init__",
+]
+HELD_OUT_MODULES = ["copy", "tempfile", "pathlib", "shutil", "glob", "fnmatch", "contextlib", "weakref", "abc", "operator"]
+
+# Each configuration: head fields for from_base, the learning rate and the per-role ratios of the trainer.
+CONFIGS = {
+    "seeds": dict(heads=dict(gamma_init=10.0, b_noise_init=0.1, ovr_threshold_init=0.0), learning_rate=1e-4),
+    "default": dict(heads=dict(), learning_rate=None),  # the package's defaults, whatever they are
+    "softmax": dict(heads=dict(objective="softmax"), learning_rate=None),
+}
+
+
+def windows(tokenizer, modules, length, limit):
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    rows = []
+    for name in modules:
+        path = lib / f"{name}.py"
+        if not path.exists():
+            continue
+        ids = tokenizer(path.read_text(encoding="utf-8")).input_ids
+        rows += [ids[s : s + length] for s in range(0, len(ids) - length, length)]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))[:limit]
+    return torch.tensor([rows[i] for i in order])
+
+
+def cached_features(base, tokenizer, name, modules, length, limit, cache: Path):
+    path = cache / f"{name}-{length}-{limit}.pt"
+    if path.exists():
+        return torch.load(path)
+    ids = windows(tokenizer, modules, length, limit)
+    zs = []
+    with torch.no_grad():
+        for i in range(0, len(ids), 8):
+            zs.append(base.model(ids[i : i + 8]).last_hidden_state[:, :-1].float())
+    data = {"z": torch.cat(zs).reshape(-1, base.config.hidden_size), "targets": ids[:, 1:].reshape(-1)}
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+def evaluate_heads(model, z, targets, modes, chunk=256):
+    accumulators = {mode: EvaluationAccumulator(mode) for mode in modes}
+    with torch.no_grad():
+        for start in range(0, len(targets), chunk):
+            zz, yy = z[start : start + chunk], targets[start : start + chunk]
+            for mode in modes:
+                _, _, loc_S, scale_S = model.causal_heads(zz, mode, model.config.causal_temperature)
+                scores = loc_S if mode == "compatible" else ovr_log_prob(model.ovr(loc_S, scale_S))
+                accumulators[mode].update(scores, yy)
+    return {mode: acc.compute() for mode, acc in accumulators.items()}
+
+
+def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio):
+    """AdamW with the trainer's per-role learning rates (see training.HeadLearningRatesMixin)."""
+    groups = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        ratio = location_lr_ratio if name.startswith(LOCATION_PARAMETERS) else (
+            threshold_lr_ratio if name.startswith(THRESHOLD_PARAMETERS) else 1.0)
+        groups.setdefault(ratio, []).append(param)
+    return torch.optim.AdamW([{"params": p, "lr": learning_rate * r} for r, p in groups.items()], weight_decay=0.0)
+
+
+def main() -> None:
+    from causalqwen_adapter.trainer import CausalSFTConfig
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="build/demo-base")
+    parser.add_argument("--configs", nargs="+", default=["seeds", "default", "softmax"], choices=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-tokens", type=int, default=640, help="targets per step (4 rows × 160 tokens)")
+    parser.add_argument("--length", type=int, default=161, help="tokens per window (160 targets)")
+    parser.add_argument("--train-windows", type=int, default=800)
+    parser.add_argument("--held-out-windows", type=int, default=32)
+    parser.add_argument("--modes", nargs="+", default=["compatible", "standard", "causal"])
+    parser.add_argument("--cache", default="build/bench-heads")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).eval()
+    start = time.perf_counter()
+    train = cached_features(base, tokenizer, "train", TRAIN_MODULES, args.length, args.train_windows, Path(args.cache))
+    held = cached_features(base, tokenizer, "held", HELD_OUT_MODULES, args.length, args.held_out_windows, Path(args.cache))
+    print(f"features: {len(train['targets'])} training and {len(held['targets'])} held-out tokens "
+          f"({time.perf_counter() - start:.0f}s)", flush=True)
+    trainer_defaults = CausalSFTConfig("unused", report_to="none", use_cpu=True)
+
+    results = {}
+    for name in args.configs:
+        spec = CONFIGS[name]
+        base_f32 = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+        model = CausalQwenForCausalLM.from_base(base_f32, **spec["heads"])
+        learning_rate = spec["learning_rate"] or trainer_defaults.learning_rate
+        ratios = (spec.get("location_lr_ratio", trainer_defaults.location_lr_ratio),
+                  spec.get("threshold_lr_ratio", trainer_defaults.threshold_lr_ratio))
+        results[f"{name} init"] = evaluate_heads(model, held["z"], held["targets"], args.modes)
+        print(markdown_table({f"{name} init": results[f"{name} init"]}), flush=True)
+        optimizer = optimizer_for(model, learning_rate, *ratios)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
+        order = torch.randperm(len(train["targets"]), generator=torch.Generator().manual_seed(0))
+        model.train()
+        start = time.perf_counter()
+        for step in range(args.steps):
+            rows = order[(step * args.batch_tokens + torch.arange(args.batch_tokens)) % len(order)]
+            loss = model.heads_loss(train["z"][rows], train["targets"][rows]).loss
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"{name}: loss {loss.item()} at step {step + 1}")
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            optimizer.step()
+            schedule.step()
+            if (step + 1) % max(1, args.steps // 8) == 0:
+                print(f"  {name} step {step + 1}: loss {loss.item():.4g} ({time.perf_counter() - start:.0f}s)", flush=True)
+        model.eval()
+        results[f"{name} after {args.steps}"] = evaluate_heads(model, held["z"], held["targets"], args.modes)
+        print(markdown_table({f"{name} after {args.steps}": results[f"{name} after {args.steps}"]}), flush=True)
+        print(f"  {name}: lr {learning_rate:g}, ratios location {ratios[0]:g} threshold {ratios[1]:g}, heads "
+              f"{spec['heads'] or 'package defaults'}; {time.perf_counter() - start:.0f}s of training", flush=True)
+        del model, base_f32
+    print("\n" + markdown_table(results))
+
+
+if __name__ == "__main__":
+    main()
