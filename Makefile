@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 DEMO_BASE := build/demo-base
 
-.PHONY: test demo test-real bench clean
+.PHONY: test lint demo test-real bench clean
 
 # torch first: the CPU build pip finds on these machines. A bare `torch` requirement would pull CUDA.
 $(STAMP): pyproject.toml
@@ -23,6 +23,9 @@ $(DEMO_STAMP): $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check causalqwen_adapter recipes bench tests
 
 $(DEMO_BASE)/config.json: | $(DEMO_STAMP)
 	$(PY) recipes/prepare_demo_base.py $(DEMO_BASE)

@@ -25,13 +25,16 @@ from datasets import Dataset
 from transformers import AutoTokenizer, Qwen2ForCausalLM, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from demo import stdlib_docstrings  # noqa: E402
-
 from causalqwen_adapter import CausalQwenForCausalLM  # noqa: E402
 from causalqwen_adapter.distill import (  # noqa: E402
-    CausalDistillConfig, CausalDistillTrainer, extract_features, load_features,
+    CausalDistillConfig,
+    CausalDistillTrainer,
+    extract_features,
+    load_features,
 )
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer  # noqa: E402
+
+from demo import stdlib_docstrings  # noqa: E402
 
 
 class StepTimer(TrainerCallback):

@@ -26,8 +26,8 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
-from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table
 from causalqwen_adapter.cauchy import ovr_log_prob
+from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table
 from causalqwen_adapter.training import LOCATION_PARAMETERS, THRESHOLD_PARAMETERS
 
 TRAIN_MODULES = [
@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["compatible", "standard", "causal"])
     parser.add_argument("--cache", default="build/bench-heads")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--save", action="store_true", help="save each trained adapter under <cache>/<config>")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -155,6 +156,8 @@ def main() -> None:
         model.eval()
         results[f"{name} after {args.steps}"] = evaluate_heads(model, held["z"], held["targets"], args.modes)
         print(markdown_table({f"{name} after {args.steps}": results[f"{name} after {args.steps}"]}), flush=True)
+        if args.save:
+            model.save_pretrained(Path(args.cache) / name)
         print(f"  {name}: lr {learning_rate:g}, ratios location {ratios[0]:g} threshold {ratios[1]:g}, heads "
               f"{spec['heads'] or 'package defaults'}; {time.perf_counter() - start:.0f}s of training", flush=True)
         del model, base_f32

@@ -14,8 +14,8 @@ import math
 import os
 import shutil
 import tempfile
-import weakref
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -40,7 +40,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 logger = logging.getLogger("prepare_demo_base")
 
 # --- What the six packages must join into (see the module docstring). -------------------------

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelerate import PartialState
-from datasets import load_dataset
 from transformers import AutoTokenizer
 from trl import TrlParser
 

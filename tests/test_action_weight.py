@@ -3,12 +3,12 @@
 import pytest
 import torch
 from safetensors import safe_open
+from test_adapter_io import REMOTE_SCRIPT, _run_isolated
 from transformers import Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
 
 from conftest import TINY_HIDDEN, TINY_VOCAB
-from test_adapter_io import REMOTE_SCRIPT, _run_isolated
 
 HEAD_KEYS = {"abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight", "abduction.scale.bias",
              "action.bias", "action.b_noise"}

@@ -18,9 +18,15 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.distill import (
-    FEATURES_CONFIG_NAME, CausalDistillConfig, CausalDistillTrainer, extract_features, features_info, load_features,
+    FEATURES_CONFIG_NAME,
+    CausalDistillConfig,
+    CausalDistillTrainer,
+    extract_features,
+    features_info,
+    load_features,
 )
 from causalqwen_adapter.losses import topk_mse_loss
+
 from conftest import PAIRS, TINY_HIDDEN, TINY_VOCAB, save_tiny_qwen2
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
@@ -113,3 +112,13 @@ def test_bad_mode_and_table(tied_base, input_ids):
     assert table.splitlines()[2].startswith("| adapter | causal | ")
     assert "accumulators" not in table
     assert TINY_VOCAB == model.config.vocab_size
+
+
+def test_reliability_diagram_is_a_png(tied_base, input_ids, tmp_path):
+    pytest.importorskip("matplotlib")
+    from causalqwen_adapter.evaluation import reliability_diagram
+
+    model = CausalQwenForCausalLM.from_base(tied_base).eval()
+    results = evaluate(model, [{"input_ids": input_ids}], modes=("compatible", "standard"))
+    reliability_diagram({"adapter": results["accumulators"]}, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,9 +20,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
 from causalqwen_adapter.cauchy import cauchy_nll, ovr_loss, signed_log1p
 from causalqwen_adapter.numeric import (
-    NUM_TOKEN, NumericCollator, add_num_token, decode_with_numbers, encode_with_numbers, numeric_statistics,
+    NUM_TOKEN,
+    NumericCollator,
+    add_num_token,
+    decode_with_numbers,
+    encode_with_numbers,
+    numeric_statistics,
 )
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
+
 from conftest import TINY_VOCAB, save_tiny_qwen2, tiny_qwen2_config
 
 NUM = TINY_VOCAB - 8  # an id the tiny tests use as <NUM>

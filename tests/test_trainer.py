@@ -22,7 +22,9 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, TrainerCallback
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
-from conftest import PAIRS, TOKENIZER_BASE_VOCAB as VOCAB
+
+from conftest import PAIRS
+from conftest import TOKENIZER_BASE_VOCAB as VOCAB
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = REPO_ROOT / "recipes" / "sft_ovr.py"

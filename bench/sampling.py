@@ -1,0 +1,70 @@
+"""Benchmark: is text sampled at temperature 1 coherent? The base model judges the samples of each model.
+
+For each of --prompts prompts (the first 48 tokens of windows of held-out standard-library modules), every model
+samples --new-tokens tokens at generation temperature 1 (`do_sample=True`, no top-k/top-p); the base model then
+scores each continuation, and the table gives the mean NLL per token (nats) it assigns to them. A model whose
+samples the base finds as likely as its own samples has a ratio of 1.0 to the base's row.
+
+    python bench/sampling.py --base build/demo-base --adapters build/bench-heads/default --modes standard sampling
+
+Adapters are scored in each mode of --modes (the OvR modes sample from P/ΣP).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from causalqwen_adapter import CausalQwenForCausalLM  # noqa: E402
+
+from heads_recipe import HELD_OUT_MODULES, windows  # noqa: E402
+
+
+@torch.no_grad()
+def base_nll(base, prompt, continuation) -> float:
+    ids = torch.cat([prompt, continuation])[None]
+    logits = base(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.nn.functional.cross_entropy(logits, continuation).item()
+
+
+def sample(model, prompt, new_tokens, seed, **kwargs):
+    torch.manual_seed(seed)
+    out = model.generate(prompt[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                         temperature=1.0, top_k=0, top_p=1.0, **kwargs)
+    return out[0, len(prompt):]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="build/demo-base")
+    parser.add_argument("--adapters", nargs="*", default=[])
+    parser.add_argument("--modes", nargs="+", default=["standard", "sampling"])
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).eval()
+    prompts = windows(tokenizer, HELD_OUT_MODULES, args.prompt_tokens, args.prompts)
+    runs = {"base": lambda p, seed: sample(base, p, args.new_tokens, seed)}
+    for folder in args.adapters:
+        model = CausalQwenForCausalLM.from_pretrained(folder, base_model=base, dtype=torch.bfloat16).eval()
+        for mode in args.modes:
+            runs[f"{Path(folder).name} {mode}"] = (
+                lambda p, seed, model=model, mode=mode: sample(model, p, args.new_tokens, seed, inference_mode=mode))
+    results = {}
+    for name, run in runs.items():
+        nlls = [base_nll(base, p, run(p, seed)) for seed, p in enumerate(prompts)]
+        results[name] = sum(nlls) / len(nlls)
+        print(f"{name}: base NLL of its samples {results[name]:.3f} nats/token", flush=True)
+    print("\n| model | base's NLL of the samples (nats/token) | × base's own |\n|---|---:|---:|")
+    for name, value in results.items():
+        print(f"| {name} | {value:.3f} | {value / results['base']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
