@@ -1,7 +1,9 @@
 """CausalQwen configuration: the base Qwen2 config as a sub-config plus the causal-head fields.
 
-Shipped as remote code: imports only transformers.
+Shipped as remote code: imports only the standard library and transformers.
 """
+
+import math
 
 from transformers import PreTrainedConfig, Qwen2Config
 
@@ -79,6 +81,11 @@ class CausalQwenConfig(PreTrainedConfig):
             raise ValueError(
                 f"inference_mode={self.inference_mode!r} is not a mode: choose one of {', '.join(INFERENCE_MODES)}"
             )
+        # NaN passes every `< 0` check and turns every score into NaN: each number is checked to be finite.
+        for name in ("gamma_init", "b_noise_init", "ovr_threshold_init", "causal_temperature", "softmax_loss_weight",
+                     "numeric_loss_weight"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.gamma_init > 0:
             raise ValueError(f"gamma_init must be > 0 (it is the initial Cauchy scale of U), got {self.gamma_init}")
         if self.causal_temperature < 0:

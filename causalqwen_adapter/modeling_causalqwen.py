@@ -362,6 +362,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             raise ValueError("numeric_values were given but this model has numeric=False: drop them, or build the "
                              "heads with numeric=True")
         reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
+        _check_finite_values(numeric_values)
         if numeric_values.shape != reference.shape:
             raise ValueError(
                 f"numeric_values has shape {tuple(numeric_values.shape)}, the input tokens {tuple(reference.shape)}: "
@@ -390,8 +391,8 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         temperature = self.config.causal_temperature if causal_temperature is None else causal_temperature
         if mode not in INFERENCE_MODES:
             raise ValueError(f"inference_mode={mode!r} is not a mode: choose one of {', '.join(INFERENCE_MODES)}")
-        if temperature < 0:
-            raise ValueError(f"causal_temperature must be >= 0, got {temperature}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"causal_temperature must be a finite number >= 0, got {temperature}")
         if noise_sharing not in NOISE_SHARING:
             raise ValueError(f"noise_sharing={noise_sharing!r}: choose one of {', '.join(NOISE_SHARING)}")
         return mode, temperature
@@ -668,6 +669,12 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
                     f"{weights_file}: {key} has shape {tuple(value.shape)} but this config expects "
                     f"{tuple(own[key].shape)}; the adapter and its config.json do not belong together"
                 )
+        bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all())
+        if bad:
+            raise ValueError(
+                f"{weights_file}: {bad} hold NaN or infinite values: the file is corrupt or the heads diverged before "
+                "it was saved. Load an earlier checkpoint, or save the adapter again."
+            )
         # assign: the tensors read from the file become the parameters, no second copy
         tensors = {k: v.to(dtype=own[k].dtype, device=own[k].device) for k, v in tensors.items()}
         self.load_state_dict(tensors, strict=False, assign=True)
@@ -921,7 +928,9 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         values = kwargs.pop("numeric_values", None)
         if values is None:
             values = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        elif values.shape != input_ids.shape:
+        elif values.shape == input_ids.shape:
+            _check_finite_values(values)
+        if values.shape != input_ids.shape:
             raise ValueError(f"numeric_values has shape {tuple(values.shape)}, input_ids {tuple(input_ids.shape)}: "
                              "pass one value per prompt token (0 where the token is not <NUM>)")
         # This call's values, grown step by step in the generation loop's model kwargs (which generate() does not
@@ -961,6 +970,13 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
 def _shift_labels(labels: torch.Tensor, fill=-100) -> torch.Tensor:
     """Position t predicts token t + 1, like every transformers causal LM; the last position has no target."""
     return F.pad(labels, (0, 1), value=fill)[..., 1:]
+
+
+def _check_finite_values(numeric_values: torch.Tensor) -> None:
+    if not torch.isfinite(numeric_values).all():
+        bad = numeric_values[~torch.isfinite(numeric_values)][0].item()
+        raise ValueError(f"numeric_values holds {bad}: every <NUM> value must be a finite number (0 where the token is "
+                         "not <NUM>)")
 
 
 def _sum_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ token). `<NUM>` is a reserved row of the base vocabulary (`config.num_token_id`,
 the tokenizer as a special token without growing the vocabulary.
 """
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 
@@ -64,8 +65,12 @@ def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_
     position = 0
     for match in NUMBER_PATTERN.finditer(text):
         piece = tokenizer(text[position : match.start()], add_special_tokens=False)["input_ids"]
+        value = float(match.group())
+        if not math.isfinite(value):  # "1e400" parses as inf, which would turn every score into NaN
+            raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float64: "
+                             "rewrite it (or scale the data) so every value is finite")
         input_ids += [*piece, num_token_id]
-        values += [0.0] * len(piece) + [float(match.group())]
+        values += [0.0] * len(piece) + [value]
         position = match.end()
     piece = tokenizer(text[position:], add_special_tokens=False)["input_ids"]
     input_ids += piece
@@ -116,6 +121,10 @@ class NumericCollator:
         self.padding_free = padding_free
 
     def __call__(self, examples: list[dict]) -> dict:
+        for example in examples:
+            if "numeric_values" in example and not all(math.isfinite(v) for v in example["numeric_values"]):
+                raise ValueError("an example's numeric_values holds a non-finite number: every <NUM> value must be "
+                                 "finite (drop or fix the row)")
         if any("numeric_values" not in example for example in examples):
             raise ValueError("a numeric model trains on examples with numeric_values beside input_ids (build them with "
                              "causalqwen_adapter.numeric.encode_with_numbers)")

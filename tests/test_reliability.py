@@ -1,0 +1,82 @@
+"""Nothing lost, nothing silent: non-finite settings and inputs, corrupt files, batches with nothing to learn."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file, save_file
+
+from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.numeric import NumericCollator, encode_with_numbers
+from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
+
+
+@pytest.mark.parametrize("field", ["ovr_threshold_init", "causal_temperature", "gamma_init", "b_noise_init"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_settings_are_refused(tied_base, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        CausalQwenForCausalLM.from_base(tied_base, **{field: value})
+
+
+def test_non_finite_temperature_per_call_is_refused(tied_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    for value in (math.nan, math.inf, -1.0):
+        with pytest.raises(ValueError, match="causal_temperature must be a finite number >= 0"):
+            model(input_ids, causal_temperature=value)
+        with pytest.raises(ValueError, match="causal_temperature must be a finite number >= 0"):
+            model.generate(input_ids, max_new_tokens=2, causal_temperature=value)
+
+
+def test_non_finite_numbers_are_refused_where_they_enter(tied_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base, numeric=True, num_token_id=5)
+    values = torch.zeros(input_ids.shape)
+    values[0, 3] = math.inf
+    with pytest.raises(ValueError, match="numeric_values holds inf"):
+        model(input_ids, numeric_values=values)
+    values[0, 3] = math.nan
+    with pytest.raises(ValueError, match="numeric_values holds nan"):
+        model.generate(input_ids, numeric_values=values, max_new_tokens=2)
+
+    class Words:  # the smallest tokenizer encode_with_numbers needs
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [7] * len(text.split())}
+
+    assert encode_with_numbers(Words(), "costs 12 now", 5)["numeric_values"] == [0.0, 12.0, 0.0]
+    with pytest.raises(ValueError, match="'1e400' at character 6 does not fit a float64"):
+        encode_with_numbers(Words(), "costs 1e400 now", 5)
+    collator = NumericCollator(lambda rows: {"input_ids": torch.tensor([r["input_ids"] for r in rows])})
+    with pytest.raises(ValueError, match="numeric_values holds a non-finite number"):
+        collator([{"input_ids": [1, 5], "numeric_values": [0.0, math.inf]}])
+
+
+def test_adapter_with_non_finite_tensors_does_not_load(tied_base, tmp_path):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    model.save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["action.b_noise"][2] = math.nan
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"\['action.b_noise'\] hold NaN or infinite values"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+
+
+def test_a_batch_with_nothing_to_learn_contributes_nothing(tied_base, input_ids):
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    labels = torch.full_like(input_ids, -100)
+    for n in (None, 0):
+        out = model(input_ids, labels=labels, num_items_in_batch=n)
+        assert out.loss.item() == 0.0
+        out.loss.backward()
+        assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_training_goes_on_past_a_batch_without_targets(sft_base, tmp_path):
+    # one-token rows have no target after the causal shift; batches of one row make some batches empty
+    data = Dataset.from_dict({"text": ["", "the cat sat on the mat", "", "two plus two is four"]})
+    args = CausalSFTConfig(str(tmp_path), max_steps=4, per_device_train_batch_size=1, report_to="none",
+                           use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0)
+    trainer = CausalSFTTrainer(str(sft_base), args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
