@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, GenerationConfig, GenerationMixin, PreTrainedModel, Qwen2ForCausalLM, Qwen2Model
@@ -460,11 +460,11 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         hub_kwargs = {k: config_overrides.pop(k) for k in _HUB_KWARGS if k in config_overrides and k != "revision"}
         _check_config_overrides(config_overrides)
         if isinstance(base, (str, os.PathLike)):
-            base_name = str(base)
+            base_name = _base_reference(str(base), "base")
             _check_is_qwen2(AutoConfig.from_pretrained(base_name, revision=revision, **hub_kwargs), base_name)
             base = Qwen2ForCausalLM.from_pretrained(base_name, revision=revision, dtype=dtype, device_map=device_map, **hub_kwargs)
         elif isinstance(base, Qwen2ForCausalLM):
-            base_name = base.config.name_or_path
+            base_name = _base_reference(base.config.name_or_path, "base")
         else:
             raise TypeError(
                 f"base must be a Hub id, a local folder or a loaded Qwen2ForCausalLM, got {type(base).__name__}; "
@@ -532,9 +532,11 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             raise ValueError("adapters are always saved as a single `model.safetensors`: drop safe_serialization/variant")
         if push_to_hub:
             raise NotImplementedError("push_to_hub from save_pretrained is not supported yet: call model.push_to_hub(repo_id)")
-        target = Path(save_directory)
+        target = Path(os.path.abspath(save_directory))  # "." has a name, the card and the staging folder use it
         if target.exists() and not target.is_dir():
             raise FileExistsError(f"cannot save the adapter to {target}: it is an existing file, not a folder")
+        if target.is_dir():
+            _check_not_foreign(target)
         if not is_main_process:
             return
         if not self.config.base_model_name_or_path:
@@ -1050,6 +1052,7 @@ def _load_backbone(config, base_model, base_model_revision, dtype, device_map, l
     revision = base_model_revision if base_model is not None else config.base_model_revision
     if not name:
         raise ValueError("the adapter's config names no base (base_model_name_or_path is empty): pass base_model=...")
+    name = _base_reference(name, "base_model" if base_model is not None else "the adapter's base")
     hub = {k: v for k, v in loader_kwargs.items() if k in _HUB_KWARGS}
     base_config = AutoConfig.from_pretrained(name, revision=revision, **hub)
     _check_is_qwen2(base_config, name)
@@ -1088,23 +1091,90 @@ def _load_generation_config(adapter, hub_kwargs, backbone):
 
 
 def _install_folder(staging: Path, target: Path) -> None:
-    """Move a fully written staging folder into place (see save_pretrained for the guarantees)."""
+    """Move a fully written staging folder into place (see save_pretrained for the guarantees).
+
+    Into an existing folder, each file it replaces is first moved aside, `config.json` first (until the new one is
+    in, the folder refuses to load) and last back in; if a move fails, everything is moved back as it was.
+    """
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder gets a plain mkdir's mode
     if not target.exists():
         os.rename(staging, target)
         return
-    marker = target / "config.json"
-    if marker.exists():
-        marker.unlink()  # from here until the end the folder refuses to load instead of mixing old and new
-    if not (staging / LORA_FOLDER).exists() and (target / LORA_FOLDER).is_dir():
-        shutil.rmtree(target / LORA_FOLDER)  # a stale backbone LoRA must not be re-applied to these heads
-    for item in staging.iterdir():
-        if item.name == "config.json":
-            continue
-        dest = target / item.name
-        if dest.is_dir() and not dest.is_symlink():
-            shutil.rmtree(dest)
-        os.replace(item, dest)
-    os.replace(staging / "config.json", marker)
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+    done: list[tuple[Path, Path | None]] = []  # (target entry, where its old version went)
+
+    def put_aside(dest: Path) -> None:
+        if dest.exists() or dest.is_symlink():
+            os.replace(dest, aside / dest.name)
+            done.append((dest, aside / dest.name))
+
+    try:
+        put_aside(target / "config.json")
+        if not (staging / LORA_FOLDER).exists():
+            put_aside(target / LORA_FOLDER)  # a stale backbone LoRA must not be re-applied to these heads
+        for item in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):  # config.json last
+            dest = target / item.name
+            if item.name != "config.json":
+                put_aside(dest)
+            done.append((dest, None))
+            os.replace(item, dest)
+    except BaseException:
+        for dest, old in reversed(done):  # undo: the new entries out, the old ones back
+            if old is None and (dest.exists() or dest.is_symlink()):
+                shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
+            elif old is not None:
+                os.replace(old, dest)
+        raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _base_reference(name: str, what: str) -> str:
+    """How an adapter refers to its base: an existing folder by its absolute path (a relative one would resolve
+    against whatever directory loads the adapter later), a Hub id as given. A path that exists nowhere is an error
+    here rather than a network lookup."""
+    if not name or os.path.isdir(name):
+        return os.path.abspath(name) if name else name
+    # A Hub id is `name` or `org/name`; anything else is meant as a path.
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.isabs(name):
+        raise FileNotFoundError(
+            f"{what} {name!r} was not found: no folder {os.path.abspath(os.path.expanduser(name))!r}. Pass an "
+            "existing Qwen2 folder or a Hub id (base_model=... when loading an adapter)."
+        )
+    return name
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _check_not_foreign(target: Path) -> None:
+    """Never write over a folder that is not an adapter's: a base checkpoint, a dataset, another model."""
+    config = target / "config.json"
+    if config.is_file():
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = "unreadable"
+        if model_type != CausalQwenConfig.model_type:
+            raise FileExistsError(
+                f"{target} holds a {model_type!r} checkpoint (its config.json), not a CausalQwen adapter: saving here "
+                "would replace its files. Save the adapter to a folder of its own."
+            )
+    weights = target / ADAPTER_WEIGHTS_NAME
+    if weights.is_file() and not config.is_file():
+        try:
+            with safe_open(weights, "pt") as f:
+                foreign = [k for k in f.keys() if k.startswith(_BASE_PREFIXES)]
+        except Exception:  # unreadable: not ours to overwrite either
+            foreign = ["(unreadable)"]
+        if foreign:
+            raise FileExistsError(
+                f"{weights} holds model weights that are not an adapter's ({foreign[0]}, ...): saving here would "
+                "replace them. Save the adapter to a folder of its own."
+            )
 
 
 __all__ = ["CausalQwenPreTrainedModel", "CausalQwenModel", "CausalQwenForCausalLM", "AbductionNetwork", "ActionNetwork", "OvRClassifier"]

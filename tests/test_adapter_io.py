@@ -250,14 +250,17 @@ def test_interrupted_save_leaves_nothing_that_loads_wrong(tied_base, tmp_path, m
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
 
-    # an existing adapter: interrupted while swapping files in → the folder refuses to load
+    # an existing adapter: a failure while swapping files in → every file back as it was, and it loads
     model.save_pretrained(tmp_path / "old")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()}
+    with torch.no_grad():
+        model.action.b_noise.add_(1.0)  # the new save differs
     real_replace = os.replace
     calls = []
 
     def replace_then_die(src, dst):
         calls.append(dst)
-        if len(calls) == 2:
+        if len(calls) == 4:  # config.json aside, two files already swapped
             raise KeyboardInterrupt
         real_replace(src, dst)
 
@@ -265,9 +268,28 @@ def test_interrupted_save_leaves_nothing_that_loads_wrong(tied_base, tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         model.save_pretrained(tmp_path / "old")
     monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()} == before
+    CausalQwenForCausalLM.from_pretrained(tmp_path / "old")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    # killed mid-swap (no chance to undo): config.json went aside first, so the folder refuses to load
+    script = (
+        "import os, sys\n"
+        "from causalqwen_adapter import CausalQwenForCausalLM\n"
+        "import causalqwen_adapter.modeling_causalqwen as m\n"
+        "model = CausalQwenForCausalLM.from_base(sys.argv[1])\n"
+        "real, calls = os.replace, []\n"
+        "def die(src, dst):\n"
+        "    calls.append(dst)\n"
+        "    if len(calls) == 3: os.kill(os.getpid(), 9)\n"
+        "    real(src, dst)\n"
+        "m.os.replace = die\n"
+        "model.save_pretrained(sys.argv[2])\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tied_base), str(tmp_path / "old")], check=False)
     with pytest.raises(OSError, match="no config.json"):
         CausalQwenForCausalLM.from_pretrained(tmp_path / "old")
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
 
 
 def test_save_without_a_base_reference_is_refused(tied_base, tmp_path):

@@ -80,3 +80,54 @@ def test_training_goes_on_past_a_batch_without_targets(sft_base, tmp_path):
     trainer.train()
     assert trainer.state.global_step == 4
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_saving_over_a_folder_that_is_not_an_adapter_is_refused(tied_base, tmp_path):
+    import shutil
+
+    base_copy = tmp_path / "base"
+    shutil.copytree(tied_base, base_copy)
+    before = {p.name: p.read_bytes() for p in base_copy.iterdir()}
+    model = CausalQwenForCausalLM.from_base(base_copy)
+    with pytest.raises(FileExistsError, match="holds a 'qwen2' checkpoint"):
+        model.save_pretrained(base_copy)
+    (base_copy / "config.json").unlink()  # weights without a config: still not ours
+    before.pop("config.json")
+    with pytest.raises(FileExistsError, match="holds model weights that are not an adapter's"):
+        model.save_pretrained(base_copy)
+    assert {p.name: p.read_bytes() for p in base_copy.iterdir()} == before
+
+
+def test_saved_folder_has_a_plain_mkdir_mode_and_dot_names_the_folder(tied_base, tmp_path, monkeypatch):
+    import os
+    import stat
+
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    model.save_pretrained(tmp_path / "adapter")
+    (tmp_path / "plain").mkdir()
+    mode = stat.S_IMODE((tmp_path / "adapter").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain").stat().st_mode) and mode != 0o700
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    model.save_pretrained(".")
+    card = (tmp_path / "here" / "README.md").read_text()
+    assert 'from_pretrained("here"' in card and ".tmp" not in card
+    assert os.path.isfile(tmp_path / "here" / "config.json")
+
+
+def test_a_local_base_is_stored_by_absolute_path_and_a_missing_one_is_named(tied_base, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    shutil.copytree(tied_base, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    model = CausalQwenForCausalLM.from_base("base")
+    assert model.config.base_model_name_or_path == str(tmp_path / "base")
+    model.save_pretrained("adapter")
+    assert json.loads((tmp_path / "adapter" / "config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
+    monkeypatch.chdir(tmp_path / "adapter")  # loads from anywhere
+    CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+    with pytest.raises(FileNotFoundError, match=r"base './nowhere' was not found: no folder '.*/adapter/nowhere'"):
+        CausalQwenForCausalLM.from_base("./nowhere")
+    with pytest.raises(FileNotFoundError, match="base_model '/no/such/base' was not found"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter", base_model="/no/such/base")
