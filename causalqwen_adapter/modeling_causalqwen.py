@@ -881,8 +881,10 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
         loc_Y, scale_Y = self.numeric_prediction(loc_U[is_number], scale_U[is_number])
         return cauchy_nll(values.to(loc_Y.device)[is_number].float(), loc_Y, scale_Y)
 
-    def prepare_inputs_for_generation(self, input_ids, *args, numeric_values=None, numeric_record=None, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids, *args, inputs_embeds=None, numeric_values=None,
+                                      numeric_record=None, **kwargs):
+        # `inputs_embeds` named here: generate() accepts a prompt as embeddings only from models that say so.
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
         if numeric_values is not None:
             # The values of the positions fed this step; one counts only where its token is <NUM> (generated
             # columns hold each step's loc_Y, whatever token was chosen).

@@ -131,3 +131,19 @@ def test_a_local_base_is_stored_by_absolute_path_and_a_missing_one_is_named(tied
         CausalQwenForCausalLM.from_base("./nowhere")
     with pytest.raises(FileNotFoundError, match="base_model '/no/such/base' was not found"):
         CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter", base_model="/no/such/base")
+
+
+@pytest.mark.parametrize("mode", ["compatible", "standard"])
+def test_generate_from_inputs_embeds_like_the_base(tiny_base, mode):
+    from transformers import Qwen2ForCausalLM
+
+    base = Qwen2ForCausalLM.from_pretrained(tiny_base).eval()
+    model = CausalQwenForCausalLM.from_base(tiny_base).eval()
+    ids = torch.randint(1, 120, (2, 6), generator=torch.Generator().manual_seed(3))
+    embeds = base.get_input_embeddings()(ids)
+    with torch.no_grad():
+        from_embeds = model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False, inference_mode=mode)
+        from_ids = model.generate(ids, max_new_tokens=5, do_sample=False, inference_mode=mode)[:, ids.shape[1]:]
+    assert torch.equal(from_embeds, from_ids)  # generate() returns only the new tokens for an embeddings prompt
+    if mode == "compatible":
+        assert torch.equal(from_embeds, base.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False))
