@@ -83,6 +83,12 @@ def extract_features(
     if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(f"{target} already exists: pass overwrite=True (--overwrite) or choose another folder")
 
+    if target.is_dir() and ((target / "config.json").is_file() or (target / "model.safetensors").is_file()):
+        raise FileExistsError(f"{target} holds a model checkpoint: feature extraction never writes over (or, with "
+                              "overwrite, deletes) a model folder. Choose another output_dir")
+    if target.is_dir() and any(target.iterdir()) and not (target / FEATURES_CONFIG_NAME).is_file():
+        raise FileExistsError(f"{target} is not a feature store (no {FEATURES_CONFIG_NAME}): overwrite replaces only a "
+                              "folder extract_features wrote. Choose another output_dir")
     teacher = _load_teacher(teacher, dtype, revision)
     vocab = teacher.config.vocab_size
     if not isinstance(top_k, int) or not 1 <= top_k <= vocab:
@@ -211,6 +217,11 @@ def _teacher_rows(teacher, sequences, batch_size: int, top_k: int, head_rows: in
         for i, seq in enumerate(batch):  # right padding: positions 0..L−1 keep their unpadded values
             ids[i, : len(seq)] = torch.tensor(seq)
             mask[i, : len(seq)] = 1
+        vocab = teacher.config.vocab_size
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+            bad = ids[(ids < 0) | (ids >= vocab)][0].item()
+            raise ValueError(f"token id {bad} is outside the teacher's vocabulary [0, {vocab}): the input_ids were not "
+                             "made by this base's tokenizer")
         z = teacher.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         for i, seq in enumerate(batch):
             zi = z[i, : len(seq)]

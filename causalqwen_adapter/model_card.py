@@ -18,11 +18,10 @@ The card is where the record lives: it is not saved elsewhere, and a model loade
 """
 
 import importlib.metadata
-import json
 import logging
+import math
 import os
 import re
-import struct
 from pathlib import Path
 
 from huggingface_hub import (
@@ -35,6 +34,7 @@ from huggingface_hub import (
     try_to_load_from_cache,
 )
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
 
@@ -229,19 +229,14 @@ def _card_loaded_with(model) -> str | None:
 
 
 def _safetensors_summary(path: Path) -> dict:
-    """Bytes, parameter count and dtypes of a safetensors file, read from its header (8-byte length, then JSON)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    tensors = [v for k, v in header.items() if k != "__metadata__"]
-    parameters = 0
-    for tensor in tensors:
-        count = 1
-        for dim in tensor["shape"]:
-            count *= dim
-        parameters += count
-    dtypes = sorted({_SAFETENSORS_DTYPES.get(t["dtype"], t["dtype"].lower()) for t in tensors})
-    return {"bytes": path.stat().st_size, "parameters": parameters, "dtypes": dtypes}
+    """Bytes, parameter count and dtypes of a safetensors file, from its header (safetensors' own reader)."""
+    parameters, dtypes = 0, set()
+    with safe_open(path, "pt") as f:
+        for key in f.keys():
+            tensor = f.get_slice(key)
+            parameters += math.prod(tensor.get_shape())
+            dtypes.add(_SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype().lower()))
+    return {"bytes": path.stat().st_size, "parameters": parameters, "dtypes": sorted(dtypes)}
 
 
 def _tensors_summary(tensors: dict) -> dict:

@@ -13,12 +13,12 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
@@ -62,15 +62,26 @@ def adapter_files(folder: Path) -> list[str]:
     files = ["config.json", WEIGHTS] + sorted({m.name for m in code})
     files += [name for name in OPTIONAL if (folder / name).is_file()]
     if (folder / "lora").is_dir():
-        files += sorted(p.relative_to(folder).as_posix() for p in (folder / "lora").rglob("*") if p.is_file())
+        files += sorted(p.relative_to(folder).as_posix() for p in (folder / "lora").rglob("*")
+                        if p.is_file() or p.is_symlink())
+    links = [name for name in ["lora", *files] if (folder / name).is_symlink()]
+    if links:  # a link can point anywhere on this machine: only the folder's own files are uploaded
+        raise ValueError(f"{folder}: {links} are symbolic links; the recipe uploads only regular files inside the "
+                         "folder. Replace them with the files themselves")
     return files
 
 
 def _check_adapter_tensors(weights: Path, config: dict) -> None:
-    """The file holds exactly the tensors this config's heads have: never a base tensor, nothing missing."""
-    with open(weights, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        found = set(json.loads(f.read(length))) - {"__metadata__"}
+    """The whole file reads (every tensor, sizes against the header) and holds exactly the tensors this config's heads
+    have, all finite: never a base tensor, nothing missing. Before any network call."""
+    try:
+        with safe_open(weights, "pt") as f:
+            found = set(f.keys())
+            bad = sorted(k for k in found if not torch.isfinite(f.get_tensor(k).float()).all())
+    except Exception as err:  # truncated, corrupt header, bytes missing: safetensors says which
+        raise ValueError(f"{weights} cannot be read ({err}): the file is truncated or corrupt; save the adapter again") from err
+    if bad:
+        raise ValueError(f"{weights}: {bad} hold NaN or infinite values; save a healthy adapter before sharing it")
     with torch.device("meta"):  # shapes only: no memory, no base
         expected = CausalQwenForCausalLM(CausalQwenConfig.from_dict(config)).adapter_keys()
     missing, unexpected = sorted(expected - found), sorted(found - expected)

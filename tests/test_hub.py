@@ -470,6 +470,28 @@ def test_recipe_refuses_what_is_not_an_adapter(hub, tied_base, trained, tmp_path
     assert hub.requests == []
 
 
+def test_recipe_refuses_a_truncated_or_corrupt_file_and_links_before_any_request(hub, trained, tmp_path, capsys):
+    recipe = _load_recipe()
+    folder = tmp_path / "adapter"
+    trained.save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    for broken, what in ((whole[:-100], "truncated"), (b"\xff" * 8 + whole[8:], "corrupt header")):
+        weights.write_bytes(broken)
+        with pytest.raises(SystemExit):
+            recipe.main([str(folder), "user/x", "--token", TOKEN])
+        assert "cannot be read" in capsys.readouterr().err, what
+    weights.write_bytes(whole)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not for the Hub")
+    (folder / "generation_config.json").unlink()
+    (folder / "generation_config.json").symlink_to(outside)
+    with pytest.raises(SystemExit):
+        recipe.main([str(folder), "user/x", "--token", TOKEN])
+    assert "['generation_config.json'] are symbolic links" in capsys.readouterr().err
+    assert hub.requests == []
+
+
 # --------------------------------------------------------------------------------------- bad input
 
 

@@ -147,3 +147,25 @@ def test_generate_from_inputs_embeds_like_the_base(tiny_base, mode):
     assert torch.equal(from_embeds, from_ids)  # generate() returns only the new tokens for an embeddings prompt
     if mode == "compatible":
         assert torch.equal(from_embeds, base.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False))
+
+
+def test_feature_extraction_never_replaces_a_model_or_foreign_folder(sft_base, tmp_path):
+    import shutil
+
+    from causalqwen_adapter.distill import extract_features
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(sft_base, teacher)
+    before = sorted(p.name for p in teacher.iterdir())
+    data = Dataset.from_dict({"text": ["the cat sat on the mat"]})
+    with pytest.raises(FileExistsError, match="holds a model checkpoint"):
+        extract_features(str(teacher), data, teacher, top_k=2, overwrite=True)
+    assert sorted(p.name for p in teacher.iterdir()) == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="is not a feature store"):
+        extract_features(str(teacher), data, tmp_path / "mine", top_k=2, overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ValueError, match=r"token id 500 is outside the teacher's vocabulary \[0, 128\)"):
+        extract_features(str(teacher), Dataset.from_dict({"input_ids": [[1, 2, 500]]}), tmp_path / "f", top_k=2)
+    assert not (tmp_path / "f").exists()
