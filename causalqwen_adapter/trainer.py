@@ -22,6 +22,7 @@ from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
 from .cauchy import INFERENCE_MODES
+from .data import check_text_dataset
 from .evaluation import EvaluationAccumulator, score_positions
 from .numeric import NumericCollator, numeric_statistics
 from .training import (
@@ -162,6 +163,12 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
                 "saved. Pass peft_config=LoraConfig(...) to adapt the backbone."
             )
 
+        # TRL's own errors for unusable data come late and raw: say what is wrong before anything is loaded.
+        if formatting_func is None:
+            for name, data in [("train", train_dataset), *(
+                    eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)])]:
+                if isinstance(data, Dataset):
+                    check_text_dataset(data, name)
         set_seed(args.seed)  # fresh heads are deterministic, LoRA matrices are not
         model, fresh_heads = prepare_causal_model(model, args)
         configure_backbone(model, peft_config)
@@ -271,6 +278,9 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         metrics = dict(outputs.metrics)
+        if mode == "eval":  # eval_loss: the mean over target tokens, not over batches (an empty batch weighs 0)
+            count = outputs.metrics["units_mean_loc"][1]
+            metrics["loss"] = torch.stack([loss.detach().float() * count, count])
         if mode == "train":  # the input tokens seen, padding excluded (TRL's num_tokens)
             seen = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
             metrics["num_input_tokens"] = torch.stack([torch.as_tensor(seen, dtype=torch.float32, device=loss.device),

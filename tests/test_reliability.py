@@ -169,3 +169,17 @@ def test_feature_extraction_never_replaces_a_model_or_foreign_folder(sft_base, t
     with pytest.raises(ValueError, match=r"token id 500 is outside the teacher's vocabulary \[0, 128\)"):
         extract_features(str(teacher), Dataset.from_dict({"input_ids": [[1, 2, 500]]}), tmp_path / "f", top_k=2)
     assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("rows, message", [
+    ({"body": ["some text"]}, r"has columns \['body'\], none of the formats"),
+    ({"text": ["fine", None]}, r"`text` in row 1 is None \(NoneType\), not text"),
+    ({"text": [3]}, r"`text` in row 0 is 3 \(int\), not text"),
+    ({"text": []}, "has no rows"),
+])
+def test_unusable_datasets_are_refused_up_front(sft_base, tmp_path, rows, message):
+    args = CausalSFTConfig(str(tmp_path), report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    data = Dataset.from_dict(rows) if rows.get("text") != [] else Dataset.from_dict({"text": []}).cast_column(
+        "text", __import__("datasets").Value("string"))
+    with pytest.raises(ValueError, match=message):
+        CausalSFTTrainer(str(sft_base), args=args, train_dataset=data)

@@ -499,3 +499,19 @@ def test_fresh_threshold_is_calibrated_on_data_unless_given(sft_base, tmp_path):
     assert agreement(threshold) >= agreement(0.0)
     given = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, ovr_threshold_init=-1.5), train_dataset=_prompt_completion())
     assert given.model.config.ovr_threshold_init == -1.5 and given.model.ovr.threshold.item() == -1.5
+
+
+def test_eval_loss_is_the_mean_over_target_tokens(sft_base, tmp_path):
+    # completions of different lengths, one row per batch, and a row with nothing to score
+    data = Dataset.from_dict({"text": ["hello", "the cat sat on the mat", "", "two plus two is four"]})
+    trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, per_device_eval_batch_size=1),
+                               train_dataset=data, eval_dataset=data)
+    metrics = trainer.evaluate()
+    total = count = 0.0
+    for batch in trainer.get_eval_dataloader():
+        with torch.no_grad():
+            loss = trainer.model(**batch).loss.item()
+        n = (batch["labels"][:, 1:] != -100).sum().item()
+        total, count = total + loss * n, count + n
+    assert count > 0
+    assert metrics["eval_loss"] == pytest.approx(total / count, rel=1e-5)
