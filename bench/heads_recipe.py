@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.cauchy import ovr_log_prob
 from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table
-from causalqwen_adapter.training import LOCATION_PARAMETERS, THRESHOLD_PARAMETERS
+from causalqwen_adapter.training import LOCATION_PARAMETERS, THRESHOLD_PARAMETERS, calibrate_threshold_on_features
 
 TRAIN_MODULES = [
     "argparse", "configparser", "tokenize", "inspect", "typing", "dis", "ast", "dataclasses", "enum", "functools",
@@ -40,7 +40,8 @@ HELD_OUT_MODULES = ["copy", "tempfile", "pathlib", "shutil", "glob", "fnmatch", 
 
 # Each configuration: head fields for from_base, the learning rate and the per-role ratios of the trainer.
 CONFIGS = {
-    "seeds": dict(heads=dict(gamma_init=10.0, b_noise_init=0.1, ovr_threshold_init=0.0), learning_rate=1e-4),
+    "seeds": dict(heads=dict(gamma_init=10.0, b_noise_init=0.1, ovr_threshold_init=0.0, softmax_loss_weight=0.0),
+                  learning_rate=1e-4, location_lr_ratio=1.0, threshold_lr_ratio=1.0),
     "default": dict(heads=dict(), learning_rate=None),  # the package's defaults, whatever they are
     "softmax": dict(heads=dict(objective="softmax"), learning_rate=None),
 }
@@ -131,6 +132,9 @@ def main() -> None:
         spec = CONFIGS[name]
         base_f32 = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32)
         model = CausalQwenForCausalLM.from_base(base_f32, **spec["heads"])
+        if "ovr_threshold_init" not in spec["heads"]:  # as the trainer does for fresh heads
+            threshold = calibrate_threshold_on_features(model, train["z"][:1024])
+            print(f"  {name}: threshold calibrated to {threshold:.3f}", flush=True)
         learning_rate = spec["learning_rate"] or trainer_defaults.learning_rate
         ratios = (spec.get("location_lr_ratio", trainer_defaults.location_lr_ratio),
                   spec.get("threshold_lr_ratio", trainer_defaults.threshold_lr_ratio))

@@ -26,9 +26,11 @@ class CausalQwenConfig(PreTrainedConfig):
         text_config (`Qwen2Config` or `dict`): the base's config; `get_text_config()` returns it so that
             generation sees the decoder layout.
         causal_size (`int`, *optional*): size C of the individual U; defaults to the base hidden size H.
-        gamma_init (`float`): initial scale of U, softplus(b_scale) = gamma_init.
-        b_noise_init (`float`): initial value of every component of b_noise.
-        ovr_threshold_init (`float`): initial OvR threshold C_k.
+        gamma_init (`float`): initial scale of U, softplus(b_scale) = gamma_init. Small (1e-5): with a scale of
+            order 1 every P_k is near ½ and Σ_k P_k is half the vocabulary (BENCHMARKS.md, "Heads that learn").
+        b_noise_init (`float`): initial value of every component of b_noise (a tenth of gamma_init).
+        ovr_threshold_init (`float`): initial OvR threshold C_k. 16 is where the demo base's standard-mode argmax
+            agrees best with its own (96%); the trainers calibrate it on the training data for fresh heads.
         learnable_threshold (`bool`): learn one threshold per vocabulary entry (saved in the adapter).
         inference_mode (`str`): default scoring mode, one of "compatible", "standard", "sampling", "causal".
         causal_temperature (`float`): default temperature T ≥ 0 of the noise in the inference modes.
@@ -44,7 +46,7 @@ class CausalQwenConfig(PreTrainedConfig):
             docs/design.md, Training losses) or "softmax" (the cross-entropy of softmax(loc_S), the baseline every OvR figure is
             compared with).
         softmax_loss_weight (`float`): with objective="ovr", the weight of an auxiliary softmax cross-entropy on
-            loc_S added to the OvR loss (0 = the OvR loss alone).
+            loc_S added to the OvR loss (0 = the OvR loss alone, as the seeds had it).
     """
 
     model_type = "causalqwen"
@@ -55,9 +57,9 @@ class CausalQwenConfig(PreTrainedConfig):
     base_model_revision: str | None = None
     text_config: dict | PreTrainedConfig | None = None
     causal_size: int | None = None
-    gamma_init: float = 10.0
-    b_noise_init: float = 0.1
-    ovr_threshold_init: float = 0.0
+    gamma_init: float = 1e-5
+    b_noise_init: float = 1e-6
+    ovr_threshold_init: float = 16.0
     learnable_threshold: bool = False
     inference_mode: str = "standard"
     causal_temperature: float = 1.0
@@ -67,7 +69,7 @@ class CausalQwenConfig(PreTrainedConfig):
     num_token_id: int | None = None
     numeric_loss_weight: float = 1.0
     objective: str = "ovr"
-    softmax_loss_weight: float = 0.0
+    softmax_loss_weight: float = 1.0
 
     def __post_init__(self, **kwargs):
         # The base's attention implementation survives wrapping: the parent resets it on sub-configs.

@@ -202,8 +202,9 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
                 torch.mul(x, a, out=t)
                 torch.addcmul(a, t, x, out=t).reciprocal_()
                 t.div_(s)
-                if degenerate.numel():
+                if degenerate.numel():  # x is ±inf there (a finite gap over scale 0): 0·inf would be NaN
                     t.index_fill_(1, degenerate, 0.0)
+                    x.index_fill_(1, degenerate, 0.0)
                 x.mul_(t)  # −π ∂ℓ/∂scale_S
                 t.scatter_(1, col, t.gather(1, col) * flip)  # π ∂ℓ/∂loc_S
                 if grad_W is not None:

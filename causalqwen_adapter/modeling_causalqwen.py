@@ -1,6 +1,7 @@
 """CausalQwen: causal heads (abduction → action → OvR) on a frozen Qwen2 backbone (docs/design.md).
 
-Read top to bottom: the three head modules, then the model. The heads are an adapter:
+Read top to bottom: the outputs, then the model (forward with its losses, building, saving, loading, generation).
+The head modules are in `heads.py`, adapter I/O in `adapter_io.py`. The heads are an adapter:
 `save_pretrained` writes only their tensors plus this file and the files it imports, and
 `from_pretrained` loads the base named in the config, then the heads.
 
@@ -21,214 +22,47 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, GenerationConfig, GenerationMixin, PreTrainedModel, Qwen2ForCausalLM, Qwen2Model
+from transformers import AutoConfig, GenerationMixin, PreTrainedModel, Qwen2ForCausalLM, Qwen2Model
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils import cached_file, logging
 
+from .adapter_io import (
+    ADAPTER_WEIGHTS_NAME,
+    BASE_PREFIXES,
+    HUB_KWARGS,
+    LORA_FOLDER,
+    base_reference,
+    check_base_matches,
+    check_config_overrides,
+    check_is_qwen2,
+    check_keys,
+    check_not_foreign,
+    install_folder,
+    load_backbone,
+    load_backbone_lora,
+    load_generation_config,
+    reject_unknown,
+)
 from .cauchy import (
     INFERENCE_MODES,
-    cauchy_linear,
-    cauchy_linear_single_row,
     cauchy_nll,
-    cauchy_regression,
     fuse_noise,
     ovr_log_prob,
     ovr_probs,
-    ovr_standardize,
     sample_standard_cauchy,
-    signed_log1p,
-    softplus_inverse,
 )
 from .configuration_causalqwen import CausalQwenConfig
+from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier
 from .losses import chunked_ovr_loss, chunked_softmax_loss, topk_mse_loss
 from .model_card import check_push, upload_adapter_folder, write_model_card
 
 logger = logging.get_logger(__name__)
 
-ADAPTER_WEIGHTS_NAME = "model.safetensors"
-LORA_FOLDER = "lora"
-_BASE_PREFIXES = ("model.", "lm_head.")  # base tensors: never in an adapter
-# Hub/loading kwargs transformers' Auto classes hand to `from_pretrained`; they address the adapter repo.
-_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
-# Batch-1 decoding reads W_A once for loc_S and scale_S (cauchy.cauchy_linear_single_row); set
-# CAUSALQWEN_FUSED_DECODE=0 to use two matmuls instead.
-_FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
-_FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
 NOISE_SHARING = ("step", "sequence")
-
-
-# --------------------------------------------------------------------------------------- heads
-
-
-class AbductionNetwork(nn.Module):
-    """z ↦ Cauchy individual U: loc_U = W_loc z + b_loc, scale_U = softplus(W_scale z + b_scale)."""
-
-    def __init__(self, hidden_size: int, causal_size: int):
-        super().__init__()
-        self.loc = nn.Linear(hidden_size, causal_size)
-        self.scale = nn.Linear(hidden_size, causal_size)
-
-    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loc(z), F.softplus(self.scale(z))
-
-    @torch.no_grad()
-    def reset_parameters(self, gamma_init: float) -> None:
-        """Identity when C == H (U starts at z with constant scale γ₀); Xavier otherwise."""
-        if self.loc.in_features == self.loc.out_features:
-            self.loc.weight.copy_(torch.eye(self.loc.out_features))
-            self.scale.weight.zero_()
-        else:
-            nn.init.xavier_uniform_(self.loc.weight)
-            nn.init.xavier_uniform_(self.scale.weight)
-            self.scale.weight.mul_(0.1)
-        self.loc.bias.zero_()
-        self.scale.bias.fill_(softplus_inverse(gamma_init))
-
-
-class ActionNetwork(nn.Module):
-    """Cauchy linear law U ↦ S: loc_S = W_A loc_U' + b_A, scale_S = scale_U' |W_A|ᵀ, after noise fusion.
-
-    `action_weight` says where W_A lives:
-    - "full": a [V, C] parameter of its own (trained, saved);
-    - "tied": the base's output-embedding tensor itself (shared, frozen, never saved);
-    - "lora": W_base + B·A with A [r, C], B [V, r]; only A and B are trained and saved.
-    For "tied"/"lora" the model hands the module the base module holding W_base (`bind_base_weight`).
-    """
-
-    def __init__(self, causal_size: int, vocab_size: int, action_weight: str = "full", lora_rank: int = 16):
-        super().__init__()
-        self.action_weight = action_weight
-        if action_weight == "full":
-            self.weight = nn.Parameter(torch.empty(vocab_size, causal_size))
-        elif action_weight == "lora":
-            self.lora_A = nn.Parameter(torch.empty(lora_rank, causal_size))
-            self.lora_B = nn.Parameter(torch.empty(vocab_size, lora_rank))
-        self.bias = nn.Parameter(torch.empty(vocab_size))
-        self.b_noise = nn.Parameter(torch.empty(causal_size))
-        self._base_owner = None  # module whose .weight is W_base ("tied"/"lora"); outside the module tree
-        self._merged_cache = None  # (key, W_base + B·A) for inference; never saved
-        self._abs_weight_cache = None  # (key, |W_A|) for inference; never saved
-
-    def bind_base_weight(self, owner: nn.Module) -> None:
-        # Stored in __dict__, not as a submodule: the tensor belongs to the base, which owns and moves it.
-        self.__dict__["_base_owner"] = owner
-
-    def effective_weight(self) -> torch.Tensor:
-        """W_A as used by the linear law (differentiable in its trainable parts)."""
-        if self.action_weight == "full":
-            return self.weight
-        base = self._base_owner.weight
-        if self.action_weight == "tied":
-            return base
-        if torch.is_grad_enabled() and (self.lora_A.requires_grad or self.lora_B.requires_grad):
-            self._merged_cache = None
-            return base + self.lora_B @ self.lora_A
-        key = (base.data_ptr(), base._version, self.lora_A._version, self.lora_B._version, base.dtype, base.device)
-        if self._merged_cache is None or self._merged_cache[0] != key:
-            self._merged_cache = (key, (base + self.lora_B @ self.lora_A).detach())
-        return self._merged_cache[1]
-
-    def forward(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
-        """(loc_S, scale_S); `compatible` scores with loc_S alone, so its scale_S is None (not computed)."""
-        loc_U, scale_U = fuse_noise(loc_U, scale_U, self.b_noise, mode, temperature, noise)
-        weight = self.effective_weight()
-        if mode == "compatible":
-            return F.linear(loc_U, weight, self.bias), None
-        no_grad = not (torch.is_grad_enabled() and (weight.requires_grad or loc_U.requires_grad))
-        single_row = loc_U.numel() == loc_U.shape[-1]
-        if no_grad and single_row and _FUSED_DECODE and weight.numel() >= _FUSED_MIN_NUMEL:
-            fused = cauchy_linear_single_row(loc_U, scale_U, weight, self.bias)
-            if fused is not None:
-                return fused
-        return cauchy_linear(loc_U, scale_U, weight, self.bias, self._cached_abs_weight(weight))
-
-    def _cached_abs_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """|W_A| kept across decode steps when no gradient flows; rebuilt when W_A changes."""
-        if torch.is_grad_enabled() and weight.requires_grad:
-            self._abs_weight_cache = None
-            return None
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
-            self._abs_weight_cache = (key, weight.detach().abs())
-        return self._abs_weight_cache[1]
-
-    @torch.no_grad()
-    def reset_parameters(self, b_noise_init: float, weight=None, bias=None) -> None:
-        """W_A ← a copy of the base lm_head ("full"; random when none is given) or the base itself
-        ("tied"; "lora" starts at B = 0 with A like PEFT's LoRA); b_A ← the base bias or 0."""
-        if self.action_weight == "full":
-            if weight is None:
-                nn.init.normal_(self.weight, std=0.02)
-            else:
-                self.weight.copy_(weight)
-        elif self.action_weight == "lora":
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-            self.lora_B.zero_()
-        if bias is None:
-            self.bias.zero_()
-        else:
-            self.bias.copy_(bias)
-        self.b_noise.fill_(b_noise_init)
-
-
-class OvRClassifier(nn.Module):
-    """One-vs-rest thresholds C_k: a scalar buffer, or one learnable value per vocabulary entry."""
-
-    def __init__(self, vocab_size: int, threshold_init: float, learnable: bool):
-        super().__init__()
-        self.threshold_init = threshold_init
-        if learnable:
-            self.threshold = nn.Parameter(torch.empty(vocab_size))
-        else:
-            self.register_buffer("threshold", torch.empty(()), persistent=False)
-
-    def forward(self, loc_S: torch.Tensor, scale_S: torch.Tensor) -> torch.Tensor:
-        """Standardized scores x_k = (loc_S_k − C_k) / scale_S_k in float32."""
-        return ovr_standardize(loc_S.float(), scale_S.float(), self.threshold.float())
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        self.threshold.fill_(self.threshold_init)
-
-
-class NumericHead(nn.Module):
-    """Numbers in and out (docs/design.md, Numbers): the input direction d and the Cauchy regression head of `<NUM>` values.
-
-    In: e = embed(token) + φ(v)·d, φ(v) = sign(v)·ln(1 + |v|), so v = 0 leaves the embedding exactly as it was.
-    Out: Y ~ Cauchy(w·loc_U' + b, |w|·scale_U' + exp(s)) on the noise-fused individual U'.
-    """
-
-    def __init__(self, hidden_size: int, causal_size: int):
-        super().__init__()
-        self.direction = nn.Parameter(torch.empty(hidden_size))
-        self.weight = nn.Parameter(torch.empty(causal_size))
-        self.bias = nn.Parameter(torch.empty(()))
-        self.log_scale = nn.Parameter(torch.empty(()))
-
-    def embed(self, inputs_embeds: torch.Tensor, numeric_values: torch.Tensor) -> torch.Tensor:
-        phi = signed_log1p(numeric_values.to(torch.float32)).unsqueeze(-1)
-        return inputs_embeds + (phi * self.direction.float()).to(inputs_embeds.dtype)
-
-    def forward(self, loc_U: torch.Tensor, scale_U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loc_Y, scale_Y) in float32 from the fused individual (loc_U', scale_U')."""
-        return cauchy_regression(loc_U.float(), scale_U.float(), self.weight.float(), self.bias.float(),
-                                 self.log_scale.float())
-
-    @torch.no_grad()
-    def reset_parameters(self, median: float = 0.0, scale: float = 1.0) -> None:
-        """d ~ N(0, 0.02²) normalised to unit length; w Xavier with gain 0.01; b = median, exp(s) = scale
-        (the median and IQR/2 of the training targets, so a fresh head predicts Cauchy(median, IQR/2))."""
-        if not scale > 0:
-            raise ValueError(f"the initial scale of the numeric head must be > 0, got {scale}")
-        nn.init.normal_(self.direction, std=0.02)
-        self.direction.div_(self.direction.norm())
-        nn.init.xavier_uniform_(self.weight.view(1, -1), gain=0.01)
-        self.bias.fill_(median)
-        self.log_scale.fill_(math.log(scale))
 
 
 # --------------------------------------------------------------------------------------- outputs
@@ -457,14 +291,14 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         `base` is a Hub id, a local folder, or a loaded `Qwen2ForCausalLM`. `config_overrides` are
         `CausalQwenConfig` fields (`causal_size`, `gamma_init`, ...); Hub options go to the base loader.
         """
-        hub_kwargs = {k: config_overrides.pop(k) for k in _HUB_KWARGS if k in config_overrides and k != "revision"}
-        _check_config_overrides(config_overrides)
+        hub_kwargs = {k: config_overrides.pop(k) for k in HUB_KWARGS if k in config_overrides and k != "revision"}
+        check_config_overrides(config_overrides)
         if isinstance(base, (str, os.PathLike)):
-            base_name = _base_reference(str(base), "base")
-            _check_is_qwen2(AutoConfig.from_pretrained(base_name, revision=revision, **hub_kwargs), base_name)
+            base_name = base_reference(str(base), "base")
+            check_is_qwen2(AutoConfig.from_pretrained(base_name, revision=revision, **hub_kwargs), base_name)
             base = Qwen2ForCausalLM.from_pretrained(base_name, revision=revision, dtype=dtype, device_map=device_map, **hub_kwargs)
         elif isinstance(base, Qwen2ForCausalLM):
-            base_name = _base_reference(base.config.name_or_path, "base")
+            base_name = base_reference(base.config.name_or_path, "base")
         else:
             raise TypeError(
                 f"base must be a Hub id, a local folder or a loaded Qwen2ForCausalLM, got {type(base).__name__}; "
@@ -513,10 +347,10 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors an adapter folder stores: every persistent tensor outside the backbone."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(_BASE_PREFIXES)}
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(BASE_PREFIXES)}
 
     def adapter_keys(self) -> set[str]:
-        return {k for k in self.state_dict(keep_vars=True) if not k.startswith(_BASE_PREFIXES)}
+        return {k for k in self.state_dict(keep_vars=True) if not k.startswith(BASE_PREFIXES)}
 
     # ------------------------------------------------------------------ saving
 
@@ -527,7 +361,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         `config.json` last, so an interrupted save leaves a folder that refuses to load, never one
         that loads wrong. Other files in the folder (a trainer's checkpoints) are left untouched.
         """
-        _reject_unknown(kwargs, ("safe_serialization", "max_shard_size", "variant"), "save_pretrained")
+        reject_unknown(kwargs, ("safe_serialization", "max_shard_size", "variant"), "save_pretrained")
         if kwargs.get("safe_serialization") is False or kwargs.get("variant"):
             raise ValueError("adapters are always saved as a single `model.safetensors`: drop safe_serialization/variant")
         if push_to_hub:
@@ -536,7 +370,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         if target.exists() and not target.is_dir():
             raise FileExistsError(f"cannot save the adapter to {target}: it is an existing file, not a folder")
         if target.is_dir():
-            _check_not_foreign(target)
+            check_not_foreign(target)
         if not is_main_process:
             return
         if not self.config.base_model_name_or_path:
@@ -545,15 +379,15 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
                 "set model.config.base_model_name_or_path to the base's Hub id or folder"
             )
         tensors = self.adapter_state_dict() if state_dict is None else {
-            k: v for k, v in state_dict.items() if not k.startswith(_BASE_PREFIXES)
+            k: v for k, v in state_dict.items() if not k.startswith(BASE_PREFIXES)
         }
-        _check_keys(set(tensors), self.adapter_keys(), "the state_dict to save")
+        check_keys(set(tensors), self.adapter_keys(), "the state_dict to save")
 
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
             self._write_adapter_files(staging, tensors)
-            _install_folder(staging, target)
+            install_folder(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -615,7 +449,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         if model_args:
             raise TypeError(f"{cls.__name__}.from_pretrained takes no extra positional arguments, got {model_args}")
         adapter = str(pretrained_model_name_or_path)
-        hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+        hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
         hub_kwargs = {k: v for k, v in hub_kwargs.items() if v is not None}
         for key in ("trust_remote_code", "_from_auto", "adapter_kwargs", "code_revision", "_commit_hash"):
             kwargs.pop(key, None)  # bookkeeping transformers' Auto classes pass along
@@ -642,18 +476,18 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             )
 
         base_hub_kwargs = {k: v for k, v in hub_kwargs.items() if k not in ("revision", "subfolder")}
-        backbone, lm_head, base_name = _load_backbone(
+        backbone, lm_head, base_name = load_backbone(
             config, base_model, base_model_revision, dtype, device_map, {**base_hub_kwargs, **kwargs}
         )
-        _check_base_matches(config, backbone.config, base_name)
+        check_base_matches(config, backbone.config, base_name)
         config.text_config = backbone.config
         if base_model is not None and isinstance(base_model, (str, os.PathLike)):
             config.base_model_name_or_path = str(base_model)
             config.base_model_revision = base_model_revision
         model = cls._assemble(config, backbone, lm_head)
         model._load_adapter_weights(weights_file)
-        _load_backbone_lora(backbone, adapter, hub_kwargs)
-        model.generation_config = _load_generation_config(adapter, hub_kwargs, backbone)
+        load_backbone_lora(backbone, adapter, hub_kwargs)
+        model.generation_config = load_generation_config(adapter, hub_kwargs, backbone)
         model.name_or_path = adapter
         model.eval()
         return model
@@ -663,7 +497,7 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
             tensors = load_file(weights_file)
         except (SafetensorError, OSError, ValueError) as err:
             raise OSError(f"cannot read adapter weights {weights_file}: {err}. The file is corrupt; save the adapter again.") from err
-        _check_keys(set(tensors), self.adapter_keys(), weights_file)
+        check_keys(set(tensors), self.adapter_keys(), weights_file)
         own = self.state_dict(keep_vars=True)
         for key, value in tensors.items():
             if tuple(value.shape) != tuple(own[key].shape):
@@ -995,188 +829,6 @@ def _remote_code_files() -> list[str]:
     """This file and every file it imports relatively (the configuration, the Cauchy math)."""
     this = inspect.getfile(CausalQwenModel)
     return [this] + sorted(get_relative_import_files(this))
-
-
-def _check_config_overrides(overrides: dict) -> None:
-    fields = set(CausalQwenConfig.__dataclass_fields__) - {"text_config", "base_model_name_or_path", "base_model_revision"}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise TypeError(f"unknown CausalQwenConfig field(s) {unknown}; valid fields: {sorted(fields)}")
-
-
-def _reject_unknown(kwargs: dict, allowed: tuple, where: str) -> None:
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
-
-
-def _check_is_qwen2(base_config, name) -> None:
-    if getattr(base_config, "model_type", None) != "qwen2":
-        raise ValueError(
-            f"{name} is a {getattr(base_config, 'model_type', type(base_config).__name__)!r} checkpoint, not Qwen2: "
-            "CausalQwen heads attach to Qwen2-architecture bases (Qwen2, Qwen2.5, Qwen2.5-Coder, ...)"
-        )
-
-
-def _check_base_matches(config: CausalQwenConfig, base_config, base_name) -> None:
-    for field in ("hidden_size", "vocab_size"):
-        have, want = getattr(base_config, field), getattr(config.text_config, field)
-        if have != want:
-            raise ValueError(
-                f"base checkpoint {base_name} has {field} {have}, the adapter expects {want}: "
-                "pass the base the adapter was trained on (base_model=...)"
-            )
-
-
-def _check_keys(found: set, expected: set, where) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{where} does not hold the adapter tensors this config describes: missing {missing}, unexpected "
-            f"{unexpected}. An adapter stores only head tensors; check learnable_threshold/causal_size in config.json."
-        )
-
-
-def _load_backbone(config, base_model, base_model_revision, dtype, device_map, loader_kwargs):
-    """(decoder, lm_head or None, name) of the base. The lm_head is loaded only when the adapter uses
-    the base's own output weights ("tied"/"lora" action weights on an untied base)."""
-    wants_lm_head = config.action_weight != "full" and not config.text_config.tie_word_embeddings
-    if isinstance(base_model, Qwen2ForCausalLM):
-        return base_model.model, base_model.lm_head if wants_lm_head else None, base_model.config.name_or_path
-    if isinstance(base_model, Qwen2Model) and not wants_lm_head:
-        return base_model, None, base_model.config.name_or_path
-    if base_model is not None and not isinstance(base_model, (str, os.PathLike)):
-        raise TypeError(
-            f"base_model must be a Hub id, a folder or a loaded Qwen2ForCausalLM{'' if wants_lm_head else '/Qwen2Model'}, "
-            f"got {type(base_model).__name__}"
-        )
-    name = str(base_model) if base_model is not None else config.base_model_name_or_path
-    revision = base_model_revision if base_model is not None else config.base_model_revision
-    if not name:
-        raise ValueError("the adapter's config names no base (base_model_name_or_path is empty): pass base_model=...")
-    name = _base_reference(name, "base_model" if base_model is not None else "the adapter's base")
-    hub = {k: v for k, v in loader_kwargs.items() if k in _HUB_KWARGS}
-    base_config = AutoConfig.from_pretrained(name, revision=revision, **hub)
-    _check_is_qwen2(base_config, name)
-    _check_base_matches(config, base_config, name)
-    loader = Qwen2ForCausalLM if wants_lm_head else Qwen2Model
-    loaded = loader.from_pretrained(
-        name, config=base_config, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs
-    )
-    if wants_lm_head:
-        return loaded.model, loaded.lm_head, name
-    return loaded, None, name
-
-
-def _load_backbone_lora(backbone, adapter: str, hub_kwargs: dict) -> None:
-    """Re-apply the backbone LoRA an adapter carries in lora/ (transformers' PEFT integration)."""
-    files = [cached_file(adapter, f"{LORA_FOLDER}/{name}", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-             for name in ("adapter_config.json", "adapter_model.safetensors")]
-    if files[0] is None:
-        return
-    if files[1] is None:
-        raise OSError(f"{adapter}/{LORA_FOLDER} has an adapter_config.json but no adapter_model.safetensors")
-    try:
-        import peft  # noqa: F401
-    except ImportError as err:
-        raise ImportError(f"{adapter} trains the backbone with LoRA (its {LORA_FOLDER}/ folder): pip install peft") from err
-    backbone.load_adapter(str(Path(files[0]).parent))
-
-
-def _load_generation_config(adapter, hub_kwargs, backbone):
-    for source in (adapter, backbone.config.name_or_path):
-        try:
-            return GenerationConfig.from_pretrained(source, **(hub_kwargs if source == adapter else {}))
-        except OSError:
-            continue
-    return GenerationConfig.from_model_config(backbone.config)
-
-
-def _install_folder(staging: Path, target: Path) -> None:
-    """Move a fully written staging folder into place (see save_pretrained for the guarantees).
-
-    Into an existing folder, each file it replaces is first moved aside, `config.json` first (until the new one is
-    in, the folder refuses to load) and last back in; if a move fails, everything is moved back as it was.
-    """
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder gets a plain mkdir's mode
-    if not target.exists():
-        os.rename(staging, target)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-    done: list[tuple[Path, Path | None]] = []  # (target entry, where its old version went)
-
-    def put_aside(dest: Path) -> None:
-        if dest.exists() or dest.is_symlink():
-            os.replace(dest, aside / dest.name)
-            done.append((dest, aside / dest.name))
-
-    try:
-        put_aside(target / "config.json")
-        if not (staging / LORA_FOLDER).exists():
-            put_aside(target / LORA_FOLDER)  # a stale backbone LoRA must not be re-applied to these heads
-        for item in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):  # config.json last
-            dest = target / item.name
-            if item.name != "config.json":
-                put_aside(dest)
-            done.append((dest, None))
-            os.replace(item, dest)
-    except BaseException:
-        for dest, old in reversed(done):  # undo: the new entries out, the old ones back
-            if old is None and (dest.exists() or dest.is_symlink()):
-                shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
-            elif old is not None:
-                os.replace(old, dest)
-        raise
-    finally:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-def _base_reference(name: str, what: str) -> str:
-    """How an adapter refers to its base: an existing folder by its absolute path (a relative one would resolve
-    against whatever directory loads the adapter later), a Hub id as given. A path that exists nowhere is an error
-    here rather than a network lookup."""
-    if not name or os.path.isdir(name):
-        return os.path.abspath(name) if name else name
-    # A Hub id is `name` or `org/name`; anything else is meant as a path.
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.isabs(name):
-        raise FileNotFoundError(
-            f"{what} {name!r} was not found: no folder {os.path.abspath(os.path.expanduser(name))!r}. Pass an "
-            "existing Qwen2 folder or a Hub id (base_model=... when loading an adapter)."
-        )
-    return name
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _check_not_foreign(target: Path) -> None:
-    """Never write over a folder that is not an adapter's: a base checkpoint, a dataset, another model."""
-    config = target / "config.json"
-    if config.is_file():
-        try:
-            model_type = json.loads(config.read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            model_type = "unreadable"
-        if model_type != CausalQwenConfig.model_type:
-            raise FileExistsError(
-                f"{target} holds a {model_type!r} checkpoint (its config.json), not a CausalQwen adapter: saving here "
-                "would replace its files. Save the adapter to a folder of its own."
-            )
-    weights = target / ADAPTER_WEIGHTS_NAME
-    if weights.is_file() and not config.is_file():
-        try:
-            with safe_open(weights, "pt") as f:
-                foreign = [k for k in f.keys() if k.startswith(_BASE_PREFIXES)]
-        except Exception:  # unreadable: not ours to overwrite either
-            foreign = ["(unreadable)"]
-        if foreign:
-            raise FileExistsError(
-                f"{weights} holds model weights that are not an adapter's ({foreign[0]}, ...): saving here would "
-                "replace them. Save the adapter to a folder of its own."
-            )
 
 
 __all__ = ["CausalQwenPreTrainedModel", "CausalQwenModel", "CausalQwenForCausalLM", "AbductionNetwork", "ActionNetwork", "OvRClassifier"]

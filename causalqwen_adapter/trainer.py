@@ -48,6 +48,16 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
     an adapter brings its own.
     """
 
+    learning_rate: float = field(
+        default=1e-4,
+        metadata={"help": "AdamW learning rate of the scale path (W_scale, b_scale, b_noise); the location path and "
+                  "the per-token offsets take it times location_lr_ratio and threshold_lr_ratio."},
+    )
+    location_lr_ratio: float = field(
+        default=0.1,
+        metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A: what ranks the tokens) as a "
+                  "multiple of learning_rate."},
+    )
     loss_chunk_size: int = field(
         default=1024,
         metadata={

@@ -18,7 +18,8 @@ from transformers import PreTrainedConfig, Qwen2ForCausalLM
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
-from .modeling_causalqwen import LORA_FOLDER, CausalQwenForCausalLM
+from .adapter_io import LORA_FOLDER
+from .modeling_causalqwen import CausalQwenForCausalLM
 
 logger = logging.get_logger(__name__)
 
@@ -333,7 +334,12 @@ def calibrate_threshold(model: CausalQwenForCausalLM, batches, max_positions: in
             break
     if not zs or sum(len(z) for z in zs) == 0:
         raise ValueError("no target position to calibrate the OvR threshold on: pass ovr_threshold_init explicitly")
-    z = torch.cat(zs)[:max_positions]
+    return calibrate_threshold_on_features(model, torch.cat(zs)[:max_positions])
+
+
+@torch.no_grad()
+def calibrate_threshold_on_features(model: CausalQwenForCausalLM, z: torch.Tensor) -> float:
+    """`calibrate_threshold` on final hidden states z [N, H] already computed (cached features)."""
     loc_U, scale_U = model.abduction(z.to(model.action.bias.dtype))
     loc_S, scale_S = model.action(loc_U, scale_U, "standard", 1.0)
     loc_S, scale_S = loc_S.float(), scale_S.float().clamp_min(torch.finfo(torch.float32).tiny)
@@ -427,5 +433,6 @@ def load_backbone_lora(model: CausalQwenForCausalLM, checkpoint: str) -> None:
 
 __all__ = [
     "AdapterCheckpointMixin", "CausalHeadArguments", "HeadLearningRatesMixin", "LossMetricsMixin", "calibrate_threshold",
+    "calibrate_threshold_on_features",
     "configure_backbone", "head_options", "prepare_causal_model",
 ]

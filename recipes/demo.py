@@ -45,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="build/demo-base", help="Qwen2 base: local folder or Hub id")
     parser.add_argument("--out", default="build/demo-adapter", help="where to save the adapter")
-    parser.add_argument("--train-steps", type=int, default=40, help="0 skips the training part")
+    parser.add_argument("--train-steps", type=int, default=30, help="0 skips the training part")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -129,7 +129,7 @@ def train_heads(base: str, tokenizer, steps: int, out: Path) -> Path:
     dataset = Dataset.from_dict({"text": texts}).shuffle(seed=0)
     print(f"{len(texts)} docstrings (not from {', '.join(HELD_OUT_MODULES)}); the package's default recipe")
     args = CausalSFTConfig(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, max_length=160,
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, max_length=128,
         logging_steps=max(1, steps // 10), save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
     )
     trainer = CausalSFTTrainer(base, args=args, train_dataset=dataset, processing_class=tokenizer)

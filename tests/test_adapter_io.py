@@ -47,7 +47,8 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     folder = tmp_path / "adapter"
     assert {p.name for p in folder.iterdir()} == {
         "config.json", "model.safetensors", "generation_config.json", "README.md",
-        "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py",
+        "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py", "heads.py",
+        "adapter_io.py",
     }
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert set(f.keys()) == ADAPTER_KEYS
@@ -61,7 +62,8 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert config["base_model_name_or_path"] == str(trained_like.config.base_model_name_or_path)
     assert config["text_config"]["model_type"] == "qwen2"
     # the remote code imports nothing of this package
-    for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py"):
+    for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py",
+                 "heads.py", "adapter_io.py"):
         assert "causalqwen_adapter" not in (folder / name).read_text()
 
 
@@ -70,7 +72,7 @@ def test_round_trip_is_bit_exact(trained_like, tmp_path, input_ids):
     loaded = CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
     for key, value in trained_like.adapter_state_dict().items():
         assert torch.equal(loaded.adapter_state_dict()[key], value), key
-    assert torch.all(loaded.action.b_noise == 0.1)  # a bare nn.Parameter survives transformers' init
+    assert torch.all(loaded.action.b_noise == loaded.config.b_noise_init)  # a bare nn.Parameter survives transformers' init
     before, after = _outputs(trained_like.eval(), input_ids), _outputs(loaded, input_ids)
     for key in before:
         assert torch.equal(before[key], after[key]), key

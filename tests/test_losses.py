@@ -247,3 +247,23 @@ def test_zero_row_of_W_matches_the_model_convention():
     expected = ovr_loss(loc_S, scale_S, torch.tensor(0.0), labels)
     assert torch.isfinite(loss)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_row_below_a_threshold_gives_finite_gradients():
+    # a padding row of W_A (scale_S = 0) far below a positive threshold: x = −inf there; every gradient stays finite,
+    # and the degenerate row's own gradients are 0 (the derivative of a step)
+    g = torch.Generator().manual_seed(0)
+    loc_U, scale_U = torch.randn(5, 4, generator=g), torch.rand(5, 4, generator=g) * 1e-5 + 1e-6
+    weight = torch.randn(7, 4, generator=g)
+    weight[0] = 0.0
+    bias, b_noise = torch.zeros(7), torch.full((4,), 1e-6)
+    threshold = torch.full((7,), 16.0)
+    for t in (loc_U, scale_U, weight, bias, b_noise, threshold):
+        t.requires_grad_(True)
+    labels = torch.tensor([1, 2, 3, 4, 5])
+    loss, _ = chunked_ovr_loss(loc_U, scale_U, weight, bias, b_noise, threshold, labels, chunk_size=2, vocab_chunk_size=3)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for t in (loc_U, scale_U, weight, bias, b_noise, threshold):
+        assert torch.isfinite(t.grad).all()
+    assert bias.grad[0] == 0 and threshold.grad[0] == 0

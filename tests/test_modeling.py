@@ -106,12 +106,20 @@ def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperat
 
 def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
     # Qwen2 zeroes the padding embedding, so a tied W_A has a zero row: scale_S = 0 there.
-    model = CausalQwenForCausalLM.from_base(tied_base)
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0)
     assert torch.count_nonzero(model.action.weight[0]) == 0
     with torch.no_grad():
         out = model(input_ids)
     assert torch.isfinite(out.logits).all()
     assert torch.allclose(out.logits[..., 0].exp(), torch.tensor(0.5))  # loc = threshold: P = ½
+    loss = model(input_ids, labels=input_ids).loss
+    assert torch.isfinite(loss)
+    # below the threshold the degenerate law is a step: P = 0 exactly (log P = −inf), never NaN
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=16.0)
+    with torch.no_grad():
+        out = model(input_ids)
+    assert not torch.isnan(out.logits).any() and torch.all(out.logits[..., 0] == -math.inf)
+    assert torch.isfinite(out.logits[..., 1:]).all()
     loss = model(input_ids, labels=input_ids).loss
     assert torch.isfinite(loss)
 
@@ -151,7 +159,7 @@ def test_verify_initialization_reports_a_faithful_copy(tiny_base, input_ids):
     assert report["feature_diff"] == 0.0
     assert report["loc_U_vs_z"] < 1e-6
     assert report["logits_diff"] < 1e-6 and abs(report["kl_to_base"]) < 1e-6
-    assert report["scale_U_mean"] == pytest.approx(10.0, rel=1e-6) and report["scale_U_std"] < 1e-6
+    assert report["scale_U_mean"] == pytest.approx(model.config.gamma_init, rel=1e-6) and report["scale_U_std"] < 1e-6
     assert 0 < report["ovr_prob_min"] <= report["ovr_prob_mean"] <= report["ovr_prob_max"] < 1
     # against a separately loaded base the comparison is real, not trivially shared
     separate = model.verify_initialization(input_ids, base_model=Qwen2ForCausalLM.from_pretrained(tiny_base))

@@ -1,0 +1,198 @@
+"""The causal heads as modules: abduction (z → U), action (U → S by the Cauchy linear law), the OvR thresholds and
+the numeric head (docs/design.md, Abduction network to Numbers). Each forward is the formula of the design document;
+the math itself lives in `cauchy.py`.
+
+Shipped as remote code: imports only the standard library and torch.
+"""
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cauchy import (
+    cauchy_linear,
+    cauchy_linear_single_row,
+    cauchy_regression,
+    fuse_noise,
+    ovr_standardize,
+    signed_log1p,
+    softplus_inverse,
+)
+
+# Batch-1 decoding reads W_A once for loc_S and scale_S (cauchy.cauchy_linear_single_row); set
+# CAUSALQWEN_FUSED_DECODE=0 to use two matmuls instead.
+_FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
+_FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
+
+
+class AbductionNetwork(nn.Module):
+    """z ↦ Cauchy individual U: loc_U = W_loc z + b_loc, scale_U = softplus(W_scale z + b_scale)."""
+
+    def __init__(self, hidden_size: int, causal_size: int):
+        super().__init__()
+        self.loc = nn.Linear(hidden_size, causal_size)
+        self.scale = nn.Linear(hidden_size, causal_size)
+
+    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loc(z), F.softplus(self.scale(z))
+
+    @torch.no_grad()
+    def reset_parameters(self, gamma_init: float) -> None:
+        """Identity when C == H (U starts at z with constant scale γ₀); Xavier otherwise."""
+        if self.loc.in_features == self.loc.out_features:
+            self.loc.weight.copy_(torch.eye(self.loc.out_features))
+            self.scale.weight.zero_()
+        else:
+            nn.init.xavier_uniform_(self.loc.weight)
+            nn.init.xavier_uniform_(self.scale.weight)
+            self.scale.weight.mul_(0.1)
+        self.loc.bias.zero_()
+        self.scale.bias.fill_(softplus_inverse(gamma_init))
+
+
+class ActionNetwork(nn.Module):
+    """Cauchy linear law U ↦ S: loc_S = W_A loc_U' + b_A, scale_S = scale_U' |W_A|ᵀ, after noise fusion.
+
+    `action_weight` says where W_A lives:
+    - "full": a [V, C] parameter of its own (trained, saved);
+    - "tied": the base's output-embedding tensor itself (shared, frozen, never saved);
+    - "lora": W_base + B·A with A [r, C], B [V, r]; only A and B are trained and saved.
+    For "tied"/"lora" the model hands the module the base module holding W_base (`bind_base_weight`).
+    """
+
+    def __init__(self, causal_size: int, vocab_size: int, action_weight: str = "full", lora_rank: int = 16):
+        super().__init__()
+        self.action_weight = action_weight
+        if action_weight == "full":
+            self.weight = nn.Parameter(torch.empty(vocab_size, causal_size))
+        elif action_weight == "lora":
+            self.lora_A = nn.Parameter(torch.empty(lora_rank, causal_size))
+            self.lora_B = nn.Parameter(torch.empty(vocab_size, lora_rank))
+        self.bias = nn.Parameter(torch.empty(vocab_size))
+        self.b_noise = nn.Parameter(torch.empty(causal_size))
+        self._base_owner = None  # module whose .weight is W_base ("tied"/"lora"); outside the module tree
+        self._merged_cache = None  # (key, W_base + B·A) for inference; never saved
+        self._abs_weight_cache = None  # (key, |W_A|) for inference; never saved
+
+    def bind_base_weight(self, owner: nn.Module) -> None:
+        # Stored in __dict__, not as a submodule: the tensor belongs to the base, which owns and moves it.
+        self.__dict__["_base_owner"] = owner
+
+    def effective_weight(self) -> torch.Tensor:
+        """W_A as used by the linear law (differentiable in its trainable parts)."""
+        if self.action_weight == "full":
+            return self.weight
+        base = self._base_owner.weight
+        if self.action_weight == "tied":
+            return base
+        if torch.is_grad_enabled() and (self.lora_A.requires_grad or self.lora_B.requires_grad):
+            self._merged_cache = None
+            return base + self.lora_B @ self.lora_A
+        key = (base.data_ptr(), base._version, self.lora_A._version, self.lora_B._version, base.dtype, base.device)
+        if self._merged_cache is None or self._merged_cache[0] != key:
+            self._merged_cache = (key, (base + self.lora_B @ self.lora_A).detach())
+        return self._merged_cache[1]
+
+    def forward(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
+        """(loc_S, scale_S); `compatible` scores with loc_S alone, so its scale_S is None (not computed)."""
+        loc_U, scale_U = fuse_noise(loc_U, scale_U, self.b_noise, mode, temperature, noise)
+        weight = self.effective_weight()
+        if mode == "compatible":
+            return F.linear(loc_U, weight, self.bias), None
+        no_grad = not (torch.is_grad_enabled() and (weight.requires_grad or loc_U.requires_grad))
+        single_row = loc_U.numel() == loc_U.shape[-1]
+        if no_grad and single_row and _FUSED_DECODE and weight.numel() >= _FUSED_MIN_NUMEL:
+            fused = cauchy_linear_single_row(loc_U, scale_U, weight, self.bias)
+            if fused is not None:
+                return fused
+        return cauchy_linear(loc_U, scale_U, weight, self.bias, self._cached_abs_weight(weight))
+
+    def _cached_abs_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """|W_A| kept across decode steps when no gradient flows; rebuilt when W_A changes."""
+        if torch.is_grad_enabled() and weight.requires_grad:
+            self._abs_weight_cache = None
+            return None
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
+            self._abs_weight_cache = (key, weight.detach().abs())
+        return self._abs_weight_cache[1]
+
+    @torch.no_grad()
+    def reset_parameters(self, b_noise_init: float, weight=None, bias=None) -> None:
+        """W_A ← a copy of the base lm_head ("full"; random when none is given) or the base itself
+        ("tied"; "lora" starts at B = 0 with A like PEFT's LoRA); b_A ← the base bias or 0."""
+        if self.action_weight == "full":
+            if weight is None:
+                nn.init.normal_(self.weight, std=0.02)
+            else:
+                self.weight.copy_(weight)
+        elif self.action_weight == "lora":
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            self.lora_B.zero_()
+        if bias is None:
+            self.bias.zero_()
+        else:
+            self.bias.copy_(bias)
+        self.b_noise.fill_(b_noise_init)
+
+
+class OvRClassifier(nn.Module):
+    """One-vs-rest thresholds C_k: a scalar buffer, or one learnable value per vocabulary entry."""
+
+    def __init__(self, vocab_size: int, threshold_init: float, learnable: bool):
+        super().__init__()
+        self.threshold_init = threshold_init
+        if learnable:
+            self.threshold = nn.Parameter(torch.empty(vocab_size))
+        else:
+            self.register_buffer("threshold", torch.empty(()), persistent=False)
+
+    def forward(self, loc_S: torch.Tensor, scale_S: torch.Tensor) -> torch.Tensor:
+        """Standardized scores x_k = (loc_S_k − C_k) / scale_S_k in float32."""
+        return ovr_standardize(loc_S.float(), scale_S.float(), self.threshold.float())
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.threshold.fill_(self.threshold_init)
+
+
+class NumericHead(nn.Module):
+    """Numbers in and out (docs/design.md, Numbers): the input direction d and the Cauchy regression head of `<NUM>` values.
+
+    In: e = embed(token) + φ(v)·d, φ(v) = sign(v)·ln(1 + |v|), so v = 0 leaves the embedding exactly as it was.
+    Out: Y ~ Cauchy(w·loc_U' + b, |w|·scale_U' + exp(s)) on the noise-fused individual U'.
+    """
+
+    def __init__(self, hidden_size: int, causal_size: int):
+        super().__init__()
+        self.direction = nn.Parameter(torch.empty(hidden_size))
+        self.weight = nn.Parameter(torch.empty(causal_size))
+        self.bias = nn.Parameter(torch.empty(()))
+        self.log_scale = nn.Parameter(torch.empty(()))
+
+    def embed(self, inputs_embeds: torch.Tensor, numeric_values: torch.Tensor) -> torch.Tensor:
+        phi = signed_log1p(numeric_values.to(torch.float32)).unsqueeze(-1)
+        return inputs_embeds + (phi * self.direction.float()).to(inputs_embeds.dtype)
+
+    def forward(self, loc_U: torch.Tensor, scale_U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loc_Y, scale_Y) in float32 from the fused individual (loc_U', scale_U')."""
+        return cauchy_regression(loc_U.float(), scale_U.float(), self.weight.float(), self.bias.float(),
+                                 self.log_scale.float())
+
+    @torch.no_grad()
+    def reset_parameters(self, median: float = 0.0, scale: float = 1.0) -> None:
+        """d ~ N(0, 0.02²) normalised to unit length; w Xavier with gain 0.01; b = median, exp(s) = scale
+        (the median and IQR/2 of the training targets, so a fresh head predicts Cauchy(median, IQR/2))."""
+        if not scale > 0:
+            raise ValueError(f"the initial scale of the numeric head must be > 0, got {scale}")
+        nn.init.normal_(self.direction, std=0.02)
+        self.direction.div_(self.direction.norm())
+        nn.init.xavier_uniform_(self.weight.view(1, -1), gain=0.01)
+        self.bias.fill_(median)
+        self.log_scale.fill_(math.log(scale))
+
+
+__all__ = ["AbductionNetwork", "ActionNetwork", "NumericHead", "OvRClassifier"]
