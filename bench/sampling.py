@@ -30,10 +30,10 @@ def base_nll(base, prompt, continuation) -> float:
     return torch.nn.functional.cross_entropy(logits, continuation).item()
 
 
-def sample(model, prompt, new_tokens, seed, **kwargs):
+def sample(model, prompt, new_tokens, seed, temperature=1.0, **kwargs):
     torch.manual_seed(seed)
     out = model.generate(prompt[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                         temperature=1.0, top_k=0, top_p=1.0, **kwargs)
+                         temperature=temperature, top_k=0, top_p=1.0, **kwargs)
     return out[0, len(prompt):]
 
 
@@ -45,12 +45,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--prompt-tokens", type=int, default=48)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--skip-base", action="store_true", help="only the adapters (the base row is still scored)")
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).eval()
     prompts = windows(tokenizer, HELD_OUT_MODULES, args.prompt_tokens, args.prompts)
     runs = {"base": lambda p, seed: sample(base, p, args.new_tokens, seed)}
+    if args.skip_base:
+        runs = {}
     for folder in args.adapters:
         model = CausalQwenForCausalLM.from_pretrained(folder, base_model=base, dtype=torch.bfloat16).eval()
         for mode in args.modes:
@@ -63,7 +66,8 @@ def main() -> None:
         print(f"{name}: base NLL of its samples {results[name]:.3f} nats/token", flush=True)
     print("\n| model | base's NLL of the samples (nats/token) | × base's own |\n|---|---:|---:|")
     for name, value in results.items():
-        print(f"| {name} | {value:.3f} | {value / results['base']:.2f} |")
+        ratio = f"{value / results['base']:.2f}" if "base" in results else "–"
+        print(f"| {name} | {value:.3f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -229,8 +229,8 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
             calibrate_threshold(model, self._calibration_batches())
 
     def _calibration_batches(self, rows: int = 64):
-        """The first `rows` training examples in dataset order, collated: the same on every process and at any
-        world size (no sampler, no shard), so calibrated replicas stay equal."""
+        """The first `rows` training examples in dataset order, collated 8 at a time: the same on every process, at
+        any world size and batch size (no sampler, no shard), so calibrated replicas stay equal."""
         dataset = self.train_dataset
         if isinstance(dataset, Dataset):
             dataset = self._remove_unused_columns(dataset.select(range(min(rows, len(dataset)))), "calibration")
@@ -238,8 +238,8 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
         else:
             dataset = dataset.take(rows)
             collator = self._get_collator_with_removed_columns(self.data_collator, "calibration")
-        loader = torch.utils.data.DataLoader(dataset, batch_size=self.args.per_device_train_batch_size,
-                                             collate_fn=collator)
+        # A fixed batch size: the threshold does not depend on the training batch size (padding changes z by ulps)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=collator)
         return (self._prepare_inputs(batch) for batch in loader)
 
     def _prepare_numeric(self, model, fresh_heads: bool) -> None:

@@ -153,8 +153,13 @@ def test_existing_folder_is_refused_or_replaced_whole(tiny_teacher, tmp_path):
     with pytest.raises(FileExistsError, match="overwrite=True"):
         extract_features(teacher, data, out, top_k=2)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    extract_features(teacher, data, out, top_k=2, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / FEATURES_CONFIG_NAME).is_file()
+    with pytest.raises(FileExistsError, match="is not a feature store"):  # someone else's folder: never replaced
+        extract_features(teacher, data, out, top_k=2, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    extract_features(teacher, data, out, top_k=2)  # an empty folder is fine
+    extract_features(teacher, data, out, top_k=3, overwrite=True)  # a store extract_features wrote: replaced whole
+    assert json.loads((out / FEATURES_CONFIG_NAME).read_text())["top_k"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # no staging folder left behind
 
 

@@ -132,7 +132,7 @@ def test_bad_options(tied_base, input_ids):
     model = _trained_like(tied_base)
     with pytest.raises(ValueError, match="choose one of compatible, standard, sampling, causal"):
         model.generate(input_ids, max_new_tokens=2, inference_mode="beam")
-    with pytest.raises(ValueError, match="causal_temperature must be >= 0"):
+    with pytest.raises(ValueError, match="causal_temperature must be a finite number >= 0"):
         model.generate(input_ids, max_new_tokens=2, inference_mode="standard", causal_temperature=-0.5)
     with pytest.raises(ValueError, match="noise_sharing"):
         model.generate(input_ids, max_new_tokens=2, inference_mode="sampling", noise_sharing="batch")

@@ -48,7 +48,7 @@ def test_fresh_heads_follow_the_seed_initialisation(tiny_base, input_ids):
 
 
 def test_causal_size_different_from_hidden(tied_base, input_ids):
-    model = CausalQwenForCausalLM.from_base(tied_base, causal_size=12)
+    model = CausalQwenForCausalLM.from_base(tied_base, causal_size=12, ovr_threshold_init=0.0)
     assert model.abduction.loc.weight.shape == (12, TINY_HIDDEN)
     assert model.action.weight.shape == (TINY_VOCAB, 12)
     bound = math.sqrt(6 / (12 + TINY_HIDDEN))  # Xavier-uniform bound; W_scale is 0.1 × Xavier
@@ -92,7 +92,8 @@ def _reference_forward(model, input_ids, mode, temperature):
 
 @pytest.mark.parametrize("mode,temperature", [("standard", 1.0), ("standard", 0.3), ("causal", 1.0)])
 def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperature):
-    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.5)
+    # scales of the order of the logits: the plain atan of the reference is exact there
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.5, gamma_init=1.0, b_noise_init=0.1)
     with torch.no_grad():
         model.action.weight[0].normal_(std=0.05)  # the padding row is zero: see the degenerate-row test
         model.action.bias.normal_()
@@ -125,7 +126,8 @@ def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
 
 
 def test_loss_matches_float64_bce_reference(tied_base, input_ids):
-    model = CausalQwenForCausalLM.from_base(tied_base)
+    # the OvR loss alone (no auxiliary cross-entropy), threshold 0 as the reference writes it
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, softmax_loss_weight=0.0)
     with torch.no_grad():
         model.action.weight[0].normal_(std=0.05)  # no degenerate row: the reference divides by scale_S
     labels = input_ids.clone()
@@ -154,7 +156,7 @@ def test_logits_to_keep_scores_only_kept_positions(tied_base, input_ids):
 
 def test_verify_initialization_reports_a_faithful_copy(tiny_base, input_ids):
     base = Qwen2ForCausalLM.from_pretrained(tiny_base)
-    model = CausalQwenForCausalLM.from_base(base)
+    model = CausalQwenForCausalLM.from_base(base, ovr_threshold_init=0.0)  # a padding row then has P = ½, not 0
     report = model.verify_initialization(input_ids)
     assert report["feature_diff"] == 0.0
     assert report["loc_U_vs_z"] < 1e-6
