@@ -26,6 +26,7 @@ from datasets.arrow_writer import ArrowWriter
 from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM, Trainer, TrainingArguments
 from transformers.utils import logging
 
+from .adapter_io import check_not_foreign
 from .modeling_causalqwen import CausalQwenForCausalLM
 from .training import (
     AdapterCheckpointMixin,
@@ -317,6 +318,8 @@ class CausalDistillTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterChec
             args = CausalDistillConfig(f"{os.path.basename(os.path.normpath(name))}-CausalDistill")
         if not isinstance(args, CausalDistillConfig):
             raise TypeError(f"args must be a CausalDistillConfig, got {type(args).__name__}")
+        if os.path.isdir(args.output_dir):  # checkpoints, the card and the final adapter all go there
+            check_not_foreign(Path(args.output_dir))
         model, _ = prepare_causal_model(model, args)
         if getattr(model.model, "_hf_peft_config_loaded", False):
             raise ValueError(

@@ -183,3 +183,15 @@ def test_unusable_datasets_are_refused_up_front(sft_base, tmp_path, rows, messag
         "text", __import__("datasets").Value("string"))
     with pytest.raises(ValueError, match=message):
         CausalSFTTrainer(str(sft_base), args=args, train_dataset=data)
+
+
+def test_a_trainer_refuses_an_output_dir_holding_a_model(sft_base, tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(sft_base, base)
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    args = CausalSFTConfig(str(base), report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    with pytest.raises(FileExistsError, match="holds a 'qwen2' checkpoint"):
+        CausalSFTTrainer(str(base), args=args, train_dataset=Dataset.from_dict({"text": ["the cat sat"]}))
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
