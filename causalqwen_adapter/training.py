@@ -177,6 +177,8 @@ class HeadLearningRatesMixin:
             for param in group["params"]:
                 by_ratio.setdefault(ratio(param), []).append(param)
             groups += [{**group, "params": params, "lr": group["lr"] * r} for r, params in by_ratio.items()]
+        # learning_rate's own groups first: the Trainer logs the first group's rate as `learning_rate`
+        groups.sort(key=lambda g: g["lr"] != optimizer.defaults["lr"])
         optimizer.param_groups = groups  # no state yet: the schedulers created next read these learning rates
         return optimizer
 

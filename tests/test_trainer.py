@@ -473,6 +473,7 @@ def test_learning_rates_by_role(sft_base, tmp_path):
     assert {n for n, p in named.items() if p.requires_grad} == set(expected)
     for name, lr in expected.items():
         assert lr_of[id(named[name])] == pytest.approx(lr), name
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)  # what the Trainer logs as learning_rate
     trainer.train()  # the scheduler runs on these groups
     assert trainer.state.global_step > 0
 
