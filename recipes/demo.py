@@ -96,7 +96,7 @@ def main() -> None:
         section("held-out docstrings: the base, the fresh heads and the trained heads (causalqwen_adapter.evaluation)")
         print(held_out_table({"base": base, "fresh heads": reloaded, "trained heads": trained}, tokenizer))
         section("generate with the trained adapter beside the base")
-        generate_in_every_mode(trained, base, tokenizer)
+        generate_in_every_mode(trained, base, tokenizer, fresh=False)
 
 
 def stdlib_docstrings(limit: int = 2000) -> list[str]:
@@ -161,7 +161,7 @@ def held_out_table(models: dict, tokenizer) -> str:
     return markdown_table(results)
 
 
-def generate_in_every_mode(model, base, tokenizer, max_new_tokens: int = 40) -> None:
+def generate_in_every_mode(model, base, tokenizer, max_new_tokens: int = 40, fresh: bool = True) -> None:
     chats = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
     batch = tokenizer(texts, return_tensors="pt", padding=True)
@@ -181,7 +181,8 @@ def generate_in_every_mode(model, base, tokenizer, max_new_tokens: int = 40) -> 
         for name, answers in results.items():
             print(f"  [{name}] {answers[i]!r}")
     same = results["causalqwen compatible"] == results["base model"]
-    print(f"\ncompatible mode reproduces the base token for token: {same}")
+    if fresh:
+        print(f"\ncompatible mode reproduces the base token for token: {same}")
 
 
 if __name__ == "__main__":
