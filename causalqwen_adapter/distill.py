@@ -11,6 +11,7 @@ token. Checkpoints, `save_model`, resuming and the model card are the adapter fo
 Heads trained this way see the base's z: they belong on the base without a backbone LoRA.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -134,6 +135,8 @@ def extract_features(
             "num_sequences": num_sequences,
             "feature_dtype": feature_dtype,
             "teacher_dtype": str(teacher.dtype).removeprefix("torch."),
+            # sha256 of every Arrow shard: load_features refuses a store whose bytes changed since
+            "shards": {f.name: _sha256(f) for f in sorted((staging / "store").glob("*.arrow"))},
         }
         (staging / "store" / FEATURES_CONFIG_NAME).write_text(json.dumps(info, indent=2) + "\n")
         _install(staging / "store", target)
@@ -144,17 +147,35 @@ def extract_features(
 
 
 def load_features(path) -> Dataset:
-    """A feature folder written by `extract_features`, memory-mapped, formatted as torch tensors."""
+    """A feature folder written by `extract_features`, memory-mapped, formatted as torch tensors; its shards are
+    checked against the sha256 sums `extract_features` recorded."""
     path = Path(path)
     if not (path / FEATURES_CONFIG_NAME).is_file():
         raise FileNotFoundError(
             f"{path} holds no {FEATURES_CONFIG_NAME}: it is not a feature store written by extract_features "
             "(recipes/extract_features.py)"
         )
+    shards = features_info(path).get("shards")
+    if shards is None:
+        logger.warning(f"{path} records no shard checksums (written by an older version): its bytes are not verified")
+    for name, digest in (shards or {}).items():
+        if not (path / name).is_file() or _sha256(path / name) != digest:
+            raise ValueError(
+                f"{path / name} is missing or its bytes changed since extract_features wrote it (sha256 differs from "
+                f"{FEATURES_CONFIG_NAME}): the store is corrupt; extract the features again"
+            )
     dataset = load_from_disk(str(path))
     if not isinstance(dataset, Dataset):
         raise ValueError(f"{path} holds a DatasetDict, not the single table extract_features writes")
     return dataset.with_format("torch", columns=list(FEATURE_COLUMNS))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def features_info(path) -> dict:

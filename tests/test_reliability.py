@@ -195,3 +195,17 @@ def test_a_trainer_refuses_an_output_dir_holding_a_model(sft_base, tmp_path):
     with pytest.raises(FileExistsError, match="holds a 'qwen2' checkpoint"):
         CausalSFTTrainer(str(base), args=args, train_dataset=Dataset.from_dict({"text": ["the cat sat"]}))
     assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+
+
+def test_a_corrupted_feature_shard_is_refused(sft_base, tmp_path):
+    from causalqwen_adapter.distill import extract_features, load_features
+
+    store = tmp_path / "features"
+    extract_features(str(sft_base), Dataset.from_dict({"text": ["the cat sat on the mat"] * 3}), store, top_k=2)
+    assert len(load_features(store)) > 0
+    shard = next(store.glob("*.arrow"))
+    data = bytearray(shard.read_bytes())
+    data[-200:-100] = bytes(range(100))  # random bytes inside the table
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="its bytes changed since extract_features wrote it"):
+        load_features(store)
