@@ -125,6 +125,7 @@ def test_a_local_base_is_stored_by_absolute_path_and_a_missing_one_is_named(tied
     assert model.config.base_model_name_or_path == str(tmp_path / "base")
     model.save_pretrained("adapter")
     assert json.loads((tmp_path / "adapter" / "config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
+    assert "absolute path of a local folder" in (tmp_path / "adapter" / "README.md").read_text()
     monkeypatch.chdir(tmp_path / "adapter")  # loads from anywhere
     CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
     with pytest.raises(FileNotFoundError, match=r"base './nowhere' was not found: no folder '.*/adapter/nowhere'"):
