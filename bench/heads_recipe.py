@@ -40,10 +40,12 @@ HELD_OUT_MODULES = ["copy", "tempfile", "pathlib", "shutil", "glob", "fnmatch", 
 
 # Each configuration: head fields for from_base, the learning rate and the per-role ratios of the trainer.
 CONFIGS = {
-    "seeds": dict(heads=dict(gamma_init=10.0, b_noise_init=0.1, ovr_threshold_init=0.0, softmax_loss_weight=0.0),
+    "seeds": dict(heads=dict(gamma_init=10.0, b_noise_init=0.1, ovr_threshold_init=0.0, softmax_loss_weight=0.0,
+                             ovr_trains_location=True),
                   learning_rate=1e-4, location_lr_ratio=1.0, threshold_lr_ratio=1.0),
     "default": dict(heads=dict(), learning_rate=None),  # the package's defaults, whatever they are
     "softmax": dict(heads=dict(objective="softmax"), learning_rate=None),
+    "ovr_location": dict(heads=dict(ovr_trains_location=True), learning_rate=None),
 }
 
 

@@ -47,6 +47,9 @@ class CausalQwenConfig(PreTrainedConfig):
             compared with).
         softmax_loss_weight (`float`): with objective="ovr", the weight of an auxiliary softmax cross-entropy on
             loc_S added to the OvR loss (0 = the OvR loss alone, as the seeds had it).
+        ovr_trains_location (`bool`): whether the OvR loss's gradient reaches the location path (W_loc, b_loc, W_A,
+            b_A). False (measured best for top-1): the locations, which rank the tokens, learn from the softmax term
+            only, and the OvR loss trains the scale path and the thresholds. True: the seeds' single loss.
     """
 
     model_type = "causalqwen"
@@ -70,6 +73,7 @@ class CausalQwenConfig(PreTrainedConfig):
     numeric_loss_weight: float = 1.0
     objective: str = "ovr"
     softmax_loss_weight: float = 1.0
+    ovr_trains_location: bool = False
 
     def __post_init__(self, **kwargs):
         # The base's attention implementation survives wrapping: the parent resets it on sub-configs.

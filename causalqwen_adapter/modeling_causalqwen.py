@@ -669,9 +669,12 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
             }
             loss = loc_U.new_zeros((), dtype=torch.float32)
             if config.objective == "ovr":
+                # Without ovr_trains_location the OvR loss reaches only the scale path and the thresholds: the
+                # locations (W_loc, b_loc, W_A, b_A), which rank the tokens, learn from the softmax term alone.
+                grad = (lambda t: t) if config.ovr_trains_location else (lambda t: t.detach())
                 loss, stats = chunked_ovr_loss(
-                    loc_U, scale_U, weight, self.action.bias, self.action.b_noise, self.ovr.threshold, targets,
-                    num_items_in_batch=denom, chunk_size=self.loss_chunk_size,
+                    grad(loc_U), scale_U, grad(weight), grad(self.action.bias), self.action.b_noise,
+                    self.ovr.threshold, targets, num_items_in_batch=denom, chunk_size=self.loss_chunk_size,
                 )
                 metrics["target_prob"] = _sum_count(stats["target_prob"] * n, count)
                 metrics["ovr_prob_sum"] = _sum_count(stats["ovr_prob_sum"] * n, count)

@@ -80,6 +80,12 @@ class CausalHeadArguments:
             "choices": ["ovr", "softmax"],
         },
     )
+    ovr_trains_location: bool | None = field(
+        default=None,
+        metadata={"help": "Whether the OvR loss's gradient reaches the location path (W_loc, b_loc, W_A, b_A); when "
+                  "not, the locations learn from the softmax term only. Sets the model config's field (default: the "
+                  "model's)."},
+    )
     softmax_loss_weight: float | None = field(
         default=None,
         metadata={"help": "Weight of an auxiliary softmax cross-entropy on loc_S beside the OvR loss. Sets the model "
@@ -306,7 +312,7 @@ def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
                          "the Qwen2 base instead of an adapter, or drop the option)")
     # The loss is the model's (forward(labels=...)): the trainer's choice goes into its config, saved with it.
     changed = False
-    for name in ("objective", "softmax_loss_weight"):
+    for name in ("objective", "softmax_loss_weight", "ovr_trains_location"):
         value = getattr(args, name)
         if value is not None and value != getattr(model.config, name):
             setattr(model.config, name, value)

@@ -127,7 +127,8 @@ def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
 
 def test_loss_matches_float64_bce_reference(tied_base, input_ids):
     # the OvR loss alone (no auxiliary cross-entropy), threshold 0 as the reference writes it
-    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, softmax_loss_weight=0.0)
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, softmax_loss_weight=0.0,
+                                            ovr_trains_location=True)
     with torch.no_grad():
         model.action.weight[0].normal_(std=0.05)  # no degenerate row: the reference divides by scale_S
     labels = input_ids.clone()
@@ -224,3 +225,22 @@ def test_non_qwen2_base_is_refused(tmp_path):
         CausalQwenForCausalLM.from_base(tmp_path)
     with pytest.raises(TypeError, match="Qwen2ForCausalLM"):
         CausalQwenForCausalLM.from_base(LlamaForCausalLM.from_pretrained(tmp_path))
+
+
+def test_ovr_loss_without_location_gradient(tied_base, input_ids):
+    # ovr_trains_location=False: the locations learn from the softmax term alone, the scales from the OvR loss alone
+    def grads(**config):
+        model = CausalQwenForCausalLM.from_base(tied_base, gamma_init=1.0, b_noise_init=0.1, ovr_threshold_init=0.5,
+                                                **config)
+        model(input_ids, labels=input_ids).loss.backward()
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()
+                if p.requires_grad}
+
+    routed = grads(ovr_trains_location=False)
+    softmax_only = grads(objective="softmax")
+    ovr_only = grads(softmax_loss_weight=0.0)
+    for name in ("abduction.loc.weight", "abduction.loc.bias", "action.weight", "action.bias"):
+        torch.testing.assert_close(routed[name], softmax_only[name], rtol=1e-5, atol=1e-7, msg=name)
+    for name in ("abduction.scale.weight", "abduction.scale.bias", "action.b_noise"):
+        torch.testing.assert_close(routed[name], ovr_only[name], rtol=1e-5, atol=1e-7, msg=name)
+        assert routed[name].abs().sum() > 0
