@@ -106,9 +106,17 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
                   "off), off on a CPU-only machine."},
     )
 
+    dataloader_pin_memory: bool | None = field(
+        default=None,
+        metadata={"help": "Pin batches in page-locked memory for faster copies to an accelerator. Unset: on when a "
+                  "CUDA device is present (pinning without one only warns)."},
+    )
+
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and _accelerator_supports_bf16()
+        if self.dataloader_pin_memory is None:
+            self.dataloader_pin_memory = torch.cuda.is_available()
         super().__post_init__()
         if self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive integer, got {self.loss_chunk_size}")

@@ -519,3 +519,23 @@ def test_eval_loss_is_the_mean_over_target_tokens(sft_base, tmp_path):
         total, count = total + loss * n, count + n
     assert count > 0
     assert metrics["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_precision_and_pinning_follow_the_device(tmp_path):
+    args = CausalSFTConfig(str(tmp_path), report_to="none")
+    assert args.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    assert args.dataloader_pin_memory == torch.cuda.is_available()
+    assert CausalSFTConfig(str(tmp_path), report_to="none", bf16=False, dataloader_pin_memory=False).bf16 is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the README command")
+def test_readme_training_command_runs_as_written_on_cpu(sft_base, tmp_path):
+    # the README's flags only (model, data, output, steps, batch, length): no --bf16/--use_cpu needed on a CPU
+    recipe = _load_recipe()
+    data = _write_data(tmp_path / "data")["text"]
+    trainer = recipe.main(*recipe.make_parser().parse_args_and_config(args=[
+        "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
+        "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "160", "--report_to", "none",
+    ]))
+    assert trainer.state.global_step == 2 and not trainer.args.bf16
+    assert (tmp_path / "out" / "model.safetensors").is_file()
