@@ -40,13 +40,26 @@ def check_text_dataset(dataset, split: str = "train") -> None:
     if hasattr(dataset, "__len__") and len(dataset) == 0:
         raise ValueError(f"the {split} dataset has no rows: nothing to train or evaluate on")
     column = "messages" if "messages" in columns else "text" if "text" in columns else "completion"
-    values = dataset[column] if hasattr(dataset, "__len__") else []
-    for row, value in enumerate(values):
-        if column != "messages" and not isinstance(value, (str, list)):
-            raise ValueError(
-                f"the {split} dataset's `{column}` in row {row} is {value!r} ({type(value).__name__}), not text: "
-                "drop or fix such rows (dataset.filter(lambda r: isinstance(r[...], str)))"
-            )
+    if column == "messages" or not hasattr(dataset, "with_format"):
+        return
+    # From the Arrow column, without reading the texts into Python: its type, then its missing values.
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = dataset.with_format("arrow").data.column(column)
+    conversational = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+    text = pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+    bad = None
+    if not (text or conversational):
+        bad = 0
+    elif values.null_count:
+        bad = pc.index(pc.is_null(values), True).as_py()
+    if bad is not None:
+        value = dataset[bad][column]
+        raise ValueError(
+            f"the {split} dataset's `{column}` in row {bad} is {value!r} ({type(value).__name__}), not text: "
+            "drop or fix such rows (dataset.filter(lambda r: isinstance(r[...], str)))"
+        )
 
 
 def tokenize_for_evaluation(dataset, tokenizer, max_length: int | None = None) -> list[dict[str, list[int]]]:

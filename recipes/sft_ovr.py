@@ -31,7 +31,7 @@ from accelerate import PartialState
 from transformers import AutoTokenizer
 from trl import TrlParser
 
-from causalqwen_adapter.data import check_text_dataset, load_text_dataset
+from causalqwen_adapter.data import load_text_dataset
 from causalqwen_adapter.numeric import add_num_token, encode_with_numbers
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
@@ -122,9 +122,6 @@ def main(script_args: ScriptArguments, training_args: CausalSFTConfig) -> Causal
     if script_args.dataset_train_split not in dataset:
         raise ValueError(f"{script_args.dataset_name} has no split {script_args.dataset_train_split!r}: it has {list(dataset)}")
     evaluate = training_args.eval_strategy != "no"
-    check_text_dataset(dataset[script_args.dataset_train_split], script_args.dataset_train_split)
-    if evaluate:
-        check_text_dataset(dataset[script_args.dataset_test_split], script_args.dataset_test_split)
     tokenizer = None
     if training_args.numeric:
         dataset, tokenizer = numeric_data(dataset, script_args, training_args)
