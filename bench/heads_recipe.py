@@ -26,9 +26,8 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
-from causalqwen_adapter.cauchy import ovr_log_prob
 from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table
-from causalqwen_adapter.training import LOCATION_PARAMETERS, THRESHOLD_PARAMETERS, calibrate_threshold_on_features
+from causalqwen_adapter.training import calibrate_threshold_on_features, learning_rate_ratio
 
 TRAIN_MODULES = [
     "argparse", "configparser", "tokenize", "inspect", "typing", "dis", "ast", "dataclasses", "enum", "functools",
@@ -84,7 +83,7 @@ def evaluate_heads(model, z, targets, modes, chunk=256):
             zz, yy = z[start : start + chunk], targets[start : start + chunk]
             for mode in modes:
                 _, _, loc_S, scale_S = model.causal_heads(zz, mode, model.config.causal_temperature)
-                scores = loc_S if mode == "compatible" else ovr_log_prob(model.ovr(loc_S, scale_S))
+                scores = model.mode_scores(loc_S, scale_S, mode)
                 accumulators[mode].update(scores, yy)
     return {mode: acc.compute() for mode, acc in accumulators.items()}
 
@@ -95,9 +94,7 @@ def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio):
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        ratio = location_lr_ratio if name.startswith(LOCATION_PARAMETERS) else (
-            threshold_lr_ratio if name.startswith(THRESHOLD_PARAMETERS) else 1.0)
-        groups.setdefault(ratio, []).append(param)
+        groups.setdefault(learning_rate_ratio(name, location_lr_ratio, threshold_lr_ratio), []).append(param)
     return torch.optim.AdamW([{"params": p, "lr": learning_rate * r} for r, p in groups.items()], weight_decay=0.0)
 
 

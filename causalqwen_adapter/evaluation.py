@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cauchy import INFERENCE_MODES, ovr_log_prob
+from .cauchy import INFERENCE_MODES
 
 ECE_BINS = 15
 TOP_K_CALIBRATION = 10
@@ -160,7 +160,7 @@ def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk
             for start in range(0, len(valid), chunk_size):
                 rows = valid[start : start + chunk_size]
                 _, _, loc_S, scale_S = model.causal_heads(z[rows], mode, temperature)
-                scores = loc_S if mode == "compatible" else ovr_log_prob(model.ovr(loc_S, scale_S))
+                scores = model.mode_scores(loc_S, scale_S, mode)
                 yield mode, scores, targets[start : start + chunk_size]
 
 

@@ -292,6 +292,9 @@ def chunked_softmax_loss(
     targets = labels[rows]
     check_labels(targets, weight.shape[0])
     loc = loc_U[rows]
+    # Cast once per call (a no-op for float32 weights), not once per chunk and again in each recompute.
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     total = loc.new_zeros((), dtype=torch.float32)
     for r0 in range(0, len(rows), chunk_size):
         chunk = (loc[r0 : r0 + chunk_size], weight, bias, targets[r0 : r0 + chunk_size])
@@ -304,6 +307,4 @@ def chunked_softmax_loss(
 
 
 def _softmax_chunk(loc, weight, bias, targets):
-    dtype = torch.promote_types(weight.dtype, torch.float32)
-    logits = F.linear(loc.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-    return F.cross_entropy(logits, targets, reduction="sum")
+    return F.cross_entropy(F.linear(loc.to(weight.dtype), weight, bias), targets, reduction="sum")

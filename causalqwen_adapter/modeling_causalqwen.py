@@ -220,6 +220,11 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         loc_S, scale_S = self.action(loc_U, scale_U, inference_mode, causal_temperature, noise)
         return loc_U, scale_U, loc_S, scale_S
 
+    def mode_scores(self, loc_S, scale_S, inference_mode):
+        """The per-token scores a mode decodes with (docs/design.md, Inference modes): loc_S in `compatible`, log P_k
+        in the OvR modes."""
+        return loc_S if inference_mode == "compatible" else ovr_log_prob(self.ovr(loc_S, scale_S))
+
     def _resolve_mode(self, inference_mode, causal_temperature, noise_sharing="step"):
         mode = self.config.inference_mode if inference_mode is None else inference_mode
         temperature = self.config.causal_temperature if causal_temperature is None else causal_temperature
@@ -609,7 +614,7 @@ class CausalQwenForCausalLM(CausalQwenModel, GenerationMixin):
                                      kwargs, numeric_values)
         z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
         loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
-        logits = loc_S if mode == "compatible" else ovr_log_prob(self.ovr(loc_S, scale_S))
+        logits = self.mode_scores(loc_S, scale_S, mode)
         loc_Y, scale_Y = self.numeric_prediction(loc_U, scale_U, mode, temperature, noise)
         return CausalQwenCausalLMOutput(
             logits=logits,

@@ -160,6 +160,15 @@ LOCATION_PARAMETERS = ("abduction.loc.", "action.weight", "action.lora_A", "acti
 THRESHOLD_PARAMETERS = ("ovr.threshold", "action.bias")
 
 
+def learning_rate_ratio(name: str, location_lr_ratio: float, threshold_lr_ratio: float) -> float:
+    """The multiple of `learning_rate` the parameter `name` (as in `model.named_parameters()`) trains at."""
+    if name.startswith(LOCATION_PARAMETERS):
+        return location_lr_ratio
+    if name.startswith(THRESHOLD_PARAMETERS):
+        return threshold_lr_ratio
+    return 1.0
+
+
 class HeadLearningRatesMixin:
     """The Trainer's optimizer with per-role learning rates: `learning_rate` × `location_lr_ratio` for the location
     path (W_loc, b_loc, W_A: what ranks the tokens), × `threshold_lr_ratio` for the per-token offsets (thresholds,
@@ -171,17 +180,13 @@ class HeadLearningRatesMixin:
         if not fresh:
             return optimizer
         names = {id(p): n for n, p in (self.model if model is None else model).named_parameters()}
-        ratios = {LOCATION_PARAMETERS: self.args.location_lr_ratio, THRESHOLD_PARAMETERS: self.args.threshold_lr_ratio}
-
-        def ratio(param) -> float:
-            name = names.get(id(param), "")
-            return next((r for prefixes, r in ratios.items() if name.startswith(prefixes)), 1.0)
-
         groups = []
         for group in optimizer.param_groups:
             by_ratio: dict[float, list] = {}
             for param in group["params"]:
-                by_ratio.setdefault(ratio(param), []).append(param)
+                ratio = learning_rate_ratio(names.get(id(param), ""), self.args.location_lr_ratio,
+                                            self.args.threshold_lr_ratio)
+                by_ratio.setdefault(ratio, []).append(param)
             groups += [{**group, "params": params, "lr": group["lr"] * r} for r, params in by_ratio.items()]
         # learning_rate's own groups first: the Trainer logs the first group's rate as `learning_rate`
         groups.sort(key=lambda g: g["lr"] != optimizer.defaults["lr"])
@@ -441,6 +446,6 @@ def load_backbone_lora(model: CausalQwenForCausalLM, checkpoint: str) -> None:
 
 __all__ = [
     "AdapterCheckpointMixin", "CausalHeadArguments", "HeadLearningRatesMixin", "LossMetricsMixin", "calibrate_threshold",
-    "calibrate_threshold_on_features",
+    "calibrate_threshold_on_features", "learning_rate_ratio",
     "configure_backbone", "head_options", "prepare_causal_model",
 ]
