@@ -24,70 +24,31 @@ them from a YAML file. Run with `--help` for the list.
 """
 
 import hashlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelerate import PartialState
 from transformers import AutoTokenizer
-from trl import TrlParser
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from causalqwen_adapter.data import load_text_dataset
 from causalqwen_adapter.numeric import add_num_token, encode_with_numbers
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
 
-@dataclass
-class ScriptArguments:
-    """What to train and on which data; the training options are `CausalSFTConfig`'s."""
-
-    model_name_or_path: str = field(
-        metadata={"help": "Qwen2 base (Hub id or folder; fresh heads are attached) or CausalQwen adapter to continue."}
-    )
-    dataset_name: str = field(
-        metadata={"help": "A `datasets` name on the Hub, or a local .jsonl/.json/.parquet/.csv file or data folder."}
-    )
-    model_revision: str | None = field(default=None, metadata={"help": "Revision (branch, tag, commit) of the model."})
-    dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "Dtype the model is loaded in. float32 keeps the heads' optimizer updates exact; use --bf16 for "
-            "mixed-precision compute.",
-            "choices": ["auto", "bfloat16", "float16", "float32"],
-        },
-    )
-    attn_implementation: str | None = field(
-        default=None, metadata={"help": "Attention implementation of the backbone, e.g. `sdpa` or `flash_attention_2`."}
-    )
-    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of the dataset."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on (when eval_strategy is set)."})
-    dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset (needs --max_steps)."})
-    use_peft: bool = field(default=False, metadata={"help": "Also train LoRA adapters on the backbone."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Backbone modules to adapt (default: PEFT's choice for Qwen2, q_proj v_proj)."}
-    )
+def check_model_args(model_args: ModelConfig) -> None:
+    """TRL's model flags that a causal-heads run cannot honour are refused, not ignored."""
+    if model_args.model_name_or_path is None:
+        raise ValueError("--model_name_or_path is required: a Qwen2 base (Hub id or folder) or a CausalQwen adapter")
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        raise ValueError(
+            "--load_in_4bit/--load_in_8bit are not supported: the heads compute in float32 on the backbone's hidden "
+            "states and an adapter folder references a full-precision base. Drop the flag (use --bf16 for speed)."
+        )
 
 
-def peft_config_from(script_args: ScriptArguments):
-    if not script_args.use_peft:
-        return None
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=script_args.lora_r,
-        lora_alpha=script_args.lora_alpha,
-        lora_dropout=script_args.lora_dropout,
-        target_modules=script_args.lora_target_modules,
-        bias="none",
-    )
-
-
-def numeric_data(dataset, script_args: ScriptArguments, training_args: CausalSFTConfig):
+def numeric_data(dataset, model_args: ModelConfig, training_args: CausalSFTConfig):
     """For numeric heads: the base's tokenizer with <NUM>, and every `text` turned into input_ids + numeric_values."""
-    tokenizer = AutoTokenizer.from_pretrained(script_args.model_name_or_path, revision=script_args.model_revision)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     if training_args.num_token_id is None:
         training_args.num_token_id = len(tokenizer)  # the next free id: 151665, the first reserved row, for Qwen2
     add_num_token(tokenizer, training_args.num_token_id)
@@ -110,10 +71,13 @@ def adapter_digest(model) -> str:
     return digest.hexdigest()
 
 
-def main(script_args: ScriptArguments, training_args: CausalSFTConfig) -> CausalSFTTrainer:
-    model_init_kwargs = {"revision": script_args.model_revision, "dtype": script_args.dtype}
-    if script_args.attn_implementation is not None:
-        model_init_kwargs["attn_implementation"] = script_args.attn_implementation
+def main(script_args: ScriptArguments, training_args: CausalSFTConfig, model_args: ModelConfig) -> CausalSFTTrainer:
+    check_model_args(model_args)
+    if script_args.dataset_name is None:
+        raise ValueError("--dataset_name is required: a `datasets` name or a local .jsonl/.json/.parquet/.csv file or folder")
+    model_init_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
+    if model_args.attn_implementation is not None:
+        model_init_kwargs["attn_implementation"] = model_args.attn_implementation
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
 
     # One process fills the datasets cache, the others read it.
@@ -124,14 +88,14 @@ def main(script_args: ScriptArguments, training_args: CausalSFTConfig) -> Causal
     evaluate = training_args.eval_strategy != "no"
     tokenizer = None
     if training_args.numeric:
-        dataset, tokenizer = numeric_data(dataset, script_args, training_args)
+        dataset, tokenizer = numeric_data(dataset, model_args, training_args)
 
     trainer = CausalSFTTrainer(
-        model=script_args.model_name_or_path,
+        model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if evaluate else None,
-        peft_config=peft_config_from(script_args),
+        peft_config=get_peft_config(model_args),
         processing_class=tokenizer,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -153,7 +117,8 @@ def main(script_args: ScriptArguments, training_args: CausalSFTConfig) -> Causal
 
 
 def make_parser() -> TrlParser:
-    return TrlParser((ScriptArguments, CausalSFTConfig))
+    """TRL's own script dataclasses, as in `trl sft`: data flags, training flags (`CausalSFTConfig`), model flags."""
+    return TrlParser((ScriptArguments, CausalSFTConfig, ModelConfig))
 
 
 if __name__ == "__main__":

@@ -316,12 +316,12 @@ def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
     data = tmp_path / "numbers.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the cat sat on 3 mats", "two plus two is 4",
                                                                      "a dog ran 12 times"]))
-    script_args, training_args = recipe.make_parser().parse_args_and_config(args=[
+    parsed = recipe.make_parser().parse_args_and_config(args=[
         "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
         "--numeric", "--max_steps", "1", "--per_device_train_batch_size", "3", "--report_to", "none",
         "--use_cpu", "true", "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
     ])
-    trainer = recipe.main(script_args, training_args)
+    trainer = recipe.main(*parsed)
     num_id = trainer.model.config.num_token_id
     assert num_id == len(AutoTokenizer.from_pretrained(sft_base))  # the next free id
     assert sorted(v for row in trainer.train_dataset["numeric_values"] for v in row if v) == [3.0, 4.0, 12.0]

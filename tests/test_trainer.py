@@ -353,12 +353,12 @@ def _write_data(folder: Path) -> dict[str, Path]:
 def test_recipe_trains_on_each_dataset_format(sft_base, tmp_path, data_format):
     recipe = _load_recipe()
     data = _write_data(tmp_path / "data")[data_format]
-    script_args, training_args = recipe.make_parser().parse_args_and_config(args=[
+    parsed = recipe.make_parser().parse_args_and_config(args=[
         "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
         "--max_steps", "1", "--per_device_train_batch_size", "2", "--report_to", "none", "--bf16", "false",
         "--use_cpu", "true", "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
     ])
-    trainer = recipe.main(script_args, training_args)
+    trainer = recipe.main(*parsed)
 
     example = trainer.train_dataset[0]
     labels, ids = example["labels"], example["input_ids"]
@@ -372,6 +372,27 @@ def test_recipe_trains_on_each_dataset_format(sft_base, tmp_path, data_format):
     assert set(load_file(tmp_path / "out" / "model.safetensors")) == trainer.model.adapter_keys()
     card = (tmp_path / "out" / "README.md").read_text()
     assert data.name in card and str(data.parent) not in card  # named, without the local path
+
+
+def test_recipe_takes_trls_model_flags(sft_base, tmp_path):
+    """The model flags are TRL's `ModelConfig`: LoRA through `get_peft_config`; quantization is refused up front."""
+    recipe = _load_recipe()
+    data = _write_data(tmp_path / "data")["text"]
+    common = ["--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--max_steps", "1",
+              "--per_device_train_batch_size", "2", "--report_to", "none", "--use_cpu", "true",
+              "--disable_tqdm", "true", "--dataloader_pin_memory", "false"]
+    trainer = recipe.main(*recipe.make_parser().parse_args_and_config(args=[
+        *common, "--output_dir", str(tmp_path / "lora"), "--use_peft", "--lora_r", "4",
+        "--lora_target_modules", "q_proj", "v_proj"]))
+    trained = {n for n, p in trainer.model.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n and ("q_proj" in n or "v_proj" in n) for n in trained)
+    assert (tmp_path / "lora" / "lora" / "adapter_model.safetensors").is_file()
+
+    out = tmp_path / "quantized"
+    with pytest.raises(ValueError, match="load_in_4bit/--load_in_8bit are not supported"):
+        recipe.main(*recipe.make_parser().parse_args_and_config(args=[*common, "--output_dir", str(out),
+                                                                      "--load_in_4bit"]))
+    assert not out.exists()
 
 
 def _free_port() -> int:
