@@ -83,8 +83,8 @@ def evaluate_heads(model, z, targets, modes, chunk=256):
             zz, yy = z[start : start + chunk], targets[start : start + chunk]
             for mode in modes:
                 _, _, loc_S, scale_S = model.causal_heads(zz, mode, model.config.causal_temperature)
-                scores = model.mode_scores(loc_S, scale_S, mode)
-                accumulators[mode].update(scores, yy)
+                log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
+                accumulators[mode].update(model.mode_scores(loc_S, scale_S, mode, log_P), yy, log_P)
     return {mode: acc.compute() for mode, acc in accumulators.items()}
 
 

@@ -11,6 +11,7 @@ from .cauchy import INFERENCE_MODES
 
 ACTION_WEIGHTS = ("full", "tied", "lora")
 OBJECTIVES = ("ovr", "softmax")
+OVR_DISTRIBUTIONS = ("accept", "normalize")
 # Qwen2's embedding has 151936 rows; the tokenizer uses the first 151665, the last 271 are reserved.
 QWEN2_VOCAB_SIZE = 151936
 QWEN2_RESERVED_ROWS = 271
@@ -50,6 +51,11 @@ class CausalQwenConfig(PreTrainedConfig):
         ovr_trains_location (`bool`): whether the OvR loss's gradient reaches the location path (W_loc, b_loc, W_A,
             b_A). False (measured best for top-1): the locations, which rank the tokens, learn from the softmax term
             only, and the OvR loss trains the scale path and the thresholds. True: the seeds' single loss.
+        ovr_distribution (`str`): the next-token distribution q of the OvR modes, whose log the model returns as
+            `logits` (what greedy decoding maximises, sampling draws from and the evaluation's NLL scores).
+            "accept" (measured best): q_k ∝ softmax(loc_S)_k · P_k, the compatible model's proposal accepted with
+            the OvR probability P_k (rejection sampling); "normalize": q_k = P_k / Σ_j P_j, the seeds' reading, whose
+            polynomial Cauchy tail costs about 2 nats of NLL (docs/design.md, OvR probabilities).
     """
 
     model_type = "causalqwen"
@@ -74,6 +80,7 @@ class CausalQwenConfig(PreTrainedConfig):
     objective: str = "ovr"
     softmax_loss_weight: float = 1.0
     ovr_trains_location: bool = False
+    ovr_distribution: str = "accept"
 
     def __post_init__(self, **kwargs):
         # The base's attention implementation survives wrapping: the parent resets it on sub-configs.
@@ -107,6 +114,10 @@ class CausalQwenConfig(PreTrainedConfig):
             )
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if self.ovr_distribution not in OVR_DISTRIBUTIONS:
+            raise ValueError(
+                f"ovr_distribution={self.ovr_distribution!r}: choose one of {', '.join(OVR_DISTRIBUTIONS)}"
+            )
         if not self.softmax_loss_weight >= 0:
             raise ValueError(f"softmax_loss_weight must be a finite number >= 0, got {self.softmax_loss_weight}")
         if self.action_lora_rank < 1:

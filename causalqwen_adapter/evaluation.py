@@ -1,12 +1,13 @@
 """What a model predicts on held-out text: next-token metrics for a base and for adapters in every mode.
 
-For each scored position (a target token y after the causal shift) a model gives one score per vocabulary entry:
+For each scored position (a target token y after the causal shift) a model gives logits s_k over the vocabulary; its
+next-token distribution is q = softmax(s) (what greedy decoding maximises and sampling draws from):
 
-- a softmax model (the Qwen2 base, or an adapter's `compatible` mode) gives logits l_k; its distribution is
-  q_k = softmax(l)_k and its per-token probabilities are p_k = q_k (they sum to 1);
-- an OvR mode (`standard`, `causal`, `sampling`) gives log P_k, the one-vs-rest probabilities of the Cauchy
-  heads; its distribution is q_k = P_k / Σ_j P_j (what sampling draws from) and its per-token probabilities are
-  p_k = P_k (they need not sum to 1).
+- a softmax model (the Qwen2 base, or an adapter's `compatible` mode): s = its logits, and its per-token
+  probabilities are p_k = q_k (they sum to 1);
+- an OvR mode (`standard`, `causal`, `sampling`): s = the mode's logits (the config's `ovr_distribution`:
+  loc_S + log P_k, or log P_k), and its per-token probabilities are p_k = P_k, the one-vs-rest probabilities of
+  the Cauchy heads (they need not sum to 1).
 
 Metrics (all over target tokens):
 
@@ -15,7 +16,7 @@ Metrics (all over target tokens):
 | `top1_accuracy` | argmax_k q_k == y |
 | `target_prob` | mean p_y (P_y for OvR modes, the softmax probability otherwise) |
 | `prob_sum_p10`, `prob_sum_median`, `prob_sum_p90` | quantiles of Σ_k p_k (1 for softmax models) |
-| `nll` | mean −log q_y: the normalised NLL −log(P_y / ΣP) of OvR modes, the cross-entropy of softmax models |
+| `nll` | mean −log q_y: the cross-entropy of the mode's distribution (for `normalize`, −log(P_y / ΣP)) |
 | `ece_top1` | expected calibration error (15 equal-width bins) of the top-1 confidence max_k q_k |
 | `ece_top10` | the same over the 10 largest p_k of each position against whether each is y: does p_k mean what it says? |
 
@@ -84,26 +85,26 @@ class EvaluationAccumulator:
         return self.kind in (SOFTMAX, "compatible")
 
     @torch.no_grad()
-    def update(self, scores: torch.Tensor, targets: torch.Tensor) -> None:
-        """`scores` [N, V]: logits (softmax kinds) or log P_k (OvR modes); `targets` [N] the next tokens."""
+    def update(self, scores: torch.Tensor, targets: torch.Tensor, log_probs: torch.Tensor | None = None) -> None:
+        """`scores` [N, V]: the logits of q; `log_probs` [N, V]: log P_k (OvR modes, required there); `targets` [N]."""
         if len(targets) == 0:
             return
-        scores = scores.float()
+        if self.is_softmax == (log_probs is not None):
+            raise ValueError(f"{self.kind!r} scores take log_probs {'never' if self.is_softmax else 'always'}: "
+                             "the OvR modes' per-token probabilities P_k are not their logits")
+        log_q = F.log_softmax(scores.float(), -1)
         targets = targets.to(scores.device)
-        if self.is_softmax:
-            log_p = F.log_softmax(scores, -1)  # per-token probabilities p_k = q_k
-            log_sum = torch.zeros(len(targets), device=scores.device)
-        else:
-            log_p = scores  # log P_k
-            log_sum = torch.logsumexp(log_p, -1)  # log Σ_k P_k
-        log_p_y = log_p.gather(1, targets[:, None]).squeeze(1)
+        log_p = log_q if log_probs is None else log_probs.float()  # per-token probabilities p_k
+        log_sum = torch.zeros(len(targets), device=scores.device) if log_probs is None else torch.logsumexp(log_p, -1)
+        log_q_y = log_q.gather(1, targets[:, None]).squeeze(1)
+        top_log_q, top_id = log_q.max(-1)
         top_log_p, top_ids = log_p.topk(min(TOP_K_CALIBRATION, log_p.shape[1]), -1)
         self.n += len(targets)
-        self.correct += (top_ids[:, 0] == targets).sum().item()
-        self.target_prob += log_p_y.double().exp().sum().item()
-        self.nll += (log_sum - log_p_y).double().sum().item()
+        self.correct += (top_id == targets).sum().item()
+        self.target_prob += log_p.gather(1, targets[:, None]).double().exp().sum().item()
+        self.nll += -log_q_y.double().sum().item()
         self.prob_sums.append(log_sum.double().exp().cpu())
-        self.top1.add((top_log_p[:, 0] - log_sum).exp(), top_ids[:, 0] == targets)
+        self.top1.add(top_log_q.exp(), top_id == targets)
         self.top10.add(top_log_p.exp(), top_ids == targets[:, None])
 
     def compute(self) -> dict[str, float]:
@@ -125,7 +126,8 @@ class EvaluationAccumulator:
 
 
 def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk_size: int = 256):
-    """Yield (mode, scores [n, V], targets [n]) over the target positions of `batch`, `chunk_size` at a time.
+    """Yield (mode, scores [n, V], log P [n, V] or None, targets [n]) over the target positions of `batch`,
+    `chunk_size` at a time (the arguments of `EvaluationAccumulator.update`).
 
     `model` is a `CausalQwenForCausalLM` (scored in each of `modes` from one backbone pass) or any causal LM with
     `logits` (scored as `softmax`). `batch` holds `input_ids`, optionally `attention_mask`, `labels` (−100 where there
@@ -149,7 +151,7 @@ def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk
             logits = logits.reshape(-1, logits.shape[-1])
             for start in range(0, len(valid), chunk_size):
                 rows = valid[start : start + chunk_size]
-                yield SOFTMAX, logits[rows], targets[start : start + chunk_size]
+                yield SOFTMAX, logits[rows], None, targets[start : start + chunk_size]
             return
         ids, embeds = model.embed_numbers(input_ids, None, batch.get("numeric_values"))
         hidden = model.model(input_ids=ids, inputs_embeds=embeds, attention_mask=batch.get("attention_mask"),
@@ -160,8 +162,8 @@ def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk
             for start in range(0, len(valid), chunk_size):
                 rows = valid[start : start + chunk_size]
                 _, _, loc_S, scale_S = model.causal_heads(z[rows], mode, temperature)
-                scores = model.mode_scores(loc_S, scale_S, mode)
-                yield mode, scores, targets[start : start + chunk_size]
+                log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
+                yield mode, model.mode_scores(loc_S, scale_S, mode, log_P), log_P, targets[start : start + chunk_size]
 
 
 def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, causal_temperature=None,
@@ -182,8 +184,8 @@ def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, caus
 
         batches = tqdm(batches, desc=desc or "evaluating")
     for batch in batches:
-        for kind, scores, targets in score_positions(model, batch, kinds, causal_temperature=causal_temperature):
-            accumulators[kind].update(scores, targets)
+        for kind, scores, log_P, targets in score_positions(model, batch, kinds, causal_temperature=causal_temperature):
+            accumulators[kind].update(scores, targets, log_P)
     results = {kind: acc.compute() for kind, acc in accumulators.items()}
     results["accumulators"] = accumulators
     return results

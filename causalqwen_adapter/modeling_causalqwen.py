@@ -91,7 +91,8 @@ class CausalQwenModelOutput(ModelOutput):
 
 @dataclass
 class CausalQwenCausalLMOutput(ModelOutput):
-    """`logits` are loc_S in `compatible` mode and log P_k (OvR) in the other modes; `loc_Y`, `scale_Y` the law of
+    """`logits` are loc_S in `compatible` mode and, in the OvR modes, the log of the config's `ovr_distribution`
+    (loc_S + log P_k, or log P_k; P_k itself is `model.ovr_log_probs(loc_S, scale_S)`); `loc_Y`, `scale_Y` the law of
     the next `<NUM>` value (numeric models). With labels: `loss`, and `metrics`, a detached [sum, count] tensor per
     name (`target_prob`, `ovr_prob_sum`, `units_mean_loc`, `units_mean_scale`, `softmax_nll`, `numeric_nll`)."""
 
@@ -220,10 +221,18 @@ class CausalQwenModel(CausalQwenPreTrainedModel):
         loc_S, scale_S = self.action(loc_U, scale_U, inference_mode, causal_temperature, noise)
         return loc_U, scale_U, loc_S, scale_S
 
-    def mode_scores(self, loc_S, scale_S, inference_mode):
-        """The per-token scores a mode decodes with (docs/design.md, Inference modes): loc_S in `compatible`, log P_k
-        in the OvR modes."""
-        return loc_S if inference_mode == "compatible" else ovr_log_prob(self.ovr(loc_S, scale_S))
+    def ovr_log_probs(self, loc_S, scale_S):
+        """log P_k, the one-vs-rest log-probabilities (float32)."""
+        return ovr_log_prob(self.ovr(loc_S, scale_S))
+
+    def mode_scores(self, loc_S, scale_S, inference_mode, log_P=None):
+        """The logits a mode decodes with (docs/design.md, Inference modes): loc_S in `compatible`; in the OvR modes
+        the log of the config's `ovr_distribution` up to a constant: loc_S + log P_k (`accept`) or log P_k
+        (`normalize`). `log_P` may be passed when the caller already has it."""
+        if inference_mode == "compatible":
+            return loc_S
+        log_P = self.ovr_log_probs(loc_S, scale_S) if log_P is None else log_P
+        return log_P if self.config.ovr_distribution == "normalize" else loc_S.float() + log_P
 
     def _resolve_mode(self, inference_mode, causal_temperature, noise_sharing="step"):
         mode = self.config.inference_mode if inference_mode is None else inference_mode

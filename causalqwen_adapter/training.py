@@ -30,7 +30,7 @@ _LORA_WEIGHTS_NAME = "adapter_model.safetensors"
 class CausalHeadArguments:
     """The head options of the trainers' configs: `CausalQwenConfig` fields, used when a trainer builds fresh heads
     (when `model` is a Qwen2 base; an adapter brings its own). Unset (None) means the config's default, documented
-    once in `CausalQwenConfig`; `objective` and `softmax_loss_weight` apply to adapters too."""
+    once in `CausalQwenConfig`; the loss options and `ovr_distribution` apply to adapters too."""
 
     causal_size: int | None = field(
         default=None, metadata={"help": "Size C of the individual U; default: the base hidden size H."}
@@ -91,6 +91,15 @@ class CausalHeadArguments:
         metadata={"help": "Weight of an auxiliary softmax cross-entropy on loc_S beside the OvR loss. Sets the model "
                   "config's `softmax_loss_weight` (default: the model's)."},
     )
+    ovr_distribution: str | None = field(
+        default=None,
+        metadata={
+            "help": "The next-token distribution of the OvR modes (what sampling draws from and evaluation scores): "
+            "`accept` (softmax(loc_S) restricted by the OvR acceptance P_k) or `normalize` (P/ΣP, the seeds'). Sets "
+            "the model config's field (default: the model's).",
+            "choices": ["accept", "normalize"],
+        },
+    )
     location_lr_ratio: float = field(
         default=1.0,
         metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A: what ranks the tokens) as a "
@@ -100,20 +109,6 @@ class CausalHeadArguments:
         default=1.0,
         metadata={"help": "Learning rate of the per-token offsets (learnable thresholds C_k, b_A) as a multiple of "
                   "learning_rate."},
-    )
-    objective: str = field(
-        default="ovr",
-        metadata={
-            "help": "The training loss: `ovr` (the one-vs-rest loss of the causal heads) or `softmax` (cross-entropy "
-            "of softmax(loc_S) on the same trainable heads: the baseline every OvR figure is compared with). Sets "
-            "the model config's `objective`, for fresh heads and adapters alike.",
-            "choices": ["ovr", "softmax"],
-        },
-    )
-    softmax_loss_weight: float | None = field(
-        default=None,
-        metadata={"help": "Weight of an auxiliary softmax cross-entropy on loc_S beside the OvR loss. Sets the model "
-                  "config's `softmax_loss_weight` when given; the config's value (default for fresh heads) otherwise."},
     )
 
 
@@ -317,7 +312,7 @@ def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
                          "the Qwen2 base instead of an adapter, or drop the option)")
     # The loss is the model's (forward(labels=...)): the trainer's choice goes into its config, saved with it.
     changed = False
-    for name in ("objective", "softmax_loss_weight", "ovr_trains_location"):
+    for name in ("objective", "softmax_loss_weight", "ovr_trains_location", "ovr_distribution"):
         value = getattr(args, name)
         if value is not None and value != getattr(model.config, name):
             setattr(model.config, name, value)

@@ -24,20 +24,19 @@ def _naive_ece(probs: list[float], hits: list[float], bins: int = 15) -> float:
     return total
 
 
-def _naive_metrics(scores: torch.Tensor, targets: torch.Tensor, softmax: bool) -> dict:
+def _naive_metrics(scores: torch.Tensor, targets: torch.Tensor, log_probs: torch.Tensor | None = None) -> dict:
+    """q = softmax(scores) position by position; p = q, or exp(log_probs) (OvR modes)."""
     s = scores.double()
     rows = []
     for n in range(len(targets)):
-        if softmax:
-            p = torch.exp(s[n] - torch.logsumexp(s[n], 0))
-        else:
-            p = torch.exp(s[n])
-        q = p / p.sum()
+        q = torch.exp(s[n] - torch.logsumexp(s[n], 0))
+        p = q if log_probs is None else torch.exp(log_probs[n].double())
         y = targets[n].item()
-        order = sorted(range(len(p)), key=lambda k: -p[k].item())
+        q_order = sorted(range(len(q)), key=lambda k: -q[k].item())
+        p_order = sorted(range(len(p)), key=lambda k: -p[k].item())
         rows.append({
-            "hit": float(order[0] == y), "p_y": p[y].item(), "sum": p.sum().item(), "nll": -math.log(q[y].item()),
-            "conf": q[order[0]].item(), "top10": [(p[k].item(), float(k == y)) for k in order[:10]],
+            "hit": float(q_order[0] == y), "p_y": p[y].item(), "sum": p.sum().item(), "nll": -math.log(q[y].item()),
+            "conf": q[q_order[0]].item(), "top10": [(p[k].item(), float(k == y)) for k in p_order[:10]],
         })
     sums = torch.tensor([r["sum"] for r in rows], dtype=torch.float64)
     pairs = [pair for r in rows for pair in r["top10"]]
@@ -53,30 +52,36 @@ def _naive_metrics(scores: torch.Tensor, targets: torch.Tensor, softmax: bool) -
     }
 
 
-@pytest.mark.parametrize("kind", ["softmax", "standard"])
+@pytest.mark.parametrize("kind", ["softmax", "standard-accept", "standard-normalize"])
 def test_accumulator_matches_naive_float64_reference(kind):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 50, generator=g) * 3
-    if kind == "softmax":
-        scores = logits
-    else:  # log P_k of OvR probabilities with a sum far from 1
-        scores = ovr_log_prob((logits - 4) / (0.5 + torch.rand(50, generator=g)))
+    log_probs = None
+    scores = logits
+    if kind != "softmax":  # log P_k of OvR probabilities with a sum far from 1, ranked unlike the logits
+        log_probs = ovr_log_prob((logits + torch.randn(37, 50, generator=g) - 4) / (0.5 + torch.rand(50, generator=g)))
+        scores = logits + log_probs if kind == "standard-accept" else log_probs
     targets = torch.where(torch.rand(37, generator=g) < 0.5, logits.argmax(-1), torch.randint(0, 50, (37,), generator=g))
-    acc = EvaluationAccumulator(kind)
+    acc = EvaluationAccumulator(kind.split("-")[0])
     for start in range(0, 37, 10):  # batch boundaries do not matter
-        acc.update(scores[start : start + 10], targets[start : start + 10])
+        acc.update(scores[start : start + 10], targets[start : start + 10],
+                   None if log_probs is None else log_probs[start : start + 10])
     got = acc.compute()
-    expected = _naive_metrics(scores, targets, softmax=kind == "softmax")
+    expected = _naive_metrics(scores, targets, log_probs)
     assert got["num_tokens"] == 37
     for name, value in expected.items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     if kind == "softmax":
         assert got["prob_sum_median"] == pytest.approx(1.0)
+    else:
+        with pytest.raises(ValueError, match="'standard' scores take log_probs always"):
+            acc.update(scores, targets)
 
 
-def test_compatible_mode_scores_exactly_as_the_base(tied_base, input_ids):
+@pytest.mark.parametrize("distribution", ["accept", "normalize"])
+def test_compatible_mode_scores_exactly_as_the_base(tied_base, input_ids, distribution):
     base = Qwen2ForCausalLM.from_pretrained(tied_base).eval()
-    model = CausalQwenForCausalLM.from_base(tied_base).eval()
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_distribution=distribution).eval()
     labels = input_ids.clone()
     labels[:, :3] = -100  # a prompt: no target there
     batch = {"input_ids": input_ids, "labels": labels}
@@ -85,14 +90,19 @@ def test_compatible_mode_scores_exactly_as_the_base(tied_base, input_ids):
     assert base_metrics["num_tokens"] == 2 * (9 - 3)
     for name in ("top1_accuracy", "nll", "target_prob", "ece_top1", "ece_top10"):
         assert adapter_metrics["compatible"][name] == pytest.approx(base_metrics[name], rel=1e-5, abs=1e-7), name
-    # the standard mode scores log P_k of the model's own forward
+    # the standard mode scores the logits of the model's own forward, and P_k from its loc_S and scale_S
     with torch.no_grad():
-        log_p = model(input_ids, inference_mode="standard").logits
+        out = model(input_ids, inference_mode="standard")
+    x = (out.loc_S.double() - model.config.ovr_threshold_init) / out.scale_S.double()
+    log_P = torch.log(0.5 + torch.atan(x) / math.pi)
+    expected_logits = log_P if distribution == "normalize" else out.loc_S.double() + log_P
+    torch.testing.assert_close(out.logits.double() - out.logits.double().logsumexp(-1, keepdim=True),
+                               expected_logits - expected_logits.logsumexp(-1, keepdim=True), rtol=1e-4, atol=1e-4)
     targets = labels[:, 1:]
     keep = targets != -100
-    expected = _naive_metrics(log_p[:, :-1][keep], targets[keep], softmax=False)
+    expected = _naive_metrics(expected_logits[:, :-1][keep], targets[keep], log_P[:, :-1][keep])
     for name, value in expected.items():
-        assert adapter_metrics["standard"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+        assert adapter_metrics["standard"][name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
 
 
 def test_padding_is_not_scored(tied_base, input_ids):

@@ -90,10 +90,12 @@ def _reference_forward(model, input_ids, mode, temperature):
     return loc_S, scale_S, torch.log(0.5 + torch.atan(x) / math.pi)
 
 
+@pytest.mark.parametrize("distribution", ["accept", "normalize"])
 @pytest.mark.parametrize("mode,temperature", [("standard", 1.0), ("standard", 0.3), ("causal", 1.0)])
-def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperature):
+def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperature, distribution):
     # scales of the order of the logits: the plain atan of the reference is exact there
-    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.5, gamma_init=1.0, b_noise_init=0.1)
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.5, gamma_init=1.0, b_noise_init=0.1,
+                                            ovr_distribution=distribution)
     with torch.no_grad():
         model.action.weight[0].normal_(std=0.05)  # the padding row is zero: see the degenerate-row test
         model.action.bias.normal_()
@@ -102,7 +104,26 @@ def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperat
         loc_S, scale_S, log_p = _reference_forward(model, input_ids, mode, temperature)
     torch.testing.assert_close(out.loc_S.double(), loc_S, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.scale_S.double(), scale_S, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.logits.double(), log_p, rtol=1e-5, atol=1e-6)
+    expected = log_p if distribution == "normalize" else loc_S + log_p  # log P_k, or the accepted proposal
+    torch.testing.assert_close(out.logits.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.ovr_log_probs(out.loc_S, out.scale_S).double(), log_p, rtol=1e-5, atol=1e-6)
+
+
+def test_accept_distribution_is_rejection_sampling_of_the_compatible_model(tied_base, input_ids):
+    """`accept`: softmax(logits) is the law of "draw from softmax(loc_S), keep the draw with probability P_k,
+    else draw again" — checked against that procedure run by Monte Carlo."""
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, gamma_init=0.5, b_noise_init=0.05)
+    with torch.no_grad():
+        model.action.weight.mul_(4.0)  # a proposal spread over many tokens; P_k between 0.25 and 0.86
+        out = model(input_ids[:1, :4], inference_mode="standard")
+    loc, P = out.loc_S[0, -1].double(), model.ovr_log_probs(out.loc_S, out.scale_S)[0, -1].double().exp()
+    q = torch.softmax(out.logits[0, -1].double(), 0)
+    assert (q - torch.softmax(loc, 0)).abs().max() > 0.05  # the acceptance matters
+    g = torch.Generator().manual_seed(0)
+    proposals = torch.multinomial(torch.softmax(loc, 0), 400_000, replacement=True, generator=g)
+    kept = proposals[torch.rand(len(proposals), generator=g, dtype=torch.float64) < P[proposals]]
+    empirical = torch.bincount(kept, minlength=len(loc)).double() / len(kept)
+    torch.testing.assert_close(empirical, q, rtol=0, atol=0.005)  # Monte Carlo σ ≈ 0.001
 
 
 def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
@@ -111,16 +132,18 @@ def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
     assert torch.count_nonzero(model.action.weight[0]) == 0
     with torch.no_grad():
         out = model(input_ids)
+    log_P = model.ovr_log_probs(out.loc_S, out.scale_S)
     assert torch.isfinite(out.logits).all()
-    assert torch.allclose(out.logits[..., 0].exp(), torch.tensor(0.5))  # loc = threshold: P = ½
+    assert torch.allclose(log_P[..., 0].exp(), torch.tensor(0.5))  # loc = threshold: P = ½
     loss = model(input_ids, labels=input_ids).loss
     assert torch.isfinite(loss)
     # below the threshold the degenerate law is a step: P = 0 exactly (log P = −inf), never NaN
     model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=16.0)
     with torch.no_grad():
         out = model(input_ids)
+    log_P = model.ovr_log_probs(out.loc_S, out.scale_S)
     assert not torch.isnan(out.logits).any() and torch.all(out.logits[..., 0] == -math.inf)
-    assert torch.isfinite(out.logits[..., 1:]).all()
+    assert torch.all(log_P[..., 0] == -math.inf) and torch.isfinite(out.logits[..., 1:]).all()
     loss = model(input_ids, labels=input_ids).loss
     assert torch.isfinite(loss)
 
