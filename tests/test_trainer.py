@@ -480,6 +480,20 @@ def test_softmax_objective_is_the_cross_entropy_of_loc_S(sft_base, tmp_path):
     assert model.abduction.scale.weight.grad is None or model.abduction.scale.weight.grad.abs().sum() == 0
 
 
+def test_an_adapter_keeps_its_loss_and_distribution_options_unless_asked(sft_base, tmp_path):
+    adapter = tmp_path / "softmax-adapter"
+    CausalQwenForCausalLM.from_base(sft_base, objective="softmax", softmax_loss_weight=0.5,
+                                    ovr_distribution="normalize").save_pretrained(adapter)
+    kept = CausalSFTTrainer(str(adapter), args=_args(tmp_path / "a"), train_dataset=_prompt_completion()).model.config
+    assert (kept.objective, kept.softmax_loss_weight, kept.ovr_distribution) == ("softmax", 0.5, "normalize")
+    args = _args(tmp_path / "b", objective="ovr", ovr_distribution="accept")
+    changed = CausalSFTTrainer(str(adapter), args=args, train_dataset=_prompt_completion()).model.config
+    assert (changed.objective, changed.ovr_distribution) == ("ovr", "accept")
+    with pytest.raises(ValueError, match="ovr_distribution='sample': choose one of accept, normalize"):
+        CausalSFTTrainer(str(adapter), args=_args(tmp_path / "c", ovr_distribution="sample"),
+                         train_dataset=_prompt_completion())
+
+
 def test_learning_rates_by_role(sft_base, tmp_path):
     args = _args(tmp_path, learning_rate=1e-2, location_lr_ratio=1e-3, threshold_lr_ratio=0.5, learnable_threshold=True)
     trainer = CausalSFTTrainer(str(sft_base), args=args, train_dataset=_prompt_completion())
