@@ -12,8 +12,10 @@ tokens are cached under build/bench-heads/. Each configuration then:
    compatible mode (the softmax over loc_S) and the OvR modes.
 
     python bench/heads_recipe.py --base build/demo-base --steps 200 --batch-tokens 640 --configs default softmax
+    python bench/heads_recipe.py --configs default softmax --saved    # re-evaluate the adapters --save wrote
 
-Prints one markdown table (config, stage, mode, metrics); the base's own row is `compatible` at init.
+Prints one markdown table (config, stage, mode, metrics); the base's own row is `compatible` at init. The OvR modes
+are scored under each of --distributions (the config's `ovr_distribution`: the accepted proposal, or P/ΣP).
 """
 
 import argparse
@@ -76,16 +78,24 @@ def cached_features(base, tokenizer, name, modules, length, limit, cache: Path):
     return data
 
 
-def evaluate_heads(model, z, targets, modes, chunk=256):
-    accumulators = {mode: EvaluationAccumulator(mode) for mode in modes}
+def evaluate_heads(model, z, targets, modes, distributions=("accept",), chunk=256):
+    """{mode: metrics} on cached features; OvR modes once per `ovr_distribution` in `distributions`
+    (keyed "standard (normalize)" for every distribution but the first)."""
+    kinds = [(mode, None) for mode in modes if mode == "compatible"]
+    kinds += [(mode, d) for d in distributions for mode in modes if mode != "compatible"]
+    name = {(m, d): m if d in (None, distributions[0]) else f"{m} ({d})" for m, d in kinds}
+    accumulators = {kind: EvaluationAccumulator(kind[0]) for kind in kinds}
+    saved = model.config.ovr_distribution
     with torch.no_grad():
         for start in range(0, len(targets), chunk):
             zz, yy = z[start : start + chunk], targets[start : start + chunk]
-            for mode in modes:
+            for mode, distribution in kinds:
+                model.config.ovr_distribution = distribution or saved
                 _, _, loc_S, scale_S = model.causal_heads(zz, mode, model.config.causal_temperature)
                 log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
-                accumulators[mode].update(model.mode_scores(loc_S, scale_S, mode, log_P), yy, log_P)
-    return {mode: acc.compute() for mode, acc in accumulators.items()}
+                accumulators[mode, distribution].update(model.mode_scores(loc_S, scale_S, mode, log_P), yy, log_P)
+    model.config.ovr_distribution = saved
+    return {name[kind]: acc.compute() for kind, acc in accumulators.items()}
 
 
 def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio):
@@ -113,6 +123,10 @@ def main() -> None:
     parser.add_argument("--cache", default="build/bench-heads")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--save", action="store_true", help="save each trained adapter under <cache>/<config>")
+    parser.add_argument("--saved", action="store_true",
+                        help="evaluate the adapters --save wrote under <cache>/<config> instead of training")
+    parser.add_argument("--distributions", nargs="+", default=["accept", "normalize"], choices=["accept", "normalize"],
+                        help="the OvR modes' next-token distributions to score (config ovr_distribution)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,6 +141,17 @@ def main() -> None:
     trainer_defaults = CausalSFTConfig("unused", report_to="none", use_cpu=True)
 
     results = {}
+
+    def evaluate(model):
+        return evaluate_heads(model, held["z"], held["targets"], args.modes, args.distributions)
+
+    if args.saved:
+        for name in args.configs:
+            model = CausalQwenForCausalLM.from_pretrained(Path(args.cache) / name, dtype=torch.float32)
+            results[f"{name} (saved)"] = evaluate(model)
+            print(markdown_table({f"{name} (saved)": results[f"{name} (saved)"]}), flush=True)
+        print("\n" + markdown_table(results))
+        return
     for name in args.configs:
         spec = CONFIGS[name]
         base_f32 = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32)
@@ -137,7 +162,7 @@ def main() -> None:
         learning_rate = spec["learning_rate"] or trainer_defaults.learning_rate
         ratios = (spec.get("location_lr_ratio", trainer_defaults.location_lr_ratio),
                   spec.get("threshold_lr_ratio", trainer_defaults.threshold_lr_ratio))
-        results[f"{name} init"] = evaluate_heads(model, held["z"], held["targets"], args.modes)
+        results[f"{name} init"] = evaluate(model)
         print(markdown_table({f"{name} init": results[f"{name} init"]}), flush=True)
         optimizer = optimizer_for(model, learning_rate, *ratios)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
@@ -157,7 +182,7 @@ def main() -> None:
             if (step + 1) % max(1, args.steps // 8) == 0:
                 print(f"  {name} step {step + 1}: loss {loss.item():.4g} ({time.perf_counter() - start:.0f}s)", flush=True)
         model.eval()
-        results[f"{name} after {args.steps}"] = evaluate_heads(model, held["z"], held["targets"], args.modes)
+        results[f"{name} after {args.steps}"] = evaluate(model)
         print(markdown_table({f"{name} after {args.steps}": results[f"{name} after {args.steps}"]}), flush=True)
         if args.save:
             model.save_pretrained(Path(args.cache) / name)

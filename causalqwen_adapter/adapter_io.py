@@ -1,21 +1,27 @@
-"""Adapter I/O: finding and loading the base, checking an adapter against its config, and installing a saved folder
-atomically (docs/design.md, The adapter folder). The model's `from_base`, `save_pretrained` and `from_pretrained`
-call these.
+"""Adapter I/O (docs/design.md, The adapter folder): attaching fresh heads to a base, saving, uploading and loading an
+adapter, as `CausalAdapterMixin`; finding and loading the base, checking an adapter against its config, and installing
+a saved folder atomically, as the functions it calls.
 
-Shipped as remote code: imports only the standard library, torch, transformers and safetensors.
+Shipped as remote code: imports only the standard library, torch, transformers, safetensors and huggingface_hub.
 """
 
+import inspect
 import json
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
-from safetensors import safe_open
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, GenerationConfig, Qwen2ForCausalLM, Qwen2Model
+from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils import cached_file
 
 from .configuration_causalqwen import CausalQwenConfig
+from .model_card import check_push, upload_adapter_folder, write_model_card
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
 LORA_FOLDER = "lora"
@@ -209,3 +215,248 @@ def check_not_foreign(target: Path) -> None:
 __all__ = [
     "ADAPTER_WEIGHTS_NAME", "BASE_PREFIXES", "HUB_KWARGS", "LORA_FOLDER", "base_reference", "check_base_matches", "check_config_overrides", "check_is_qwen2", "check_keys", "check_not_foreign", "install_folder", "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown",
 ]
+
+
+class CausalAdapterMixin:
+    """Building, saving and loading a CausalQwen model as an adapter: only the heads' tensors are written, the base is
+    referenced by name. Mixed into `CausalQwenModel` ahead of `PreTrainedModel`, whose save/load it replaces."""
+
+    @classmethod
+    def _remote_code_files(cls) -> list[str]:
+        """The modeling file and every file it imports relatively (configuration, heads, Cauchy math, this file)."""
+        modeling = next(c for c in cls.__mro__ if c.__module__.rsplit(".", 1)[-1] == "modeling_causalqwen")
+        this = inspect.getfile(modeling)
+        return [this] + sorted(get_relative_import_files(this))
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_base(cls, base, *, revision=None, dtype="auto", device_map=None, **config_overrides):
+        """Attach fresh causal heads (seed initialisation) to a Qwen2 base.
+
+        `base` is a Hub id, a local folder, or a loaded `Qwen2ForCausalLM`. `config_overrides` are
+        `CausalQwenConfig` fields (`causal_size`, `gamma_init`, ...); Hub options go to the base loader.
+        """
+        hub_kwargs = {k: config_overrides.pop(k) for k in HUB_KWARGS if k in config_overrides and k != "revision"}
+        check_config_overrides(config_overrides)
+        if isinstance(base, (str, os.PathLike)):
+            base_name = base_reference(str(base), "base")
+            check_is_qwen2(AutoConfig.from_pretrained(base_name, revision=revision, **hub_kwargs), base_name)
+            base = Qwen2ForCausalLM.from_pretrained(base_name, revision=revision, dtype=dtype, device_map=device_map, **hub_kwargs)
+        elif isinstance(base, Qwen2ForCausalLM):
+            base_name = base_reference(base.config.name_or_path, "base")
+        else:
+            raise TypeError(
+                f"base must be a Hub id, a local folder or a loaded Qwen2ForCausalLM, got {type(base).__name__}; "
+                "CausalQwen attaches to Qwen2-architecture checkpoints only"
+            )
+        config = cls.config_class(
+            base_model_name_or_path=base_name, base_model_revision=revision, text_config=base.config, **config_overrides
+        )
+        lm_head = base.get_output_embeddings()
+        model = cls._assemble(config, base.model, None if config.text_config.tie_word_embeddings else lm_head)
+        with torch.no_grad():
+            model.abduction.reset_parameters(config.gamma_init)
+            weight = lm_head.weight
+            if config.causal_size != config.text_config.hidden_size:
+                # W_A = W_base · W_loc⁺ keeps loc_S = W_base z exactly when C > H (W_loc⁺ W_loc = I)
+                # and as the least-squares best when C < H.
+                pinv = torch.linalg.pinv(model.abduction.loc.weight.double())
+                weight = (weight.double() @ pinv).to(weight.dtype)
+            model.action.reset_parameters(config.b_noise_init, weight, lm_head.bias)
+            if config.numeric:
+                model.numeric.reset_parameters()  # median 0, scale 1 until the trainer sees the data
+        model.generation_config = base.generation_config
+        # For verify_initialization, outside the module tree, never saved. Held strongly only when the model keeps
+        # its weight anyway (tied embedding, or W_A bound to it); an untied base's own V×H matrix beside a "full"
+        # W_A copy lives only as long as the caller keeps the base.
+        shared = config.text_config.tie_word_embeddings or config.action_weight != "full"
+        model.__dict__["_base_lm_head"] = lm_head if shared else weakref.ref(lm_head)
+        return model
+
+    @classmethod
+    def _assemble(cls, config, backbone, lm_head=None):
+        """Build the model around a loaded backbone; the heads are allocated but not initialised."""
+        with torch.device("meta"):  # no wasted initialisation of vocabulary-sized heads
+            model = cls(config, backbone=backbone, lm_head=lm_head if config.action_weight != "full" else None)
+        anchor = backbone.norm.weight
+        for name in ("abduction", "action", "ovr", "numeric")[: 4 if config.numeric else 3]:
+            head = getattr(model, name).to(dtype=anchor.dtype)
+            head.to_empty(device=anchor.device)
+            setattr(model, name, head)
+        if config.learnable_threshold:  # thresholds stay float32 like the loss math
+            model.ovr.float()
+        if config.numeric:  # b = a median of the data: bf16 would round it (12345.6 → 12352)
+            model.numeric.float()
+        model.ovr.reset_parameters()  # a scalar threshold is config, not an adapter tensor: set it here
+        return model
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors an adapter folder stores: every persistent tensor outside the backbone."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(BASE_PREFIXES)}
+
+    def adapter_keys(self) -> set[str]:
+        return {k for k in self.state_dict(keep_vars=True) if not k.startswith(BASE_PREFIXES)}
+
+    # ------------------------------------------------------------------ saving
+
+    def save_pretrained(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False, **kwargs):
+        """Write the adapter folder of docs/design.md (The adapter folder) atomically: config, adapter tensors, remote code.
+
+        A new folder appears complete or not at all; files in an existing folder are swapped with
+        `config.json` last, so an interrupted save leaves a folder that refuses to load, never one
+        that loads wrong. Other files in the folder (a trainer's checkpoints) are left untouched.
+        """
+        reject_unknown(kwargs, ("safe_serialization", "max_shard_size", "variant"), "save_pretrained")
+        if kwargs.get("safe_serialization") is False or kwargs.get("variant"):
+            raise ValueError("adapters are always saved as a single `model.safetensors`: drop safe_serialization/variant")
+        if push_to_hub:
+            raise NotImplementedError("push_to_hub from save_pretrained is not supported yet: call model.push_to_hub(repo_id)")
+        target = Path(os.path.abspath(save_directory))  # "." has a name, the card and the staging folder use it
+        if target.exists() and not target.is_dir():
+            raise FileExistsError(f"cannot save the adapter to {target}: it is an existing file, not a folder")
+        if target.is_dir():
+            check_not_foreign(target)
+        if not is_main_process:
+            return
+        if not self.config.base_model_name_or_path:
+            raise ValueError(
+                "config.base_model_name_or_path is empty, so the adapter could not find its base when loaded: "
+                "set model.config.base_model_name_or_path to the base's Hub id or folder"
+            )
+        tensors = self.adapter_state_dict() if state_dict is None else {
+            k: v for k, v in state_dict.items() if not k.startswith(BASE_PREFIXES)
+        }
+        check_keys(set(tensors), self.adapter_keys(), "the state_dict to save")
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            self._write_adapter_files(staging, tensors)
+            install_folder(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _write_adapter_files(self, folder: Path, tensors: dict) -> None:
+        config = self.config.to_dict()
+        config["architectures"] = ["CausalQwenForCausalLM"]
+        config["auto_map"] = {
+            "AutoConfig": "configuration_causalqwen.CausalQwenConfig",
+            "AutoModel": "modeling_causalqwen.CausalQwenModel",
+            "AutoModelForCausalLM": "modeling_causalqwen.CausalQwenForCausalLM",
+        }
+        config["dtype"] = str(self.action.bias.dtype).removeprefix("torch.")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, folder / ADAPTER_WEIGHTS_NAME,
+                  metadata={"format": "pt"})
+        for source in self._remote_code_files():
+            shutil.copyfile(source, folder / Path(source).name)
+        if getattr(self, "generation_config", None) is not None:
+            self.generation_config.save_pretrained(folder)
+        if getattr(self.model, "_hf_peft_config_loaded", False):
+            # LoRA on the backbone, in PEFT's format under lora/ (never at the root: transformers
+            # would then take the whole folder for a PEFT adapter).
+            self.model.save_pretrained(folder / LORA_FOLDER)
+        self._write_model_card(folder)
+        # config.json is the commit marker: written last, swapped in last.
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+
+    def _write_model_card(self, folder: Path) -> None:
+        """README.md of the adapter folder: the model card rendered from model_card/ (never fails the save).
+
+        A trainer records its run in `self.training_summary` (see model_card.py) for the card to show.
+        """
+        write_model_card(self, folder)
+
+    def push_to_hub(self, repo_id, *, private=None, token=None, revision=None, commit_message=None, create_pr=False):
+        """Upload exactly the adapter folder (what `save_pretrained` writes, card included) to the Hub repo `repo_id`.
+
+        Saves into a temporary folder, creates the repo if needed (`private` applies then), and uploads that folder
+        as one commit on `revision` (created from main when missing) or as a pull request (`create_pr`). The repo
+        id and the token are checked before anything is written or sent. Returns huggingface_hub's `CommitInfo`.
+        """
+        token = check_push(repo_id, token=token, revision=revision, create_pr=create_pr)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / repo_id.split("/")[-1]  # the card names the folder; the upload retargets it
+            self.save_pretrained(folder)
+            return upload_adapter_folder(folder, repo_id, token=token, private=private, revision=revision,
+                                         commit_message=commit_message, create_pr=create_pr)
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, base_model=None, base_model_revision=None,
+                        config=None, dtype="auto", device_map=None, **kwargs):
+        """Load the base named in the adapter's config (or `base_model`), then the adapter's heads.
+
+        `pretrained_model_name_or_path` is an adapter folder or Hub id (files resolved through
+        transformers' `cached_file`, so the Hub cache and `HF_HUB_OFFLINE=1` work). `base_model`
+        may be a Hub id, a folder or a loaded `Qwen2ForCausalLM`/`Qwen2Model`.
+        """
+        if model_args:
+            raise TypeError(f"{cls.__name__}.from_pretrained takes no extra positional arguments, got {model_args}")
+        adapter = str(pretrained_model_name_or_path)
+        hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+        hub_kwargs = {k: v for k, v in hub_kwargs.items() if v is not None}
+        for key in ("trust_remote_code", "_from_auto", "adapter_kwargs", "code_revision", "_commit_hash"):
+            kwargs.pop(key, None)  # bookkeeping transformers' Auto classes pass along
+        if "torch_dtype" in kwargs:
+            dtype = kwargs.pop("torch_dtype")
+        if not isinstance(config, cls.config_class):
+            if cached_file(adapter, "config.json", _raise_exceptions_for_missing_entries=False, **hub_kwargs) is None:
+                raise OSError(
+                    f"{adapter} has no config.json: it is not a complete CausalQwen adapter (an interrupted "
+                    "save leaves it so). Save it again with save_pretrained."
+                )
+            config_dict, _ = cls.config_class.get_config_dict(adapter, **hub_kwargs)
+            if config_dict.get("model_type") != cls.config_class.model_type:
+                raise ValueError(
+                    f"{adapter} is a {config_dict.get('model_type')!r} checkpoint, not a CausalQwen adapter: "
+                    f"to attach fresh heads to a base use {cls.__name__}.from_base({adapter!r})"
+                )
+            config = cls.config_class.from_dict(config_dict)
+        weights_file = cached_file(adapter, ADAPTER_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+        if weights_file is None:
+            raise OSError(
+                f"{adapter} has no {ADAPTER_WEIGHTS_NAME}: it is not a complete CausalQwen adapter "
+                "(was the save interrupted?). Save it again with save_pretrained."
+            )
+
+        base_hub_kwargs = {k: v for k, v in hub_kwargs.items() if k not in ("revision", "subfolder")}
+        backbone, lm_head, base_name = load_backbone(
+            config, base_model, base_model_revision, dtype, device_map, {**base_hub_kwargs, **kwargs}
+        )
+        check_base_matches(config, backbone.config, base_name)
+        config.text_config = backbone.config
+        if base_model is not None and isinstance(base_model, (str, os.PathLike)):
+            config.base_model_name_or_path = str(base_model)
+            config.base_model_revision = base_model_revision
+        model = cls._assemble(config, backbone, lm_head)
+        model._load_adapter_weights(weights_file)
+        load_backbone_lora(backbone, adapter, hub_kwargs)
+        model.generation_config = load_generation_config(adapter, hub_kwargs, backbone)
+        model.name_or_path = adapter
+        model.eval()
+        return model
+
+    def _load_adapter_weights(self, weights_file: str) -> None:
+        try:
+            tensors = load_file(weights_file)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise OSError(f"cannot read adapter weights {weights_file}: {err}. The file is corrupt; save the adapter again.") from err
+        check_keys(set(tensors), self.adapter_keys(), weights_file)
+        own = self.state_dict(keep_vars=True)
+        for key, value in tensors.items():
+            if tuple(value.shape) != tuple(own[key].shape):
+                raise ValueError(
+                    f"{weights_file}: {key} has shape {tuple(value.shape)} but this config expects "
+                    f"{tuple(own[key].shape)}; the adapter and its config.json do not belong together"
+                )
+        bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all())
+        if bad:
+            raise ValueError(
+                f"{weights_file}: {bad} hold NaN or infinite values: the file is corrupt or the heads diverged before "
+                "it was saved. Load an earlier checkpoint, or save the adapter again."
+            )
+        # assign: the tensors read from the file become the parameters, no second copy
+        tensors = {k: v.to(dtype=own[k].dtype, device=own[k].device) for k, v in tensors.items()}
+        self.load_state_dict(tensors, strict=False, assign=True)

@@ -195,4 +195,12 @@ class NumericHead(nn.Module):
         self.log_scale.fill_(math.log(scale))
 
 
-__all__ = ["AbductionNetwork", "ActionNetwork", "NumericHead", "OvRClassifier"]
+def check_numeric_values(numeric_values: torch.Tensor) -> None:
+    """Every `<NUM>` value must be finite (a NaN would turn every later score into NaN)."""
+    if not torch.isfinite(numeric_values).all():
+        bad = numeric_values[~torch.isfinite(numeric_values)][0].item()
+        raise ValueError(f"numeric_values holds {bad}: every <NUM> value must be a finite number (0 where the token is "
+                         "not <NUM>)")
+
+
+__all__ = ["AbductionNetwork", "ActionNetwork", "NumericHead", "OvRClassifier", "check_numeric_values"]

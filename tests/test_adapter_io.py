@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-import causalqwen_adapter.modeling_causalqwen as modeling
+import causalqwen_adapter.adapter_io as adapter_io
 from causalqwen_adapter import CausalQwenForCausalLM
 
 from conftest import TINY_VOCAB, save_tiny_qwen2
@@ -48,7 +48,7 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert {p.name for p in folder.iterdir()} == {
         "config.json", "model.safetensors", "generation_config.json", "README.md",
         "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py", "heads.py",
-        "adapter_io.py",
+        "adapter_io.py", "generation.py",
     }
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert set(f.keys()) == ADAPTER_KEYS
@@ -63,7 +63,7 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert config["text_config"]["model_type"] == "qwen2"
     # the remote code imports nothing of this package
     for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py",
-                 "heads.py", "adapter_io.py"):
+                 "heads.py", "adapter_io.py", "generation.py"):
         assert "causalqwen_adapter" not in (folder / name).read_text()
 
 
@@ -246,7 +246,7 @@ def test_interrupted_save_leaves_nothing_that_loads_wrong(tied_base, tmp_path, m
         raise KeyboardInterrupt
 
     # a new folder: interrupted while writing tensors → no folder at all, no staging left
-    monkeypatch.setattr(modeling, "save_file", boom)
+    monkeypatch.setattr(adapter_io, "save_file", boom)
     with pytest.raises(KeyboardInterrupt):
         model.save_pretrained(tmp_path / "new")
     assert list(tmp_path.iterdir()) == []
@@ -266,7 +266,7 @@ def test_interrupted_save_leaves_nothing_that_loads_wrong(tied_base, tmp_path, m
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr(modeling.os, "replace", replace_then_die)
+    monkeypatch.setattr(adapter_io.os, "replace", replace_then_die)
     with pytest.raises(KeyboardInterrupt):
         model.save_pretrained(tmp_path / "old")
     monkeypatch.undo()
@@ -278,7 +278,7 @@ def test_interrupted_save_leaves_nothing_that_loads_wrong(tied_base, tmp_path, m
     script = (
         "import os, sys\n"
         "from causalqwen_adapter import CausalQwenForCausalLM\n"
-        "import causalqwen_adapter.modeling_causalqwen as m\n"
+        "import causalqwen_adapter.adapter_io as m\n"
         "model = CausalQwenForCausalLM.from_base(sys.argv[1])\n"
         "real, calls = os.replace, []\n"
         "def die(src, dst):\n"

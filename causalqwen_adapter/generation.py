@@ -1,0 +1,95 @@
+"""Generation glue of CausalQwenForCausalLM: the CausalQwen options of `generate()` (inference mode, temperature,
+noise sharing), the individual shared across the steps of an answer, and the values of `<NUM>` tokens fed back
+step by step (docs/design.md, Inference modes and Numbers).
+
+Shipped as remote code: imports only torch and transformers (through the model it is mixed into).
+"""
+
+import warnings
+
+import torch
+
+from .heads import check_numeric_values
+
+
+class CausalGenerationMixin:
+    """Mixed into `CausalQwenForCausalLM` ahead of transformers' `GenerationMixin`, whose hooks it extends."""
+
+    def prepare_inputs_for_generation(self, input_ids, *args, inputs_embeds=None, numeric_values=None,
+                                      numeric_record=None, **kwargs):
+        # `inputs_embeds` named here: generate() accepts a prompt as embeddings only from models that say so.
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
+        if numeric_values is not None:
+            # The values of the positions fed this step; one counts only where its token is <NUM> (generated
+            # columns hold each step's loc_Y, whatever token was chosen).
+            fed = model_inputs.get("input_ids")
+            width = fed.shape[1] if fed is not None else model_inputs["inputs_embeds"].shape[1]
+            length = input_ids.shape[1]
+            tokens, values = input_ids[:, length - width :], numeric_values[:, length - width : length]
+            model_inputs["numeric_values"] = torch.where(tokens == self.config.num_token_id, values, 0.0)
+        return model_inputs
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate` plus the CausalQwen options, checked once per call:
+        `inference_mode`, `causal_temperature` (T ≥ 0) and, for `sampling`, `noise_sharing`.
+
+        Numeric models (docs/design.md, Numbers) take `numeric_values` beside the prompt (0 where a token is not `<NUM>`; zeros
+        when omitted), feed each generated `<NUM>` its predicted value loc_Y, and with `return_dict_in_generate=True`
+        return `numeric_values` [batch, length] (the value of every `<NUM>` of the sequences, 0 elsewhere).
+        """
+        mode, _ = self._resolve_mode(
+            kwargs.get("inference_mode"), kwargs.get("causal_temperature"), kwargs.get("noise_sharing", "step")
+        )
+        ignored = []
+        if kwargs.get("causal_temperature") is not None and mode in ("compatible", "causal"):
+            ignored.append("causal_temperature")
+        ignored += [k for k in ("noise_sharing", "causal_noise") if kwargs.get(k) is not None and mode != "sampling"]
+        if ignored:
+            warnings.warn(
+                f"inference_mode={mode!r} ignores {', '.join(ignored)} (causal_temperature applies to 'standard' "
+                "and 'sampling', noise_sharing/causal_noise to 'sampling')",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self.config.numeric:
+            return self._generate_with_numbers(super().generate, *args, **kwargs)
+        return super().generate(*args, **kwargs)
+
+    def _generate_with_numbers(self, generate, inputs=None, generation_config=None, **kwargs):
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError("numeric generation needs the prompt as input_ids (inputs_embeds cannot carry <NUM> values)")
+        config = generation_config if generation_config is not None else self.generation_config
+        if (kwargs.get("num_beams") or config.num_beams or 1) != 1:
+            raise ValueError("numeric models generate with num_beams=1 (greedy or sampling): beams would reorder "
+                             "the sequences without their <NUM> values")
+        values = kwargs.pop("numeric_values", None)
+        if values is None:
+            values = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        elif values.shape == input_ids.shape:
+            check_numeric_values(values)
+        if values.shape != input_ids.shape:
+            raise ValueError(f"numeric_values has shape {tuple(values.shape)}, input_ids {tuple(input_ids.shape)}: "
+                             "pass one value per prompt token (0 where the token is not <NUM>)")
+        # This call's values, grown step by step in the generation loop's model kwargs (which generate() does not
+        # return): a per-call record, so concurrent calls on one model do not mix.
+        record = {"values": values.float()}
+        out = generate(inputs, generation_config, numeric_values=values.float(), numeric_record=record, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        generated = record["values"]
+        if not isinstance(out, torch.Tensor):
+            generated = generated[:, : sequences.shape[1]]
+            out["numeric_values"] = torch.where(sequences == self.config.num_token_id, generated, 0.0)
+        return out
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        if model_kwargs.get("noise_sharing") == "sequence" and outputs.causal_noise is not None:
+            model_kwargs["causal_noise"] = outputs.causal_noise  # the same individual for the whole answer
+        if model_kwargs.get("numeric_values") is not None and outputs.loc_Y is not None:
+            # The value of the token just chosen, should it be <NUM>; masked by token when fed back.
+            predicted = outputs.loc_Y[:, -1:].to(model_kwargs["numeric_values"])
+            model_kwargs["numeric_values"] = torch.cat([model_kwargs["numeric_values"], predicted], dim=1)
+            if model_kwargs.get("numeric_record") is not None:
+                model_kwargs["numeric_record"]["values"] = model_kwargs["numeric_values"]
+        return model_kwargs
