@@ -6,8 +6,9 @@ the last --heldout-texts held out, truncated to --max-length tokens. Measured in
 - stage 1, `extract_features`: tokens/s of the frozen bf16 base writing z + top-K;
 - stage 2, `CausalDistillTrainer`: training tokens/s, against `CausalSFTTrainer` (the OvR loss through the frozen
   backbone) on the same texts and heads in the same process: the ratio is what skipping the transformer buys;
-- on the held-out tokens, before and after distillation: how often the `standard`-mode argmax over the whole
-  vocabulary is the base's greedy token, and `eval_top1_match` (the base's top-1 ranked first among its K).
+- on the held-out tokens, before and after distillation (once per --tail-weights value): the evaluation harness
+  with the base's greedy token as the target (agreement of each mode's argmax with the teacher, ΣP, calibration),
+  and `eval_top1_match` (the base's top-1 ranked first among its K).
 
     python bench/distill.py --base build/demo-base
 """
@@ -26,12 +27,9 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 from causalqwen_adapter import CausalQwenForCausalLM  # noqa: E402
-from causalqwen_adapter.distill import (  # noqa: E402
-    CausalDistillConfig,
-    CausalDistillTrainer,
-    extract_features,
-    load_features,
-)
+from causalqwen_adapter.distill import CausalDistillConfig, CausalDistillTrainer  # noqa: E402
+from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table  # noqa: E402
+from causalqwen_adapter.features import extract_features, load_features  # noqa: E402
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer  # noqa: E402
 
 from demo import stdlib_docstrings  # noqa: E402
@@ -48,13 +46,20 @@ class StepTimer(TrainerCallback):
         self.seconds.append(time.perf_counter() - self.start)
 
 
-def greedy_agreement(model, features) -> float:
-    """Fraction of stored tokens whose standard-mode argmax over the vocabulary is the teacher's top-1."""
+def against_teacher(model, features, modes=("compatible", "standard")) -> dict:
+    """The evaluation harness on stored held-out features, the teacher's top-1 as the target: `top1_accuracy` is the
+    agreement of each mode's argmax with the teacher's greedy token; ΣP and the calibrations as for text."""
     rows = load_features(features)[:]
+    z, targets = rows["hidden_state"], rows["topk_ids"][:, 0].long()
+    accumulators = {mode: EvaluationAccumulator(mode) for mode in modes}
     with torch.no_grad():
-        loc_U, scale_U = model.abduction(rows["hidden_state"].to(model.abduction.loc.weight.dtype))
-        x = model.ovr(*model.action(loc_U, scale_U, mode="standard"))
-    return (x.argmax(-1) == rows["topk_ids"][:, 0]).float().mean().item()
+        for start in range(0, len(targets), 256):
+            for mode in modes:
+                _, _, loc_S, scale_S = model.causal_heads(z[start : start + 256], mode, 1.0)
+                log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
+                accumulators[mode].update(model.mode_scores(loc_S, scale_S, mode, log_P), targets[start : start + 256],
+                                          log_P)
+    return {mode: acc.compute() for mode, acc in accumulators.items()}
 
 
 def main() -> None:
@@ -67,6 +72,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--sft-steps", type=int, default=4)
+    parser.add_argument("--tail-weights", type=float, nargs="+", default=[1.0, 0.0],
+                        help="distill_tail_weight of each stage-2 run (the first run gives the throughput figure)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -86,7 +93,7 @@ def main() -> None:
         extract_features(base, heldout_texts, work / "heldout", top_k=args.top_k, max_length=args.max_length)
 
         fresh = CausalQwenForCausalLM.from_base(base, **heads).float()
-        before = greedy_agreement(fresh, work / "heldout")
+        results = {"fresh heads": against_teacher(fresh, work / "heldout")}
         del fresh
 
         # Reference: the OvR loss through the frozen backbone, same texts, same heads, float32 heads.
@@ -105,31 +112,39 @@ def main() -> None:
         sft_rate = sum(tokens_per_step[1:]) / sum(timer.seconds[1:])  # the first step is warm-up
         del sft
 
-        distill = CausalDistillTrainer(
-            args.base,
-            args=CausalDistillConfig(str(work / "distill"), num_train_epochs=args.epochs, learning_rate=args.learning_rate,
-                                     per_device_train_batch_size=64, per_device_eval_batch_size=256,
-                                     eval_strategy="epoch", logging_steps=10**6, **common),
-            train_dataset=work / "train",
-            eval_dataset=work / "heldout",
-        )
-        start = time.perf_counter()
-        distill.train()
-        distill_seconds = time.perf_counter() - start
-        evals = [h for h in distill.state.log_history if "eval_loss" in h]
-        after = greedy_agreement(distill.model, work / "heldout")
+        runs = {}
+        for tail_weight in args.tail_weights:
+            distill = CausalDistillTrainer(
+                args.base,
+                args=CausalDistillConfig(str(work / "distill"), num_train_epochs=args.epochs,
+                                         learning_rate=args.learning_rate, per_device_train_batch_size=64,
+                                         per_device_eval_batch_size=256, eval_strategy="epoch", logging_steps=10**6,
+                                         distill_tail_weight=tail_weight, **common),
+                train_dataset=work / "train",
+                eval_dataset=work / "heldout",
+            )
+            start = time.perf_counter()
+            distill.train()
+            seconds = time.perf_counter() - start
+            evals = [h for h in distill.state.log_history if "eval_loss" in h]
+            runs[tail_weight] = (seconds, evals)
+            results[f"distilled, tail weight {tail_weight:g}"] = against_teacher(distill.model, work / "heldout")
+            print(markdown_table({f"distilled, tail weight {tail_weight:g}": results[f"distilled, tail weight {tail_weight:g}"]}),
+                  flush=True)
+            del distill
 
         print(f"\ndemo base bf16, {len(train)} training tokens ({args.train_texts} texts), "
               f"{len(load_features(work / 'heldout'))} held-out tokens, top-K = {args.top_k}, {torch.get_num_threads()} threads")
         print(f"stage 1 extract_features:            {len(train) / extract_seconds:8.1f} tokens/s")
         print(f"reference CausalSFTTrainer (OvR):     {sft_rate:8.1f} tokens/s (mean over {args.sft_steps} steps after one warm-up)")
-        distill_rate = args.epochs * len(train) / distill_seconds
-        print(f"stage 2 CausalDistillTrainer:         {distill_rate:8.1f} tokens/s "
-              f"({args.epochs} epochs, evaluation included) = {distill_rate / sft_rate:.1f}× the SFT reference")
-        print(f"held-out eval_loss (top-K MSE):       {evals[0]['eval_loss']:.4f} after epoch 1 → {evals[-1]['eval_loss']:.4f}")
-        print(f"held-out eval_top1_match (within K):  {evals[0]['eval_top1_match']:.3f} after epoch 1 → "
-              f"{evals[-1]['eval_top1_match']:.3f}")
-        print(f"held-out standard-mode argmax = base greedy: {before:.3f} fresh heads → {after:.3f} distilled")
+        for tail_weight, (seconds, evals) in runs.items():
+            rate = args.epochs * len(train) / seconds
+            print(f"stage 2 CausalDistillTrainer, tail weight {tail_weight:g}: {rate:8.1f} tokens/s ({args.epochs} epochs, "
+                  f"evaluation included) = {rate / sft_rate:.1f}× the SFT reference; held-out eval_loss "
+                  f"{evals[0]['eval_loss']:.4f} after epoch 1 → {evals[-1]['eval_loss']:.4f}, eval_top1_match "
+                  f"{evals[0]['eval_top1_match']:.3f} → {evals[-1]['eval_top1_match']:.3f}")
+        print("\nHeld-out tokens, the teacher's greedy token as target (top1_accuracy = agreement with the teacher):")
+        print(markdown_table(results))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

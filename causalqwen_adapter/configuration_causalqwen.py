@@ -56,6 +56,8 @@ class CausalQwenConfig(PreTrainedConfig):
             "accept" (measured best): q_k ∝ softmax(loc_S)_k · P_k, the compatible model's proposal accepted with
             the OvR probability P_k (rejection sampling); "normalize": q_k = P_k / Σ_j P_j, the seeds' reading, whose
             polynomial Cauchy tail costs about 2 nats of NLL (docs/design.md, OvR probabilities).
+        distill_tail_weight (`float`): in offline distillation, the weight of the tail term Σ_{k∉K} −log(1 − P_k)
+            beside the top-K MSE (0 = the top-K MSE alone, which leaves the other tokens' P_k free).
     """
 
     model_type = "causalqwen"
@@ -81,6 +83,7 @@ class CausalQwenConfig(PreTrainedConfig):
     softmax_loss_weight: float = 1.0
     ovr_trains_location: bool = False
     ovr_distribution: str = "accept"
+    distill_tail_weight: float = 1.0
 
     def __post_init__(self, **kwargs):
         # The base's attention implementation survives wrapping: the parent resets it on sub-configs.
@@ -96,7 +99,7 @@ class CausalQwenConfig(PreTrainedConfig):
             )
         # NaN passes every `< 0` check and turns every score into NaN: each number is checked to be finite.
         for name in ("gamma_init", "b_noise_init", "ovr_threshold_init", "causal_temperature", "softmax_loss_weight",
-                     "numeric_loss_weight"):
+                     "numeric_loss_weight", "distill_tail_weight"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.gamma_init > 0:
@@ -118,6 +121,8 @@ class CausalQwenConfig(PreTrainedConfig):
             raise ValueError(
                 f"ovr_distribution={self.ovr_distribution!r}: choose one of {', '.join(OVR_DISTRIBUTIONS)}"
             )
+        if self.distill_tail_weight < 0:
+            raise ValueError(f"distill_tail_weight must be >= 0, got {self.distill_tail_weight}")
         if not self.softmax_loss_weight >= 0:
             raise ValueError(f"softmax_loss_weight must be a finite number >= 0, got {self.softmax_loss_weight}")
         if self.action_lora_rank < 1:

@@ -1,34 +1,23 @@
-"""Offline feature distillation (docs/design.md, Offline distillation): train the causal heads on stored teacher features.
+"""Stage 2 of offline distillation (docs/design.md, Offline distillation): train the causal heads on stored features.
 
-Stage 1, once: `extract_features` runs the frozen Qwen2 teacher over a corpus and stores, for every real token, the
-final hidden state z and the teacher's top-K next-token ids and softmax probabilities, as a `datasets` folder
-(`Dataset.save_to_disk` layout, memory-mapped when read back) plus `causalqwen_features.json` naming the teacher.
-
-Stage 2, many epochs: `CausalDistillTrainer` (a `transformers.Trainer`) trains only the heads on those rows with the
-top-K MSE `Σ_{k∈K} (P_k − p_teacher,k)²`; the transformer never runs, so an epoch costs a few small matmuls per
-token. Checkpoints, `save_model`, resuming and the model card are the adapter folders of `CausalSFTTrainer`.
+`CausalDistillTrainer` (a `transformers.Trainer`) trains only the heads on the rows `features.extract_features`
+wrote, with the top-K MSE `Σ_{k∈K} (P_k − p_teacher,k)²` plus the tail term `Σ_{k∉K} −log(1 − P_k)`; the
+transformer never runs, so an epoch costs the heads' matmuls per token. Checkpoints, `save_model`, resuming and the
+model card are the adapter folders of `CausalSFTTrainer`.
 
 Heads trained this way see the base's z: they belong on the base without a backbone LoRA.
 """
 
-import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.compute as pc
 import torch
-from datasets import Dataset, Features, IterableDataset, Sequence, Value, load_from_disk
-from datasets.arrow_writer import ArrowWriter
-from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM, Trainer, TrainingArguments
-from transformers.utils import logging
+from transformers import Trainer, TrainingArguments
 
 from .adapter_io import check_not_foreign
-from .modeling_causalqwen import CausalQwenForCausalLM
+from .features import FEATURES_CONFIG_NAME, check_feature_dataset, extract_features, features_info, load_features
 from .training import (
     AdapterCheckpointMixin,
     CausalHeadArguments,
@@ -36,248 +25,6 @@ from .training import (
     LossMetricsMixin,
     prepare_causal_model,
 )
-
-logger = logging.get_logger(__name__)
-
-FEATURES_CONFIG_NAME = "causalqwen_features.json"
-FEATURE_COLUMNS = ("hidden_state", "topk_ids", "topk_probs")
-_FEATURE_DTYPES = ("float32", "float16")
-
-
-# --------------------------------------------------------------------------------------- stage 1: extraction
-
-
-def extract_features(
-    teacher,
-    dataset,
-    output_dir,
-    *,
-    tokenizer=None,
-    top_k: int = 32,
-    max_length: int = 1024,
-    batch_size: int = 8,
-    text_field: str = "text",
-    feature_dtype: str = "float32",
-    dtype="auto",
-    revision: str | None = None,
-    overwrite: bool = False,
-) -> Dataset:
-    """Run the frozen teacher over `dataset` and write its features to `output_dir`; returns the stored dataset.
-
-    Args:
-        teacher: a `Qwen2ForCausalLM` or its folder / Hub id (loaded in `dtype`, at `revision`).
-        dataset: a `datasets.Dataset` / `IterableDataset` with a `text_field` column (tokenized here, truncated to
-            `max_length`) or an `input_ids` column, or a list of strings.
-        tokenizer: defaults to the teacher's.
-        top_k: how many of the teacher's most probable next tokens to keep per position.
-        feature_dtype: "float32" (exact) or "float16" (half the disk; z is checked to fit) for the stored z.
-        overwrite: replace an existing `output_dir`; otherwise an existing non-empty folder is an error.
-
-    One row per real (non-padding) token, in corpus order: `hidden_state` [H], `topk_ids` [K] (the teacher's top-1
-    first), `topk_probs` [K]. The folder appears complete or not at all.
-    """
-    if feature_dtype not in _FEATURE_DTYPES:
-        raise ValueError(f"feature_dtype must be one of {', '.join(_FEATURE_DTYPES)}, got {feature_dtype!r}")
-    for name, value in (("max_length", max_length), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    target = Path(output_dir)
-    if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{target} already exists: pass overwrite=True (--overwrite) or choose another folder")
-
-    if target.is_dir() and ((target / "config.json").is_file() or (target / "model.safetensors").is_file()):
-        raise FileExistsError(f"{target} holds a model checkpoint: feature extraction never writes over (or, with "
-                              "overwrite, deletes) a model folder. Choose another output_dir")
-    if target.is_dir() and any(target.iterdir()) and not (target / FEATURES_CONFIG_NAME).is_file():
-        raise FileExistsError(f"{target} is not a feature store (no {FEATURES_CONFIG_NAME}): overwrite replaces only a "
-                              "folder extract_features wrote. Choose another output_dir")
-    teacher = _load_teacher(teacher, dtype, revision)
-    vocab = teacher.config.vocab_size
-    if not isinstance(top_k, int) or not 1 <= top_k <= vocab:
-        raise ValueError(f"top_k must be an integer in [1, {vocab}] (the teacher's vocabulary), got {top_k!r}")
-    sequences = _token_sequences(dataset, tokenizer, text_field, max_length, teacher.name_or_path, revision)
-
-    hidden = teacher.config.hidden_size
-    store_dtype = getattr(torch, feature_dtype)
-    features = Features({
-        "hidden_state": Sequence(Value(feature_dtype), length=hidden),
-        "topk_ids": Sequence(Value("int32"), length=top_k),
-        "topk_probs": Sequence(Value("float32"), length=top_k),
-    })
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        arrow_file = staging / "rows.arrow"
-        num_tokens = num_sequences = 0
-        with ArrowWriter(features=features, path=str(arrow_file)) as writer:
-            for z, ids, probs in _teacher_rows(teacher, sequences, batch_size, top_k):
-                if store_dtype == torch.float16 and z.abs().max() > torch.finfo(torch.float16).max:
-                    raise ValueError("a hidden state does not fit in float16: extract with feature_dtype='float32'")
-                writer.write_batch({
-                    "hidden_state": z.to(store_dtype).numpy(),
-                    "topk_ids": ids.to(torch.int32).numpy(),
-                    "topk_probs": probs.numpy(),
-                })
-                num_tokens += len(z)
-                num_sequences += 1
-            writer.finalize()
-        if num_tokens == 0:
-            raise ValueError("the dataset holds no token to extract features from (empty dataset or empty texts)")
-        Dataset.from_file(str(arrow_file)).save_to_disk(str(staging / "store"))
-        info = {
-            "teacher_name_or_path": teacher.name_or_path,
-            "teacher_revision": revision,
-            "hidden_size": hidden,
-            "vocab_size": vocab,
-            "top_k": top_k,
-            "max_length": max_length,
-            "num_tokens": num_tokens,
-            "num_sequences": num_sequences,
-            "feature_dtype": feature_dtype,
-            "teacher_dtype": str(teacher.dtype).removeprefix("torch."),
-            # sha256 of every Arrow shard: load_features refuses a store whose bytes changed since
-            "shards": {f.name: _sha256(f) for f in sorted((staging / "store").glob("*.arrow"))},
-        }
-        (staging / "store" / FEATURES_CONFIG_NAME).write_text(json.dumps(info, indent=2) + "\n")
-        _install(staging / "store", target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    logger.info(f"Stored teacher features of {num_tokens} tokens ({num_sequences} sequences) in {target}")
-    return load_features(target)
-
-
-def load_features(path) -> Dataset:
-    """A feature folder written by `extract_features`, memory-mapped, formatted as torch tensors; its shards are
-    checked against the sha256 sums `extract_features` recorded."""
-    path = Path(path)
-    if not (path / FEATURES_CONFIG_NAME).is_file():
-        raise FileNotFoundError(
-            f"{path} holds no {FEATURES_CONFIG_NAME}: it is not a feature store written by extract_features "
-            "(recipes/extract_features.py)"
-        )
-    shards = features_info(path).get("shards")
-    if shards is None:
-        logger.warning(f"{path} records no shard checksums (written by an older version): its bytes are not verified")
-    for name, digest in (shards or {}).items():
-        if not (path / name).is_file() or _sha256(path / name) != digest:
-            raise ValueError(
-                f"{path / name} is missing or its bytes changed since extract_features wrote it (sha256 differs from "
-                f"{FEATURES_CONFIG_NAME}): the store is corrupt; extract the features again"
-            )
-    dataset = load_from_disk(str(path))
-    if not isinstance(dataset, Dataset):
-        raise ValueError(f"{path} holds a DatasetDict, not the single table extract_features writes")
-    return dataset.with_format("torch", columns=list(FEATURE_COLUMNS))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def features_info(path) -> dict:
-    """The teacher and shapes recorded next to a feature store (`causalqwen_features.json`)."""
-    return json.loads((Path(path) / FEATURES_CONFIG_NAME).read_text())
-
-
-def _load_teacher(teacher, dtype, revision) -> Qwen2ForCausalLM:
-    if isinstance(teacher, (str, os.PathLike)):
-        config = AutoConfig.from_pretrained(str(teacher), revision=revision)
-        if config.model_type != "qwen2":
-            raise ValueError(
-                f"{teacher} is a {config.model_type!r} checkpoint: the teacher must be the Qwen2 base the heads "
-                "attach to"
-            )
-        teacher = Qwen2ForCausalLM.from_pretrained(str(teacher), revision=revision, dtype=dtype)
-    elif not isinstance(teacher, Qwen2ForCausalLM):
-        raise TypeError(f"teacher must be a Qwen2ForCausalLM or its folder / Hub id, got {type(teacher).__name__}")
-    return teacher.eval()
-
-
-def _token_sequences(dataset, tokenizer, text_field, max_length, teacher_name, revision) -> Iterator[list[int]]:
-    if isinstance(dataset, (list, tuple)):
-        if not all(isinstance(t, str) for t in dataset):
-            raise TypeError("a list dataset must hold strings (the texts)")
-        rows: Iterable = [{text_field: t} for t in dataset]
-        columns = [text_field]
-    elif isinstance(dataset, Dataset):
-        rows, columns = dataset, dataset.column_names
-    elif isinstance(dataset, IterableDataset):
-        rows, columns = dataset, dataset.column_names
-        if columns is None:  # features unknown until the first example
-            first = next(iter(dataset), None)
-            columns = list(first) if first is not None else []
-    else:
-        raise TypeError(f"dataset must be a datasets.Dataset, an IterableDataset or a list of texts, got {type(dataset).__name__}")
-    if "input_ids" in columns:
-        return (list(row["input_ids"])[:max_length] for row in rows)
-    if text_field not in columns:
-        raise ValueError(
-            f"the dataset has no {text_field!r} or 'input_ids' column (columns: {columns}): pass text_field=<the "
-            "column that holds the texts>"
-        )
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(teacher_name, revision=revision)
-        if len(tokenizer) < 2:  # transformers builds an empty tokenizer for a folder without tokenizer files
-            raise ValueError(f"{teacher_name} has no tokenizer: pass tokenizer=... to tokenize the texts")
-    return (tokenizer(row[text_field], truncation=True, max_length=max_length)["input_ids"] for row in rows)
-
-
-@torch.inference_mode()
-def _teacher_rows(teacher, sequences, batch_size: int, top_k: int, head_rows: int = 512):
-    """Per sequence: (z [L, H] float32, top-K ids [L, K], top-K probabilities [L, K] float32)."""
-    device = teacher.device
-    batch: list[list[int]] = []
-
-    def run(batch):
-        width = max(len(s) for s in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, seq in enumerate(batch):  # right padding: positions 0..L−1 keep their unpadded values
-            ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-        vocab = teacher.config.vocab_size
-        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
-            bad = ids[(ids < 0) | (ids >= vocab)][0].item()
-            raise ValueError(f"token id {bad} is outside the teacher's vocabulary [0, {vocab}): the input_ids were not "
-                             "made by this base's tokenizer")
-        z = teacher.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-        for i, seq in enumerate(batch):
-            zi = z[i, : len(seq)]
-            top_ids, top_probs = [], []
-            for r in range(0, len(seq), head_rows):  # [rows × V] logits a block at a time
-                probs = torch.softmax(teacher.lm_head(zi[r : r + head_rows]).float(), dim=-1)
-                p, k = probs.topk(top_k, dim=-1)
-                top_ids.append(k)
-                top_probs.append(p)
-            yield zi.float().cpu(), torch.cat(top_ids).cpu(), torch.cat(top_probs).cpu()
-
-    for seq in sequences:
-        if len(seq) == 0:
-            continue
-        batch.append(seq)
-        if len(batch) == batch_size:
-            yield from run(batch)
-            batch = []
-    if batch:
-        yield from run(batch)
-
-
-def _install(staging: Path, target: Path) -> None:
-    """Put a complete folder in place of `target` (an old one is removed only once the new one is whole)."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.rename(target, old)
-        os.rename(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(staging, target)
-
-
-# --------------------------------------------------------------------------------------- stage 2: training
 
 
 @dataclass
@@ -297,6 +44,11 @@ class CausalDistillConfig(CausalHeadArguments, TrainingArguments):
         metadata={"help": "Must stay False: the feature columns feed the heads, not the model's forward."},
     )
     learning_rate: float = field(default=1e-3, metadata={"help": "The initial learning rate for AdamW."})
+    distill_tail_weight: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the tail term Σ_{k∉K} −log(1 − P_k) beside the top-K MSE (0: the MSE alone). "
+                  "Sets the model config's `distill_tail_weight` (default: the model's)."},
+    )
 
     def __post_init__(self):
         if isinstance(self.model_init_kwargs, str):
@@ -351,11 +103,11 @@ class CausalDistillTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterChec
 
         if train_dataset is None:
             raise ValueError("train_dataset is required: a feature store written by extract_features")
-        train_dataset = _as_feature_dataset(train_dataset, model, "train")
+        train_dataset = check_feature_dataset(train_dataset, model, "train")
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: _as_feature_dataset(v, model, k) for k, v in eval_dataset.items()}
+            eval_dataset = {k: check_feature_dataset(v, model, k) for k, v in eval_dataset.items()}
         elif eval_dataset is not None:
-            eval_dataset = _as_feature_dataset(eval_dataset, model, "eval")
+            eval_dataset = check_feature_dataset(eval_dataset, model, "eval")
 
         super().__init__(
             model=model,
@@ -389,46 +141,7 @@ class CausalDistillTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterChec
         return loss, None, None
 
 
-def _as_feature_dataset(data, model: CausalQwenForCausalLM, split: str) -> Dataset:
-    """A feature store checked against the model: columns, z width, top-K ids inside the vocabulary."""
-    if isinstance(data, (str, os.PathLike)):
-        info = features_info(data) if (Path(data) / FEATURES_CONFIG_NAME).is_file() else {}
-        dataset = load_features(data)
-        teacher = info.get("teacher_name_or_path")
-        base = model.config.base_model_name_or_path
-        if teacher and base and os.path.normpath(teacher) != os.path.normpath(base):
-            logger.warning(
-                f"the {split} features were extracted with {teacher}, the heads attach to {base}: distilled heads "
-                "are only right on the base whose hidden states they were trained on"
-            )
-    elif isinstance(data, Dataset):
-        dataset = data
-    else:
-        raise TypeError(f"the {split} dataset must be a feature folder or a Dataset from load_features, got {type(data).__name__}")
-    missing = [c for c in FEATURE_COLUMNS if c not in dataset.column_names]
-    if missing:
-        raise ValueError(
-            f"the {split} dataset lacks the feature columns {missing} (it has {dataset.column_names}): build it with "
-            "extract_features"
-        )
-    hidden, vocab = model.config.text_config.hidden_size, model.config.text_config.vocab_size
-    width = getattr(dataset.features["hidden_state"], "length", None)
-    if width != hidden:
-        raise ValueError(
-            f"the {split} features hold hidden states of size {width}, the model's base has hidden_size {hidden}: "
-            "extract the features with this base"
-        )
-    ids = pc.list_flatten(dataset.with_format("arrow").data.column("topk_ids"))
-    if len(ids):
-        bounds = pc.min_max(ids)
-        if bounds["min"].as_py() < 0 or bounds["max"].as_py() >= vocab:
-            raise ValueError(
-                f"the {split} features hold top-K token id {bounds['max'].as_py()} outside the model's vocabulary "
-                f"[0, {vocab}): extract the features with this base"
-            )
-    return dataset.with_format("torch", columns=list(FEATURE_COLUMNS))
-
-
+# extract_features, load_features and features_info are importable from here too (stage 1 lives in features.py).
 __all__ = [
     "CausalDistillConfig", "CausalDistillTrainer", "FEATURES_CONFIG_NAME",
     "extract_features", "features_info", "load_features",

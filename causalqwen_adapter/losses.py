@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_probs, ovr_standardize
+from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_log_probs, ovr_probs, ovr_standardize
 
 
 def chunked_ovr_loss(
@@ -42,6 +42,7 @@ def chunked_ovr_loss(
     chunk_size: int = 1024,
     vocab_chunk_size: int = 2048,
     ignore_index: int = -100,
+    negatives_only: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """OvR loss of the action head on the individual distributions, without [N × V] tensors.
 
@@ -49,7 +50,8 @@ def chunked_ovr_loss(
     ``threshold``: a float, a 0-dim tensor or a [V] tensor (learnable or not); ``labels``: [N],
     already aligned with the positions, ``ignore_index`` where there is no target.
     Training noise fusion (scale_U + T·|b_noise|), float32 math whatever the input dtype;
-    sum over the vocabulary, mean over valid targets, or sum / ``num_items_in_batch``.
+    sum over the vocabulary, mean over valid targets, or sum / ``num_items_in_batch``. With ``negatives_only`` the
+    labels only select the positions: every token is a negative, Σ_k −log(1 − P_k) (the distillation's tail term).
 
     Returns (loss, stats) with detached ``target_prob`` (mean P_y), ``ovr_prob_sum``
     (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` × ``vocab_chunk_size``
@@ -64,7 +66,7 @@ def chunked_ovr_loss(
         raise ValueError(f"{labels.numel()} labels for {loc_U.shape[0]} positions: pass one (shifted) label per position")
     loss, target_prob, prob_sum, num_tokens = _ChunkedOvRLoss.apply(
         loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch, temperature,
-        chunk_size, vocab_chunk_size, ignore_index, torch.is_grad_enabled(),
+        chunk_size, vocab_chunk_size, ignore_index, negatives_only, torch.is_grad_enabled(),
     )
     return loss, {"target_prob": target_prob, "ovr_prob_sum": prob_sum, "num_tokens": num_tokens}
 
@@ -72,7 +74,7 @@ def chunked_ovr_loss(
 class _ChunkedOvRLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch, temperature,
-                chunk_size, vocab_chunk_size, ignore_index, grad_enabled):
+                chunk_size, vocab_chunk_size, ignore_index, negatives_only, grad_enabled):
         # needs_input_grad stays True under no_grad, hence the explicit grad_enabled.
         need = [grad_enabled and n for n in ctx.needs_input_grad[:6]]
         need_loc, need_scale, need_W, need_bias, need_noise, need_thr = need
@@ -84,6 +86,8 @@ class _ChunkedOvRLoss(torch.autograd.Function):
         targets = labels[rows]
         check_labels(targets, vocab)
         n_valid = rows.numel()
+        if negatives_only:  # an id no vocabulary block holds: no column is flipped to the target's term
+            targets = torch.full_like(targets, -1)
 
         # Only valid positions enter the tiles; [n_valid, C] copies are small.
         loc, scale = fuse_noise(loc_U[rows].to(dtype), scale_U[rows].to(dtype), b_noise.to(dtype), "standard", temperature)
@@ -103,14 +107,14 @@ class _ChunkedOvRLoss(torch.autograd.Function):
         g_scale = scale.new_zeros(n_valid, width) if need_scale or need_noise else None
         g_shift = shift.new_zeros(vocab) if need_bias or need_thr else None
         grad_W = torch.zeros_like(weight) if need_W else None
-        neg_log_sum, a_row_sum, p_target = _ovr_tiles(
+        neg_log_sum, u_row_sum, p_target = _ovr_tiles(
             loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor,
             max(1, min(chunk_size, n_valid)), min(vocab_chunk_size, vocab), dtype,
         )
 
         loss = (neg_log_sum / denom).to(torch.float32)
-        # Σ_k P_k = Σ_{k≠y} (1 − a_k) + P_y, where a_y = P_y: rows summed in float64 against cancellation.
-        prob_sum = vocab - 1 - a_row_sum + 2 * p_target
+        # Σ_k P_k = Σ_{k≠y} (1 − a_k) + P_y, where a_y = P_y: rows summed in float64.
+        prob_sum = u_row_sum if negatives_only else u_row_sum - 1 + 2 * p_target
         n_tok = max(n_valid, 1)
         stats = (
             (p_target.sum() / n_tok).to(torch.float32),
@@ -144,7 +148,7 @@ class _ChunkedOvRLoss(torch.autograd.Function):
             # In place, so no second [V × C] buffer; the saved tensors' version check then makes a
             # second backward through this graph fail loudly instead of scaling twice.
             grads = [None if g is None else g.mul_(grad_loss) for g in grads]
-        return (*grads, *([None] * 7))
+        return (*grads, *([None] * 8))
 
 
 def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor, chunk, vblock, dtype):
@@ -154,18 +158,18 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     for one block at a time, and each block of grad_W is finished (and cast) before the next.
     g_loc, g_scale, g_shift receive token sums of π ∂ℓ/∂loc_S and −π ∂ℓ/∂scale_S paths; grad_W
     (left zero when there are no valid tokens) receives its final value, ``factor`` included.
-    Returns (Σ ℓ, per-token Σ_k a_k, per-token P_y), the last two in float64.
+    Returns (Σ ℓ, per-token Σ_k (1 − a_k), per-token P_y), the last two in float64.
     """
     n_valid, width = loc.shape
     vocab = weight.shape[0]
     dev = loc.device
-    x_buf, s_buf, a_buf, t_buf = (torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(4))
+    x_buf, s_buf, a_buf, t_buf, u_buf = (torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(5))
     abs_buf = torch.empty(vblock, width, dtype=dtype, device=dev)
     if grad_W is not None:
         acc_loc, acc_scale = (torch.empty(vblock, width, dtype=dtype, device=dev) for _ in range(2))
     one = torch.ones((), dtype=dtype, device=dev)
     neg_log_sum = torch.zeros((), dtype=torch.float64, device=dev)
-    a_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
+    u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     want_grads = any(g is not None for g in (g_loc, g_scale, g_shift, grad_W))
 
@@ -181,7 +185,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             acc_l, acc_s = acc_loc[:w].zero_(), acc_scale[:w].zero_()
         for r0 in range(0, n_valid, chunk):
             r1 = min(r0 + chunk, n_valid)
-            x, s, a, t = (buf[: (r1 - r0) * w].view(r1 - r0, w) for buf in (x_buf, s_buf, a_buf, t_buf))
+            x, s, a, t, u = (buf[: (r1 - r0) * w].view(r1 - r0, w) for buf in (x_buf, s_buf, a_buf, t_buf, u_buf))
             torch.addmm(shift[v0:v1], loc[r0:r1], w_blk.T, out=x)
             torch.mm(scale[r0:r1], abs_w.T, out=s)
             s.clamp_min_(torch.finfo(s.dtype).tiny)  # a zero row of W_A: the floor of cauchy.ovr_standardize
@@ -193,8 +197,12 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             flip = torch.where(hit, -1.0, 1.0).to(dtype).unsqueeze(1)
             x.scatter_(1, col, x.gather(1, col) * flip)  # now z
             torch.atan2(one, x, out=a).mul_(1 / math.pi)  # 1 − P_k off target, P_y on it
-            a_row_sum[r0:r1] += a.sum(1, dtype=torch.float64)
+            # u = 1 − a, computed as atan2(1, −z)/π: where z < 0, a is within a few ulps of 1 and has lost the digits
+            # of the small P_k (float32's ulp at 1 is 6e-8), which u keeps.
+            torch.atan2(one, torch.neg(x, out=u), out=u).mul_(1 / math.pi)
+            u_row_sum[r0:r1] += u.sum(1, dtype=torch.float64)
             p_target[r0:r1] += a.gather(1, col).squeeze(1) * hit
+            neg_log_sum -= torch.where(x < 0, torch.log1p(-u), torch.log(a)).sum(dtype=torch.float64)  # ℓ = −log a
             if want_grads:
                 # π ∂ℓ/∂z = 1/(a + z·(z·a)): a product form, so z² never overflows into inf·0.
                 # For z → +∞, z·a → 1/π and the gradient → 1/z; for z → −∞ the denominator → +∞
@@ -216,12 +224,11 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
                     g_scale[r0:r1].addmm_(x, abs_w)
                 if g_shift is not None:
                     g_shift[v0:v1] += t.sum(0)
-            neg_log_sum -= a.log_().sum()
         if grad_W is not None:
             # ∂/∂W of |W|·scale is sign(W)·(…); the scale path carries a minus sign (see above).
             acc_l.sub_(acc_s.mul_(torch.sign(w_blk, out=abs_w)))
             grad_W[v0:v1] = acc_l.mul_(factor)
-    return neg_log_sum, a_row_sum, p_target
+    return neg_log_sum, u_row_sum, p_target
 
 
 def topk_mse_loss(
@@ -235,22 +242,31 @@ def topk_mse_loss(
     topk_probs: torch.Tensor,
     *,
     temperature: float = 1.0,
+    tail_weight: float = 0.0,
+    chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Top-K distillation loss of docs/design.md, Offline distillation: Σ_{k∈K} (P_k − p_teacher,k)², summed over K, mean over positions.
+    """Distillation loss of docs/design.md, Offline distillation: Σ_{k∈K} (P_k − p_teacher,k)² (summed over K, mean
+    over positions), plus ``tail_weight`` × the tail term Σ_{k∉K} −log(1 − P_k): the OvR loss of every token outside
+    the teacher's top-K as a negative, which keeps Σ_k P_k from growing over the 151,936 − K tokens the MSE leaves
+    free.
 
     ``loc_U``, ``scale_U``: [N, C]; ``weight``: [V, C]; ``topk_ids``: [N, K] the teacher's top-K token ids, its
     top-1 first; ``topk_probs``: [N, K] its softmax probabilities there. P_k is the OvR probability under the
-    training noise fusion (scale_U + T·|b_noise|); only the K rows of W_A of each position are read, so nothing
-    of vocabulary size is built. Float32 math whatever the input dtype.
+    training noise fusion (scale_U + T·|b_noise|), float32 math whatever the input dtype. The MSE reads only the K
+    rows of W_A of each position; the tail term is `chunked_ovr_loss` with every token a negative (tiles, no [N × V]
+    tensor) minus the K stored tokens' own terms, computed on their rows.
 
     Returns (loss, stats) with detached ``top1_match`` (fraction of positions whose largest P among the K is the
-    teacher's top-1) and ``topk_prob_sum`` (mean Σ_{k∈K} P_k).
+    teacher's top-1), ``topk_prob_sum`` (mean Σ_{k∈K} P_k) and, with the tail term, ``ovr_prob_sum`` (mean Σ_k P_k
+    over the vocabulary) and ``tail_loss``.
     """
     if topk_ids.shape != topk_probs.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != loc_U.shape[0]:
         raise ValueError(
             f"expected topk_ids and topk_probs [N, K] for {loc_U.shape[0]} positions, got {tuple(topk_ids.shape)} "
             f"and {tuple(topk_probs.shape)}"
         )
+    if not (math.isfinite(tail_weight) and tail_weight >= 0):
+        raise ValueError(f"tail_weight must be a finite number >= 0, got {tail_weight}")
     check_labels(topk_ids.reshape(-1), weight.shape[0])
     dtype = torch.promote_types(weight.dtype, torch.float32)
     loc, scale = fuse_noise(loc_U.to(dtype), scale_U.to(dtype), b_noise.to(dtype), "standard", temperature)
@@ -259,13 +275,22 @@ def topk_mse_loss(
     thr = threshold.to(dtype) if torch.is_tensor(threshold) else threshold
     if torch.is_tensor(thr) and thr.dim() == 1:
         thr = thr[ids]
-    probs = ovr_probs(ovr_standardize(loc_S, scale_S, thr))
+    x = ovr_standardize(loc_S, scale_S, thr)
+    probs = ovr_probs(x)
     loss = (probs - topk_probs.to(dtype)).square().sum(-1).mean() if len(probs) else probs.sum()
+    stats = {}
+    if tail_weight > 0 and len(probs):
+        # Σ_k −log(1 − P_k) over the vocabulary, then the K stored tokens' own terms off (same fusion, threshold).
+        every, kernel_stats = chunked_ovr_loss(loc_U, scale_U, weight, bias, b_noise, threshold, ids[:, 0],
+                                               temperature=temperature, chunk_size=chunk_size, negatives_only=True)
+        tail = every + ovr_log_probs(x)[1].sum(-1).mean()
+        loss = loss + tail_weight * tail
+        stats = {"ovr_prob_sum": kernel_stats["ovr_prob_sum"], "tail_loss": tail.detach()}
     with torch.no_grad():
-        stats = {
+        stats.update({
             "top1_match": (probs.argmax(-1) == 0).float().mean() if len(probs) else probs.new_zeros(()),
             "topk_prob_sum": probs.sum(-1).mean() if len(probs) else probs.new_zeros(()),
-        }
+        })
     return loss.to(torch.float32), {k: v.to(torch.float32) for k, v in stats.items()}
 
 

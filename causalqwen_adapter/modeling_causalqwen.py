@@ -440,14 +440,19 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
         return CausalQwenCausalLMOutput(loss=loss, metrics=metrics)
 
     def _distillation_loss(self, hidden_state, topk_ids, topk_probs) -> CausalQwenCausalLMOutput:
-        """Top-K MSE of docs/design.md, Offline distillation on stored z [..., H] (mean over positions); the backbone does not run."""
+        """Top-K MSE plus the tail term (docs/design.md, Offline distillation) on stored z [..., H], mean over
+        positions; the backbone does not run."""
         z = hidden_state.reshape(-1, hidden_state.shape[-1])
         with torch.autocast(z.device.type, enabled=False):
             weight = self.action.effective_weight()
             loc_U, scale_U = self.abduction(z.to(weight.dtype))
+            # As in heads_loss: without ovr_trains_location the OvR-probability loss reaches only the scale path and
+            # the thresholds, so the locations keep the teacher's ranking (loc_S is the base's logits at init).
+            grad = (lambda t: t) if self.config.ovr_trains_location else (lambda t: t.detach())
             loss, stats = topk_mse_loss(
-                loc_U, scale_U, weight, self.action.bias, self.action.b_noise, self.ovr.threshold,
+                grad(loc_U), scale_U, grad(weight), grad(self.action.bias), self.action.b_noise, self.ovr.threshold,
                 topk_ids.reshape(len(z), -1), topk_probs.reshape(len(z), -1),
+                tail_weight=self.config.distill_tail_weight, chunk_size=self.loss_chunk_size,
             )
         count = torch.tensor(float(len(z)), device=z.device)
         return CausalQwenCausalLMOutput(loss=loss, metrics={k: _sum_count(v * len(z), count) for k, v in stats.items()})

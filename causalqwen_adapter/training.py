@@ -312,8 +312,8 @@ def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
                          "the Qwen2 base instead of an adapter, or drop the option)")
     # The loss is the model's (forward(labels=...)): the trainer's choice goes into its config, saved with it.
     changed = False
-    for name in ("objective", "softmax_loss_weight", "ovr_trains_location", "ovr_distribution"):
-        value = getattr(args, name)
+    for name in ("objective", "softmax_loss_weight", "ovr_trains_location", "ovr_distribution", "distill_tail_weight"):
+        value = getattr(args, name, None)  # distill_tail_weight is the distillation config's only
         if value is not None and value != getattr(model.config, name):
             setattr(model.config, name, value)
             changed = True

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from causalqwen_adapter.data import load_text_dataset  # the data sources of the SFT recipe
-from causalqwen_adapter.distill import extract_features
+from causalqwen_adapter.features import extract_features
 
 
 @dataclass

@@ -17,14 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
-from causalqwen_adapter.distill import (
-    FEATURES_CONFIG_NAME,
-    CausalDistillConfig,
-    CausalDistillTrainer,
-    extract_features,
-    features_info,
-    load_features,
-)
+from causalqwen_adapter.distill import CausalDistillConfig, CausalDistillTrainer
+from causalqwen_adapter.features import FEATURES_CONFIG_NAME, extract_features, features_info, load_features
 from causalqwen_adapter.losses import topk_mse_loss
 
 from conftest import PAIRS, TINY_HIDDEN, TINY_VOCAB, save_tiny_qwen2
@@ -33,13 +27,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQUENCES = [[5, 9, 17, 3, 44, 60, 2], [7, 8], [100, 101, 102, 103, 104], [12], [30, 31, 32, 33]]
 
 
-def _naive_topk_mse(loc_U, scale_U, weight, bias, b_noise, threshold, ids, probs):
-    """Full-vocabulary scores in float64, then gather: the obvious implementation of §2.6."""
+def _naive_topk_mse(loc_U, scale_U, weight, bias, b_noise, threshold, ids, probs, tail_weight=0.0):
+    """Full-vocabulary scores in float64, then gather (and a mask for the tail): the obvious implementation."""
     scale = scale_U + b_noise.abs()
     loc_S = loc_U @ weight.T + bias
     scale_S = scale @ weight.abs().T
     P = 0.5 + torch.atan((loc_S - threshold) / scale_S) / math.pi
-    return ((P.gather(1, ids) - probs) ** 2).sum(1).mean(), P
+    mse = ((P.gather(1, ids) - probs) ** 2).sum(1).mean()
+    outside = torch.ones_like(P, dtype=torch.bool).scatter_(1, ids, False)
+    tail = (-torch.log1p(-P) * outside).sum(1).mean()
+    return mse + tail_weight * tail, P
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +67,9 @@ def _args(output_dir, **overrides) -> CausalDistillConfig:
 # --------------------------------------------------------------------------------------- the loss
 
 
+@pytest.mark.parametrize("tail_weight", [0.0, 0.7])
 @pytest.mark.parametrize("learnable_threshold", [False, True])
-def test_topk_mse_and_gradients_match_float64_reference(learnable_threshold):
+def test_topk_mse_and_gradients_match_float64_reference(learnable_threshold, tail_weight):
     g = torch.Generator().manual_seed(0)
     N, C, V, K = 7, 5, 40, 4
     loc_U = torch.randn(N, C, generator=g, requires_grad=True)
@@ -84,11 +82,12 @@ def test_topk_mse_and_gradients_match_float64_reference(learnable_threshold):
     probs = torch.softmax(torch.randn(N, K, generator=g), -1)
     tensors = [loc_U, scale_U, weight, bias, b_noise, threshold]
 
-    loss, stats = topk_mse_loss(*tensors, ids, probs)
+    # tiles smaller than the problem, so the kernel's chunking is exercised
+    loss, stats = topk_mse_loss(*tensors, ids, probs, tail_weight=tail_weight, chunk_size=3)
     grads = torch.autograd.grad(loss, [t for t in tensors if t.requires_grad])
 
     ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
-    ref, P = _naive_topk_mse(*ref_inputs, ids, probs.double())
+    ref, P = _naive_topk_mse(*ref_inputs, ids, probs.double(), tail_weight)
     ref_grads = torch.autograd.grad(ref, [t for t in ref_inputs if t.requires_grad])
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-7)
     for got, want in zip(grads, ref_grads):
@@ -96,6 +95,10 @@ def test_topk_mse_and_gradients_match_float64_reference(learnable_threshold):
     picked = P.gather(1, ids)
     assert stats["top1_match"].item() == pytest.approx((picked.argmax(1) == 0).double().mean().item())
     assert stats["topk_prob_sum"].item() == pytest.approx(picked.sum(1).mean().item(), rel=1e-5)
+    if tail_weight:
+        assert stats["ovr_prob_sum"].item() == pytest.approx(P.sum(1).mean().item(), rel=1e-5)
+    else:
+        assert "ovr_prob_sum" not in stats
 
 
 def test_topk_mse_rejects_bad_shapes_and_ids():
@@ -230,20 +233,30 @@ def test_one_sgd_step_matches_the_hand_computed_update(tiny_teacher, features, t
     loc_U, scale_U = ref.abduction(rows["hidden_state"])
     params = dict(ref.named_parameters())
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    # float64 past the heads: in float32, ½ + atan(x)/π rounds the tail's tiny P_k to multiples of 6e-8
+    assert not ref.config.ovr_trains_location  # the default: the locations get no gradient
+    loc_U = loc_U.detach()
     ref_loss, _ = _naive_topk_mse(
-        loc_U, scale_U, ref.action.weight, ref.action.bias, ref.action.b_noise, ref.ovr.threshold,
-        rows["topk_ids"].long(), rows["topk_probs"],
+        loc_U.double(), scale_U.double(), ref.action.weight.detach().double(), ref.action.bias.detach().double(),
+        ref.action.b_noise.double(), ref.ovr.threshold.double(), rows["topk_ids"].long(), rows["topk_probs"].double(),
+        ref.config.distill_tail_weight,
     )
-    grads = dict(zip(trainable, torch.autograd.grad(ref_loss, [params[n] for n in trainable])))
+    assert ref.config.distill_tail_weight > 0  # the default: the tail term is part of the update
+    grads = torch.autograd.grad(ref_loss, [params[n] for n in trainable], allow_unused=True)
+    grads = {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(trainable, grads)}
     trainer.train()
 
     assert sorted(trainable) == sorted(
         ["abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight", "abduction.scale.bias",
          "action.weight", "action.bias", "action.b_noise"])
     assert trainer.state.log_history[0]["loss"] == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert {"tail_loss", "ovr_prob_sum", "top1_match"} <= set(trainer.state.log_history[0])
     after = model.state_dict()
     for name in trainable:
-        torch.testing.assert_close(after[name], before[name] - 0.5 * grads[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(after[name], before[name] - 0.5 * grads[name].float(), rtol=1e-5, atol=1e-6)
+    for name in ("abduction.loc.weight", "abduction.loc.bias", "action.weight", "action.bias"):
+        assert torch.equal(after[name], before[name]), name  # the locations keep the teacher's ranking
+    assert not torch.equal(after["action.b_noise"], before["action.b_noise"])  # the scale path learns
     for name, value in before.items():  # the backbone never moves
         if name.startswith("model."):
             assert torch.equal(after[name], value), name
@@ -267,7 +280,10 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_teacher, features, tmp
 
 def test_training_lowers_the_loss_saves_and_resumes(tiny_teacher, features, tmp_path):
     folder, _ = tiny_teacher
-    args = dict(action_weight="tied", learning_rate=0.1, num_train_epochs=12, save_strategy="steps", save_steps=6,
+    # The top-K MSE alone: with the tail term the random tiny teacher's near-uniform top-K leaves nothing to gain (the
+    # update with the tail term is checked exactly in test_one_sgd_step_matches_the_hand_computed_update).
+    args = dict(action_weight="tied", distill_tail_weight=0.0, learning_rate=0.1, num_train_epochs=12,
+                save_strategy="steps", save_steps=6,
                 eval_strategy="epoch", per_device_train_batch_size=8)
     trainer = CausalDistillTrainer(str(folder), args=_args(tmp_path / "run", **args), train_dataset=str(features),
                                    eval_dataset=str(features))
@@ -310,6 +326,32 @@ def test_features_of_another_base_are_refused(features, tmp_path):
         CausalDistillTrainer(str(wide), args=_args(tmp_path / "out"), train_dataset=Dataset.from_dict({"text": ["a"]}))
     with pytest.raises(ValueError, match="remove_unused_columns=True would drop the feature columns"):
         _args(tmp_path / "out", remove_unused_columns=True)
+
+
+def test_a_teacher_named_relatively_is_the_same_base(tiny_teacher, tmp_path, monkeypatch):
+    """A store extracted with `folder` relative to the working directory belongs to an adapter whose base is the
+    same folder by its absolute path; another base is warned about."""
+    import logging as std_logging
+
+    from transformers.utils import logging as hf_logging
+
+    folder, _ = tiny_teacher
+    monkeypatch.chdir(folder.parent)
+    extract_features(folder.name, Dataset.from_dict({"input_ids": SEQUENCES[:2]}), tmp_path / "store", top_k=3)
+    assert features_info(tmp_path / "store")["teacher_name_or_path"] == str(folder.resolve())
+
+    records = []
+    handler = std_logging.Handler()
+    handler.emit = records.append
+    hf_logging.get_logger("causalqwen_adapter.features").addHandler(handler)
+    try:
+        CausalDistillTrainer(str(folder), args=_args(tmp_path / "a"), train_dataset=tmp_path / "store")
+        assert not [r for r in records if "extracted with" in r.getMessage()]
+        other = save_tiny_qwen2(tmp_path / "other", seed=3, pad_token_id=None)  # same shapes, another folder
+        CausalDistillTrainer(str(other), args=_args(tmp_path / "b"), train_dataset=tmp_path / "store")
+        assert [r for r in records if "extracted with" in r.getMessage()]
+    finally:
+        hf_logging.get_logger("causalqwen_adapter.features").removeHandler(handler)
 
 
 # --------------------------------------------------------------------------------------- recipes

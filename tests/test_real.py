@@ -76,7 +76,7 @@ def test_num_token_is_the_first_reserved_row_of_the_real_vocabulary(real):
 
 
 def test_extracted_features_are_the_base_hidden_states(real, tmp_path):
-    from causalqwen_adapter.distill import extract_features
+    from causalqwen_adapter.features import extract_features
 
     tokenizer, base, _ = real
     stored = extract_features(base, PROMPTS, tmp_path / "features", top_k=4, tokenizer=tokenizer)

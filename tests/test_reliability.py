@@ -153,7 +153,7 @@ def test_generate_from_inputs_embeds_like_the_base(tiny_base, mode):
 def test_feature_extraction_never_replaces_a_model_or_foreign_folder(sft_base, tmp_path):
     import shutil
 
-    from causalqwen_adapter.distill import extract_features
+    from causalqwen_adapter.features import extract_features
 
     teacher = tmp_path / "teacher"
     shutil.copytree(sft_base, teacher)
@@ -199,7 +199,7 @@ def test_a_trainer_refuses_an_output_dir_holding_a_model(sft_base, tmp_path):
 
 
 def test_a_corrupted_feature_shard_is_refused(sft_base, tmp_path):
-    from causalqwen_adapter.distill import extract_features, load_features
+    from causalqwen_adapter.features import extract_features, load_features
 
     store = tmp_path / "features"
     extract_features(str(sft_base), Dataset.from_dict({"text": ["the cat sat on the mat"] * 3}), store, top_k=2)
