@@ -12,7 +12,7 @@ huggingface_hub (a transformers dependency).
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,10 @@ class CausalQwenCausalLMOutput(ModelOutput):
     past_key_values: object | None = None
     hidden_states: tuple | None = None
     attentions: tuple | None = None
+
+
+# What the causal-LM output carries over from the model output (all but the hidden state the heads read).
+_LM_OUTPUT_FIELDS = tuple(f.name for f in fields(CausalQwenModelOutput) if f.name != "last_hidden_state")
 
 
 # --------------------------------------------------------------------------------------- model
@@ -353,26 +357,15 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             return self._training_loss(input_ids, attention_mask, position_ids, inputs_embeds, numeric_values, labels,
                                        shift_labels, num_items_in_batch, kwargs)
 
-        mode, temperature = self._resolve_mode(inference_mode, causal_temperature, noise_sharing)
-        outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
-                                     kwargs, numeric_values)
-        z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
-        loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
-        logits = self.mode_scores(loc_S, scale_S, mode)
-        loc_Y, scale_Y = self.numeric_prediction(loc_U, scale_U, mode, temperature, noise)
-        return CausalQwenCausalLMOutput(
-            logits=logits,
-            loc_U=loc_U,
-            scale_U=scale_U,
-            loc_S=loc_S,
-            scale_S=scale_S,
-            causal_noise=noise,
-            loc_Y=loc_Y,
-            scale_Y=scale_Y,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+        out = super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            logits_to_keep=logits_to_keep, inference_mode=inference_mode, causal_temperature=causal_temperature,
+            noise_sharing=noise_sharing, causal_noise=causal_noise, numeric_values=numeric_values, **kwargs,
         )
+        mode = self.config.inference_mode if inference_mode is None else inference_mode
+        return CausalQwenCausalLMOutput(logits=self.mode_scores(out.loc_S, out.scale_S, mode),
+                                        **{name: getattr(out, name) for name in _LM_OUTPUT_FIELDS})
 
     # ------------------------------------------------------------------ losses
 
