@@ -3,11 +3,12 @@
 For each of --prompts prompts (the first 48 tokens of windows of held-out standard-library modules), every model
 samples --new-tokens tokens at generation temperature 1 (`do_sample=True`, no top-k/top-p); the base model then
 scores each continuation, and the table gives the mean NLL per token (nats) it assigns to them. A model whose
-samples the base finds as likely as its own samples has a ratio of 1.0 to the base's row.
+samples the base finds as likely as its own samples has a ratio of 1.0 to the base's row. The fraction of distinct
+2-grams per continuation shows whether a low NLL comes from repetition.
 
     python bench/sampling.py --base build/demo-base --adapters build/bench-heads/default --modes standard sampling
 
-Adapters are scored in each mode of --modes (the OvR modes sample from P/ΣP).
+Adapters are scored in each mode of --modes (the OvR modes sample from the config's `ovr_distribution`).
 """
 
 import argparse
@@ -61,14 +62,16 @@ def main() -> None:
                 lambda p, seed, model=model, mode=mode: sample(model, p, args.new_tokens, seed, inference_mode=mode))
     results = {}
     for name, run in runs.items():
-        nlls = [base_nll(base, p, run(p, seed)) for seed, p in enumerate(prompts)]
-        results[name] = sum(nlls) / len(nlls)
-        print(f"{name}: base NLL of its samples {results[name]:.3f} nats/token", flush=True)
-    print("\n| model | base's NLL of the samples (nats/token) | × base's own |\n|---|---:|---:|")
-    for name, value in results.items():
-        ratio = f"{value / results['base']:.2f}" if "base" in results else "–"
-        print(f"| {name} | {value:.3f} | {ratio} |")
-
+        samples = [(p, run(p, seed)) for seed, p in enumerate(prompts)]
+        nll = sum(base_nll(base, p, c) for p, c in samples) / len(samples)
+        # distinct 2-grams per continuation: a sampler can please the judge by repeating itself
+        distinct = sum(len(set(zip(c.tolist(), c[1:].tolist()))) / max(len(c) - 1, 1) for _, c in samples) / len(samples)
+        results[name] = (nll, distinct)
+        print(f"{name}: base NLL of its samples {nll:.3f} nats/token, distinct 2-grams {distinct:.3f}", flush=True)
+    print("\n| model | base's NLL of the samples (nats/token) | × base's own | distinct 2-grams |\n|---|---:|---:|---:|")
+    for name, (nll, distinct) in results.items():
+        ratio = f"{nll / results['base'][0]:.2f}" if "base" in results else "–"
+        print(f"| {name} | {nll:.3f} | {ratio} | {distinct:.3f} |")
 
 if __name__ == "__main__":
     main()
