@@ -15,6 +15,7 @@ from torch import nn
 from .cauchy import (
     cauchy_linear,
     cauchy_linear_single_row,
+    cauchy_nll,
     cauchy_regression,
     fuse_noise,
     ovr_standardize,
@@ -174,13 +175,39 @@ class NumericHead(nn.Module):
         self.log_scale = nn.Parameter(torch.empty(()))
 
     def embed(self, inputs_embeds: torch.Tensor, numeric_values: torch.Tensor) -> torch.Tensor:
-        phi = signed_log1p(numeric_values.to(torch.float32)).unsqueeze(-1)
+        """e = embed(token) + φ(v)·d, for one value per token (checked: same shape, finite)."""
+        if numeric_values.shape != inputs_embeds.shape[:-1]:
+            raise ValueError(
+                f"numeric_values has shape {tuple(numeric_values.shape)}, the input tokens "
+                f"{tuple(inputs_embeds.shape[:-1])}: pass one value per token (0 where the token is not <NUM>)"
+            )
+        check_numeric_values(numeric_values)
+        phi = signed_log1p(numeric_values.to(device=inputs_embeds.device, dtype=torch.float32)).unsqueeze(-1)
         return inputs_embeds + (phi * self.direction.float()).to(inputs_embeds.dtype)
 
     def forward(self, loc_U: torch.Tensor, scale_U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loc_Y, scale_Y) in float32 from the fused individual (loc_U', scale_U')."""
         return cauchy_regression(loc_U.float(), scale_U.float(), self.weight.float(), self.bias.float(),
                                  self.log_scale.float())
+
+    def predict(self, loc_U, scale_U, b_noise, mode="standard", temperature=1.0, noise=None):
+        """(loc_Y, scale_Y) on the individual fused with the action network's noise as `mode` fuses it."""
+        return self(*fuse_noise(loc_U, scale_U, b_noise, mode, temperature, noise))
+
+    def nll(self, loc_U, scale_U, b_noise, targets, values, num_token_id: int) -> torch.Tensor:
+        """Cauchy NLL (training fusion) of the value of every `<NUM>` target, [number of <NUM> targets].
+
+        `targets` (token ids, −100 for none) and `values` (their numeric values) are aligned with the positions of
+        `loc_U`/`scale_U`, i.e. already shifted.
+        """
+        is_number = targets == num_token_id
+        if not is_number.any():
+            return loc_U.new_zeros(0, dtype=torch.float32)
+        if values is None:
+            raise ValueError("the labels hold <NUM> targets but no numeric_values were given: pass the value of every "
+                             "<NUM> token (0 elsewhere)")
+        loc_Y, scale_Y = self.predict(loc_U[is_number], scale_U[is_number], b_noise)
+        return cauchy_nll(values.to(loc_Y.device)[is_number].float(), loc_Y, scale_Y)
 
     @torch.no_grad()
     def reset_parameters(self, median: float = 0.0, scale: float = 1.0) -> None:

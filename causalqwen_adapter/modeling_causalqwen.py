@@ -22,10 +22,10 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils import logging
 
 from .adapter_io import CausalAdapterMixin
-from .cauchy import INFERENCE_MODES, cauchy_nll, fuse_noise, ovr_log_prob, ovr_probs, sample_standard_cauchy
+from .cauchy import INFERENCE_MODES, ovr_log_prob, ovr_probs, sample_standard_cauchy
 from .configuration_causalqwen import CausalQwenConfig
 from .generation import CausalGenerationMixin
-from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier, check_numeric_values
+from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier
 from .losses import chunked_ovr_loss, chunked_softmax_loss, topk_mse_loss
 
 logger = logging.get_logger(__name__)
@@ -168,23 +168,15 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         if not self.config.numeric:
             raise ValueError("numeric_values were given but this model has numeric=False: drop them, or build the "
                              "heads with numeric=True")
-        reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
-        check_numeric_values(numeric_values)
-        if numeric_values.shape != reference.shape:
-            raise ValueError(
-                f"numeric_values has shape {tuple(numeric_values.shape)}, the input tokens {tuple(reference.shape)}: "
-                "pass one value per token (0 where the token is not <NUM>)"
-            )
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
-        return None, self.numeric.embed(inputs_embeds, numeric_values.to(inputs_embeds.device))
+        return None, self.numeric.embed(inputs_embeds, numeric_values)
 
     def numeric_prediction(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
         """(loc_Y, scale_Y) of numeric models, on U fused as the mode fuses it; (None, None) otherwise."""
         if not self.config.numeric:
             return None, None
-        loc, scale = fuse_noise(loc_U, scale_U, self.action.b_noise, mode, temperature, noise)
-        return self.numeric(loc, scale)
+        return self.numeric.predict(loc_U, scale_U, self.action.b_noise, mode, temperature, noise)
 
     def causal_heads(self, z, inference_mode="standard", causal_temperature=1.0, noise=None):
         """z ↦ (loc_U, scale_U, loc_S, scale_S): abduction, then the action network's noise fusion and linear law."""
@@ -427,7 +419,8 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
                 loss = loss + softmax_weight * ce
                 metrics["softmax_nll"] = _sum_count(ce.detach() * denom, count)
             if config.numeric:  # λ · Σ NLL over the same denominator
-                nll = self.numeric_nll(loc_U, scale_U, targets, numeric_values)
+                nll = self.numeric.nll(loc_U, scale_U, self.action.b_noise, targets, numeric_values,
+                                       config.num_token_id)
                 loss = loss + config.numeric_loss_weight * nll.sum() / denom
                 metrics["numeric_nll"] = _sum_count(nll.detach().sum(), torch.tensor(float(nll.numel()), device=z.device))
         return CausalQwenCausalLMOutput(loss=loss, metrics=metrics)
@@ -449,22 +442,6 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             )
         count = torch.tensor(float(len(z)), device=z.device)
         return CausalQwenCausalLMOutput(loss=loss, metrics={k: _sum_count(v * len(z), count) for k, v in stats.items()})
-
-    def numeric_nll(self, loc_U, scale_U, targets, values):
-        """Cauchy NLL (training fusion) of the value of every `<NUM>` target, [number of <NUM> targets].
-
-        `targets` (token ids, −100 for none) and `values` (their numeric values) are aligned with the positions of
-        `loc_U`/`scale_U`, i.e. already shifted.
-        """
-        is_number = targets == self.config.num_token_id
-        if not is_number.any():
-            return loc_U.new_zeros(0, dtype=torch.float32)
-        if values is None:
-            raise ValueError("the labels hold <NUM> targets but no numeric_values were given: pass the value of every "
-                             "<NUM> token (0 elsewhere)")
-        loc_Y, scale_Y = self.numeric_prediction(loc_U[is_number], scale_U[is_number])
-        return cauchy_nll(values.to(loc_Y.device)[is_number].float(), loc_Y, scale_Y)
-
 
 # --------------------------------------------------------------------------------------- helpers
 
