@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, 
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.cauchy import INFERENCE_MODES
+from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
 from causalqwen_adapter.data import batches, load_text_dataset, tokenize_for_evaluation
 from causalqwen_adapter.evaluation import evaluate, markdown_table, reliability_diagram
 
@@ -35,6 +36,11 @@ class EvaluationArguments:
         metadata={"help": f"Inference modes adapters are scored in ({', '.join(INFERENCE_MODES)})."},
     )
     causal_temperature: float | None = field(default=None, metadata={"help": "T of the modes' noise (default: config)."})
+    ovr_distribution: str | None = field(
+        default=None,
+        metadata={"help": "The OvR modes' next-token distribution for every adapter: `accept` (softmax(loc_S)·P) or "
+                  "`normalize` (P/ΣP). Default: each adapter's config.", "choices": ["accept", "normalize"]},
+    )
     max_length: int = field(default=1024, metadata={"help": "Tokens per row (truncated beyond)."})
     max_rows: int | None = field(default=None, metadata={"help": "Evaluate the first N rows only."})
     batch_size: int = field(default=4, metadata={"help": "Rows per forward pass."})
@@ -56,6 +62,8 @@ def main(args: EvaluationArguments) -> dict:
     bad = [m for m in args.modes if m not in INFERENCE_MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}: choose from {', '.join(INFERENCE_MODES)}")
+    if args.ovr_distribution not in (None, *OVR_DISTRIBUTIONS):
+        raise ValueError(f"ovr_distribution={args.ovr_distribution!r}: choose one of {', '.join(OVR_DISTRIBUTIONS)}")
     output_dir = Path(args.output_dir)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     dataset = load_text_dataset(args.dataset_name, args.dataset_config)
@@ -69,6 +77,8 @@ def main(args: EvaluationArguments) -> dict:
     for name in args.models:
         model, base_name = load_model(name, dtype)
         model.eval()
+        if args.ovr_distribution is not None and isinstance(model, CausalQwenForCausalLM):
+            model.config.ovr_distribution = args.ovr_distribution
         if rows is None:  # the first model's tokenizer: every model must share the base's vocabulary
             tokenizer = AutoTokenizer.from_pretrained(base_name)
             rows = tokenize_for_evaluation(dataset, tokenizer, args.max_length)

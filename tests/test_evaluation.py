@@ -10,7 +10,7 @@ from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.cauchy import ovr_log_prob
 from causalqwen_adapter.evaluation import EvaluationAccumulator, evaluate, markdown_table
 
-from conftest import TINY_VOCAB
+from conftest import PAIRS, TINY_VOCAB
 
 
 def _naive_ece(probs: list[float], hits: list[float], bins: int = 15) -> float:
@@ -132,3 +132,34 @@ def test_reliability_diagram_is_a_png(tied_base, input_ids, tmp_path):
     results = evaluate(model, [{"input_ids": input_ids}], modes=("compatible", "standard"))
     reliability_diagram({"adapter": results["accumulators"]}, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluate_recipe_scores_bases_and_adapters(sft_base, tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("evaluate_recipe", Path(__file__).parents[1] / "recipes" / "evaluate.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    adapter = tmp_path / "adapter"
+    CausalQwenForCausalLM.from_base(sft_base).save_pretrained(adapter)
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps({"text": p + c}) + "\n" for p, c in PAIRS))
+
+    def run(out, **overrides):
+        return recipe.main(recipe.EvaluationArguments(models=[str(sft_base), str(adapter)], dataset_name=str(data),
+                                                      output_dir=str(out), dtype="float32", **overrides))
+
+    results = run(tmp_path / "eval")
+    base, heads = results[str(sft_base)], results[str(adapter)]
+    assert set(base) == {"softmax"} and set(heads) == {"compatible", "standard", "causal"}
+    assert heads["compatible"]["nll"] == pytest.approx(base["softmax"]["nll"], rel=1e-5)
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())[str(adapter)]["standard"]["num_tokens"] > 0
+    assert len((tmp_path / "eval" / "metrics.md").read_text().splitlines()) == 2 + 1 + 3  # header; a row per mode
+    normalized = run(tmp_path / "eval-normalize", ovr_distribution="normalize")[str(adapter)]
+    assert normalized["standard"]["prob_sum_median"] == pytest.approx(heads["standard"]["prob_sum_median"])
+    assert normalized["standard"]["nll"] != pytest.approx(heads["standard"]["nll"])  # another distribution q
+    with pytest.raises(ValueError, match="ovr_distribution='both': choose one of accept, normalize"):
+        run(tmp_path / "bad", ovr_distribution="both")
+    assert not (tmp_path / "bad").exists()
