@@ -12,6 +12,8 @@ from .cauchy import INFERENCE_MODES
 ACTION_WEIGHTS = ("full", "tied", "lora")
 OBJECTIVES = ("ovr", "softmax")
 OVR_DISTRIBUTIONS = ("accept", "normalize")
+CONFIG_CHOICES = {"action_weight": ACTION_WEIGHTS, "objective": OBJECTIVES, "ovr_distribution": OVR_DISTRIBUTIONS,
+                  "inference_mode": INFERENCE_MODES}
 # Qwen2's embedding has 151936 rows; the tokenizer uses the first 151665, the last 271 are reserved.
 QWEN2_VOCAB_SIZE = 151936
 QWEN2_RESERVED_ROWS = 271

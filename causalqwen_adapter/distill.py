@@ -23,6 +23,7 @@ from .training import (
     CausalHeadArguments,
     HeadLearningRatesMixin,
     LossMetricsMixin,
+    config_argument,
     prepare_causal_model,
 )
 
@@ -44,11 +45,7 @@ class CausalDistillConfig(CausalHeadArguments, TrainingArguments):
         metadata={"help": "Must stay False: the feature columns feed the heads, not the model's forward."},
     )
     learning_rate: float = field(default=1e-3, metadata={"help": "The initial learning rate for AdamW."})
-    distill_tail_weight: float | None = field(
-        default=None,
-        metadata={"help": "Weight of the tail term Σ_{k∉K} −log(1 − P_k) beside the top-K MSE (0: the MSE alone). "
-                  "Sets the model config's `distill_tail_weight` (default: the model's)."},
-    )
+    distill_tail_weight: float | None = config_argument("distill_tail_weight", "Applies to adapters too.")
 
     def __post_init__(self):
         if isinstance(self.model_init_kwargs, str):

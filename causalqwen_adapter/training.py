@@ -8,7 +8,9 @@ metrics by name.
 - `LossMetricsMixin`: the metrics the model's loss returns, averaged per logging window across ranks.
 """
 
+import inspect
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from .adapter_io import LORA_FOLDER
+from .configuration_causalqwen import CONFIG_CHOICES, CausalQwenConfig
 from .modeling_causalqwen import CausalQwenForCausalLM
 
 logger = logging.get_logger(__name__)
@@ -26,80 +29,48 @@ logger = logging.get_logger(__name__)
 _LORA_WEIGHTS_NAME = "adapter_model.safetensors"
 
 
+def config_field_help(name: str) -> str:
+    """The `CausalQwenConfig` docstring's entry for `name`, as one line: the one place a head option is described."""
+    doc = inspect.getdoc(CausalQwenConfig) or ""
+    match = re.search(rf"^    {name} \(`[^`]*`(?:, \*optional\*)?\): (.*?)(?=^    \w+ \(`|\Z)", doc, re.M | re.S)
+    if match is None:
+        raise KeyError(f"CausalQwenConfig's docstring does not describe {name!r}")
+    return " ".join(match.group(1).split())
+
+
+def config_argument(name: str, note: str = "", default=None):
+    """A trainer argument that sets the config field `name`: its help is the config's (plus the trainer's `note`), its
+    choices the config's, and unset (None) keeps the config's value."""
+    text = " ".join(filter(None, (config_field_help(name), note, "Default: the model config's.")))
+    metadata = {"help": text.replace("%", "%%")}  # argparse formats help strings
+    if name in CONFIG_CHOICES:
+        metadata["choices"] = list(CONFIG_CHOICES[name])
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class CausalHeadArguments:
     """The head options of the trainers' configs: `CausalQwenConfig` fields, used when a trainer builds fresh heads
-    (when `model` is a Qwen2 base; an adapter brings its own). Unset (None) means the config's default, documented
-    once in `CausalQwenConfig`; the loss options and `ovr_distribution` apply to adapters too."""
+    (when `model` is a Qwen2 base; an adapter brings its own). Unset (None) means the config's value; each option is
+    described once, in `CausalQwenConfig`'s docstring. The loss options and `ovr_distribution` apply to adapters too."""
 
-    causal_size: int | None = field(
-        default=None, metadata={"help": "Size C of the individual U; default: the base hidden size H."}
+    causal_size: int | None = config_argument("causal_size")
+    gamma_init: float | None = config_argument("gamma_init")
+    b_noise_init: float | None = config_argument("b_noise_init")
+    ovr_threshold_init: float | None = config_argument(
+        "ovr_threshold_init", "Unset for fresh heads: calibrated on the first training rows (`calibrate_threshold`)."
     )
-    gamma_init: float | None = field(
-        default=None, metadata={"help": "Initial Cauchy scale of U, softplus(b_scale) (default: CausalQwenConfig's)."}
-    )
-    b_noise_init: float | None = field(
-        default=None, metadata={"help": "Initial value of every component of b_noise (default: CausalQwenConfig's)."}
-    )
-    ovr_threshold_init: float | None = field(
-        default=None,
-        metadata={"help": "Initial OvR threshold C_k. Unset: calibrated on the first training batches (the value "
-                  "at which argmax_k P_k agrees best with the base's argmax), see `calibrate_threshold`."},
-    )
-    learnable_threshold: bool | None = field(
-        default=None, metadata={"help": "Learn one threshold per vocabulary entry (default: CausalQwenConfig's)."}
-    )
-    action_weight: str | None = field(
-        default=None,
-        metadata={
-            "help": "Where W_A lives: `full` (a trained copy of the base's output layer, saved), `tied` (the base's "
-            "output layer itself, frozen, not saved) or `lora` (the base's plus a trained low-rank B·A; only A and B "
-            "are saved). Default: CausalQwenConfig's (`full`).",
-            "choices": ["full", "tied", "lora"],
-        },
-    )
-    action_lora_rank: int | None = field(default=None, metadata={"help": "Rank of B·A when action_weight='lora'."})
-    numeric: bool = field(
-        default=False,
-        metadata={"help": "Numeric-aware heads (docs/design.md, Numbers): <NUM> tokens with values in, a Cauchy "
-                  "regression head out. The data then needs input_ids and numeric_values (causalqwen_adapter.numeric)."},
-    )
-    num_token_id: int | None = field(
-        default=None,
-        metadata={"help": "Id of <NUM> for numeric heads: an unused row of the vocabulary (default 151665 for Qwen2)."},
-    )
-    numeric_loss_weight: float | None = field(
-        default=None, metadata={"help": "λ: weight of the Cauchy NLL of <NUM> values beside the OvR loss."}
-    )
-    objective: str | None = field(
-        default=None,
-        metadata={
-            "help": "The training loss: `ovr` (the one-vs-rest loss of the causal heads) or `softmax` (cross-entropy "
-            "of softmax(loc_S) on the same trainable heads: the baseline every OvR figure is compared with). Sets "
-            "the model config's `objective`, for fresh heads and adapters alike (default: the model's).",
-            "choices": ["ovr", "softmax"],
-        },
-    )
-    ovr_trains_location: bool | None = field(
-        default=None,
-        metadata={"help": "Whether the OvR loss's gradient reaches the location path (W_loc, b_loc, W_A, b_A); when "
-                  "not, the locations learn from the softmax term only. Sets the model config's field (default: the "
-                  "model's)."},
-    )
-    softmax_loss_weight: float | None = field(
-        default=None,
-        metadata={"help": "Weight of an auxiliary softmax cross-entropy on loc_S beside the OvR loss. Sets the model "
-                  "config's `softmax_loss_weight` (default: the model's)."},
-    )
-    ovr_distribution: str | None = field(
-        default=None,
-        metadata={
-            "help": "The next-token distribution of the OvR modes (what sampling draws from and evaluation scores): "
-            "`accept` (softmax(loc_S) restricted by the OvR acceptance P_k) or `normalize` (P/ΣP, the seeds'). Sets "
-            "the model config's field (default: the model's).",
-            "choices": ["accept", "normalize"],
-        },
-    )
+    learnable_threshold: bool | None = config_argument("learnable_threshold")
+    action_weight: str | None = config_argument("action_weight")
+    action_lora_rank: int | None = config_argument("action_lora_rank")
+    numeric: bool = config_argument("numeric", "The data then needs input_ids and numeric_values "
+                                    "(causalqwen_adapter.numeric).", default=False)
+    num_token_id: int | None = config_argument("num_token_id")
+    numeric_loss_weight: float | None = config_argument("numeric_loss_weight")
+    objective: str | None = config_argument("objective", "Applies to adapters too.")
+    ovr_trains_location: bool | None = config_argument("ovr_trains_location", "Applies to adapters too.")
+    softmax_loss_weight: float | None = config_argument("softmax_loss_weight", "Applies to adapters too.")
+    ovr_distribution: str | None = config_argument("ovr_distribution", "Applies to adapters too.")
     location_lr_ratio: float = field(
         default=1.0,
         metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A: what ranks the tokens) as a "

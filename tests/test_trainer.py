@@ -374,6 +374,15 @@ def test_recipe_trains_on_each_dataset_format(sft_base, tmp_path, data_format):
     assert data.name in card and str(data.parent) not in card  # named, without the local path
 
 
+def test_recipe_help_describes_head_options_from_the_config():
+    help_text = " ".join(_load_recipe().make_parser().format_help().split())
+    from causalqwen_adapter.training import config_field_help
+
+    for name in ("gamma_init", "ovr_threshold_init", "ovr_distribution", "objective"):
+        assert " ".join(config_field_help(name).split()[:8]) in help_text, name
+    assert "{accept,normalize}" in help_text
+
+
 def test_recipe_takes_trls_model_flags(sft_base, tmp_path):
     """The model flags are TRL's `ModelConfig`: LoRA through `get_peft_config`; quantization is refused up front."""
     recipe = _load_recipe()
