@@ -47,6 +47,8 @@ CONFIGS = {
     "default": dict(heads=dict(), learning_rate=None),  # the package's defaults, whatever they are
     "softmax": dict(heads=dict(objective="softmax"), learning_rate=None),
     "ovr_location": dict(heads=dict(ovr_trains_location=True), learning_rate=None),
+    # per-token thresholds, learned fast (0.1): under the accepted-proposal distribution they gate, they do not rank
+    "learned_thresholds": dict(heads=dict(learnable_threshold=True), learning_rate=None, threshold_lr_ratio=1000.0),
 }
 
 

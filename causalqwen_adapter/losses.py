@@ -109,7 +109,7 @@ class _ChunkedOvRLoss(torch.autograd.Function):
         grad_W = torch.zeros_like(weight) if need_W else None
         neg_log_sum, u_row_sum, p_target = _ovr_tiles(
             loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor,
-            max(1, min(chunk_size, n_valid)), min(vocab_chunk_size, vocab), dtype,
+            max(1, min(chunk_size, n_valid)), min(vocab_chunk_size, vocab), dtype, precise=negatives_only,
         )
 
         loss = (neg_log_sum / denom).to(torch.float32)
@@ -151,14 +151,16 @@ class _ChunkedOvRLoss(torch.autograd.Function):
         return (*grads, *([None] * 8))
 
 
-def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor, chunk, vblock, dtype):
+def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor, chunk, vblock, dtype,
+               precise=False):
     """Loss terms, stats and (unscaled) gradients over all (token chunk × vocabulary block) tiles.
 
     Vocabulary blocks are the outer loop, so |W|, sign(W) and the fp32 copy of a bf16 W exist
     for one block at a time, and each block of grad_W is finished (and cast) before the next.
     g_loc, g_scale, g_shift receive token sums of π ∂ℓ/∂loc_S and −π ∂ℓ/∂scale_S paths; grad_W
     (left zero when there are no valid tokens) receives its final value, ``factor`` included.
-    Returns (Σ ℓ, per-token Σ_k (1 − a_k), per-token P_y), the last two in float64.
+    Returns (Σ ℓ, per-token Σ_k (1 − a_k), per-token P_y), the last two in float64; ``precise`` keeps the digits of
+    P_k < 6e-8 in both sums (the distillation's tail term).
     """
     n_valid, width = loc.shape
     vocab = weight.shape[0]
@@ -197,12 +199,17 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             flip = torch.where(hit, -1.0, 1.0).to(dtype).unsqueeze(1)
             x.scatter_(1, col, x.gather(1, col) * flip)  # now z
             torch.atan2(one, x, out=a).mul_(1 / math.pi)  # 1 − P_k off target, P_y on it
-            # u = 1 − a, computed as atan2(1, −z)/π: where z < 0, a is within a few ulps of 1 and has lost the digits
-            # of the small P_k (float32's ulp at 1 is 6e-8), which u keeps.
-            torch.atan2(one, torch.neg(x, out=u), out=u).mul_(1 / math.pi)
-            u_row_sum[r0:r1] += u.sum(1, dtype=torch.float64)
             p_target[r0:r1] += a.gather(1, col).squeeze(1) * hit
-            neg_log_sum -= torch.where(x < 0, torch.log1p(-u), torch.log(a)).sum(dtype=torch.float64)  # ℓ = −log a
+            if precise:
+                # u = 1 − a as atan2(1, −z)/π: where z < 0, a is within a few ulps of 1 and has lost the digits of the
+                # small P_k (float32's ulp at 1 is 6e-8), which u keeps. One more transcendental per entry: only for
+                # the tail term, where the tiny P_k are the whole loss.
+                torch.atan2(one, torch.neg(x, out=u), out=u).mul_(1 / math.pi)
+                neg_log_sum -= torch.where(x < 0, torch.log1p(-u), torch.log(a)).sum(dtype=torch.float64)
+            else:
+                torch.sub(one, a, out=u)
+                neg_log_sum -= torch.log(a).sum(dtype=torch.float64)  # ℓ = −log a
+            u_row_sum[r0:r1] += u.sum(1, dtype=torch.float64)
             if want_grads:
                 # π ∂ℓ/∂z = 1/(a + z·(z·a)): a product form, so z² never overflows into inf·0.
                 # For z → +∞, z·a → 1/π and the gradient → 1/z; for z → −∞ the denominator → +∞
