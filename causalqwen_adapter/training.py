@@ -73,13 +73,12 @@ class CausalHeadArguments:
     ovr_distribution: str | None = config_argument("ovr_distribution", "Applies to adapters too.")
     location_lr_ratio: float = field(
         default=1.0,
-        metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A: what ranks the tokens) as a "
-                  "multiple of learning_rate."},
+        metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A, b_A: what ranks the tokens) as "
+                  "a multiple of learning_rate."},
     )
     threshold_lr_ratio: float = field(
         default=1.0,
-        metadata={"help": "Learning rate of the per-token offsets (learnable thresholds C_k, b_A) as a multiple of "
-                  "learning_rate."},
+        metadata={"help": "Learning rate of the learnable per-token thresholds C_k as a multiple of learning_rate."},
     )
 
 
@@ -122,8 +121,9 @@ class LossMetricsMixin:
 
 
 # Parameter groups of the heads by role, for per-group learning rates (names as in `model.named_parameters()`).
-LOCATION_PARAMETERS = ("abduction.loc.", "action.weight", "action.lora_A", "action.lora_B")
-THRESHOLD_PARAMETERS = ("ovr.threshold", "action.bias")
+# b_A is a location (loc_S = W_A loc_U + b_A: it ranks); the thresholds only gate.
+LOCATION_PARAMETERS = ("abduction.loc.", "action.weight", "action.bias", "action.lora_A", "action.lora_B")
+THRESHOLD_PARAMETERS = ("ovr.threshold",)
 
 
 def learning_rate_ratio(name: str, location_lr_ratio: float, threshold_lr_ratio: float) -> float:
@@ -137,8 +137,8 @@ def learning_rate_ratio(name: str, location_lr_ratio: float, threshold_lr_ratio:
 
 class HeadLearningRatesMixin:
     """The Trainer's optimizer with per-role learning rates: `learning_rate` × `location_lr_ratio` for the location
-    path (W_loc, b_loc, W_A: what ranks the tokens), × `threshold_lr_ratio` for the per-token offsets (thresholds,
-    b_A); the scale path (W_scale, b_scale, b_noise), numeric head and backbone LoRA at `learning_rate`."""
+    path (W_loc, b_loc, W_A, b_A: what ranks the tokens), × `threshold_lr_ratio` for learnable thresholds; the scale
+    path (W_scale, b_scale, b_noise), numeric head and backbone LoRA at `learning_rate`."""
 
     def create_optimizer(self, model=None):
         fresh = self.optimizer is None

@@ -511,7 +511,7 @@ def test_learning_rates_by_role(sft_base, tmp_path):
     expected = {
         "abduction.loc.weight": 1e-5, "abduction.loc.bias": 1e-5, "action.weight": 1e-5,
         "abduction.scale.weight": 1e-2, "abduction.scale.bias": 1e-2, "action.b_noise": 1e-2,
-        "action.bias": 5e-3, "ovr.threshold": 5e-3,
+        "action.bias": 1e-5, "ovr.threshold": 5e-3,
     }
     named = dict(trainer.model.named_parameters())
     assert {n for n, p in named.items() if p.requires_grad} == set(expected)
