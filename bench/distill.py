@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM, TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 from causalqwen_adapter import CausalQwenForCausalLM  # noqa: E402
 from causalqwen_adapter.distill import CausalDistillConfig, CausalDistillTrainer  # noqa: E402
-from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table  # noqa: E402
+from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table, score_hidden_states  # noqa: E402
 from causalqwen_adapter.features import extract_features, load_features  # noqa: E402
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer  # noqa: E402
 
@@ -52,13 +52,8 @@ def against_teacher(model, features, modes=("compatible", "standard")) -> dict:
     rows = load_features(features)[:]
     z, targets = rows["hidden_state"], rows["topk_ids"][:, 0].long()
     accumulators = {mode: EvaluationAccumulator(mode) for mode in modes}
-    with torch.no_grad():
-        for start in range(0, len(targets), 256):
-            for mode in modes:
-                _, _, loc_S, scale_S = model.causal_heads(z[start : start + 256], mode, 1.0)
-                log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
-                accumulators[mode].update(model.mode_scores(loc_S, scale_S, mode, log_P), targets[start : start + 256],
-                                          log_P)
+    for mode, scores, log_P, yy in score_hidden_states(model, z, targets, modes):
+        accumulators[mode].update(scores, yy, log_P)
     return {mode: acc.compute() for mode, acc in accumulators.items()}
 
 

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
-from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table
+from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table, score_hidden_states
 from causalqwen_adapter.training import calibrate_threshold_on_features, learning_rate_ratio
 
 TRAIN_MODULES = [
@@ -88,14 +88,11 @@ def evaluate_heads(model, z, targets, modes, distributions=("accept",), chunk=25
     name = {(m, d): m if d in (None, distributions[0]) else f"{m} ({d})" for m, d in kinds}
     accumulators = {kind: EvaluationAccumulator(kind[0]) for kind in kinds}
     saved = model.config.ovr_distribution
-    with torch.no_grad():
-        for start in range(0, len(targets), chunk):
-            zz, yy = z[start : start + chunk], targets[start : start + chunk]
-            for mode, distribution in kinds:
-                model.config.ovr_distribution = distribution or saved
-                _, _, loc_S, scale_S = model.causal_heads(zz, mode, model.config.causal_temperature)
-                log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
-                accumulators[mode, distribution].update(model.mode_scores(loc_S, scale_S, mode, log_P), yy, log_P)
+    for distribution in dict.fromkeys(d for _, d in kinds):
+        model.config.ovr_distribution = distribution or saved
+        for mode, scores, log_P, yy in score_hidden_states(model, z, targets, [m for m, d in kinds if d == distribution],
+                                                          chunk_size=chunk):
+            accumulators[mode, distribution].update(scores, yy, log_P)
     model.config.ovr_distribution = saved
     return {name[kind]: acc.compute() for kind, acc in accumulators.items()}
 

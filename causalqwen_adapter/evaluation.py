@@ -156,14 +156,20 @@ def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk
         ids, embeds = model.embed_numbers(input_ids, None, batch.get("numeric_values"))
         hidden = model.model(input_ids=ids, inputs_embeds=embeds, attention_mask=batch.get("attention_mask"),
                              position_ids=batch.get("position_ids")).last_hidden_state
-        z = hidden.reshape(-1, hidden.shape[-1])
-        temperature = model.config.causal_temperature if causal_temperature is None else causal_temperature
-        for mode in modes:
-            for start in range(0, len(valid), chunk_size):
-                rows = valid[start : start + chunk_size]
-                _, _, loc_S, scale_S = model.causal_heads(z[rows], mode, temperature)
-                log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
-                yield mode, model.mode_scores(loc_S, scale_S, mode, log_P), log_P, targets[start : start + chunk_size]
+        yield from score_hidden_states(model, hidden.reshape(-1, hidden.shape[-1])[valid], targets, modes,
+                                       causal_temperature=causal_temperature, chunk_size=chunk_size)
+
+
+@torch.no_grad()
+def score_hidden_states(model, z, targets, modes, *, causal_temperature=None, chunk_size: int = 256):
+    """`score_positions` on final hidden states `z` [n, H] already taken (a cache, a feature store): yield
+    (mode, scores, log P or None, targets) for each of `modes`, `chunk_size` positions at a time."""
+    temperature = model.config.causal_temperature if causal_temperature is None else causal_temperature
+    for mode in modes:
+        for start in range(0, len(targets), chunk_size):
+            _, _, loc_S, scale_S = model.causal_heads(z[start : start + chunk_size], mode, temperature)
+            log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
+            yield mode, model.mode_scores(loc_S, scale_S, mode, log_P), log_P, targets[start : start + chunk_size]
 
 
 def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, causal_temperature=None,
