@@ -36,7 +36,7 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
     import torch.nn.functional as F
 
     from causalqwen_adapter.cauchy import cauchy_linear, fuse_noise, ovr_loss
-    from causalqwen_adapter.losses import chunked_ovr_loss
+    from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -63,7 +63,7 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
                 return ovr_loss(*cauchy_linear(loc, scale, weight, bias), 0.0, labels)
         else:
             def step():
-                return chunked_ovr_loss(loc_U, scale_U, weight, bias, b_noise, 0.0, labels,
+                return chunked_ovr_loss(loc_U, scale_U, DecisionHead(weight, bias, b_noise, 0.0), labels,
                                         chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)[0]
 
     base = _peak_rss_mib()

@@ -356,16 +356,9 @@ class CausalAdapterMixin:
             # LoRA on the backbone, in PEFT's format under lora/ (never at the root: transformers
             # would then take the whole folder for a PEFT adapter).
             self.model.save_pretrained(folder / LORA_FOLDER)
-        self._write_model_card(folder)
+        write_model_card(self, folder)  # never fails the save; a trainer records its run in self.training_summary
         # config.json is the commit marker: written last, swapped in last.
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-
-    def _write_model_card(self, folder: Path) -> None:
-        """README.md of the adapter folder: the model card rendered from model_card/ (never fails the save).
-
-        A trainer records its run in `self.training_summary` (see model_card.py) for the card to show.
-        """
-        write_model_card(self, folder)
 
     def push_to_hub(self, repo_id, *, private=None, token=None, revision=None, commit_message=None, create_pr=False):
         """Upload exactly the adapter folder (what `save_pretrained` writes, card included) to the Hub repo `repo_id`.
@@ -385,20 +378,24 @@ class CausalAdapterMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, base_model=None, base_model_revision=None,
-                        config=None, dtype="auto", device_map=None, **kwargs):
+                        config=None, dtype="auto", device_map=None, trust_remote_code=None, adapter_kwargs=None,
+                        code_revision=None, _from_auto=False, _commit_hash=None, **kwargs):
         """Load the base named in the adapter's config (or `base_model`), then the adapter's heads.
 
         `pretrained_model_name_or_path` is an adapter folder or Hub id (files resolved through
         transformers' `cached_file`, so the Hub cache and `HF_HUB_OFFLINE=1` work). `base_model`
-        may be a Hub id, a folder or a loaded `Qwen2ForCausalLM`/`Qwen2Model`.
+        may be a Hub id, a folder or a loaded `Qwen2ForCausalLM`/`Qwen2Model`. The remaining keyword arguments
+        (`attn_implementation`, `low_cpu_mem_usage`, ...) go to the base's `from_pretrained`.
+
+        `trust_remote_code`, `adapter_kwargs`, `code_revision`, `_from_auto` and `_commit_hash` are what transformers'
+        Auto classes pass along about the adapter repository (its code, a PEFT adapter inside it, its revision);
+        they are taken here so that they do not reach the base's loading, which reads another repository.
         """
         if model_args:
             raise TypeError(f"{cls.__name__}.from_pretrained takes no extra positional arguments, got {model_args}")
         adapter = str(pretrained_model_name_or_path)
         hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
         hub_kwargs = {k: v for k, v in hub_kwargs.items() if v is not None}
-        for key in ("trust_remote_code", "_from_auto", "adapter_kwargs", "code_revision", "_commit_hash"):
-            kwargs.pop(key, None)  # bookkeeping transformers' Auto classes pass along
         if "torch_dtype" in kwargs:
             dtype = kwargs.pop("torch_dtype")
         if not isinstance(config, cls.config_class):

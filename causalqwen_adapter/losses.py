@@ -1,6 +1,6 @@
 """Training losses of the causal heads: the chunked one-vs-rest loss (docs/design.md, Training losses), fused with the action head,
 the chunked softmax cross-entropy on loc_S (the baseline and the auxiliary term), and the top-K distillation
-loss (§2.6).
+loss (docs/design.md, Offline distillation).
 
 The naive loss materialises loc_S and scale_S for every token ([N × V] each, 0.6 GB per
 tensor at N = 1024, V = 151936) and autograd keeps several more of that size. Here, as in
@@ -20,6 +20,7 @@ is the same function, −log(atan2(1, z)/π): −log(1 − P_k) off target, −l
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +29,24 @@ from torch.utils.checkpoint import checkpoint
 from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_log_probs, ovr_probs, ovr_standardize
 
 
+class DecisionHead(NamedTuple):
+    """The action network as the losses read it: loc_S = ``weight`` loc_U + ``bias``, scale_S = |``weight``|
+    (scale_U + T·|``b_noise``|), and P_k = P(S_k > ``threshold``).
+
+    ``weight``: [V, C] (W_A as used: own, tied or base + LoRA); ``bias``: [V] or None; ``b_noise``: [C];
+    ``threshold``: a float, a 0-dim tensor or a [V] tensor (learnable or not).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    b_noise: torch.Tensor
+    threshold: float | torch.Tensor
+
+
 def chunked_ovr_loss(
     loc_U: torch.Tensor,
     scale_U: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    b_noise: torch.Tensor,
-    threshold,
+    head: DecisionHead,
     labels: torch.Tensor,
     *,
     num_items_in_batch=None,
@@ -46,9 +58,8 @@ def chunked_ovr_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """OvR loss of the action head on the individual distributions, without [N × V] tensors.
 
-    ``loc_U``, ``scale_U``: [N, C]; ``weight``: [V, C]; ``bias``: [V] or None; ``b_noise``: [C];
-    ``threshold``: a float, a 0-dim tensor or a [V] tensor (learnable or not); ``labels``: [N],
-    already aligned with the positions, ``ignore_index`` where there is no target.
+    ``loc_U``, ``scale_U``: [N, C]; ``head``: the action network's tensors; ``labels``: [N], already aligned with the
+    positions, ``ignore_index`` where there is no target.
     Training noise fusion (scale_U + T·|b_noise|), float32 math whatever the input dtype;
     sum over the vocabulary, mean over valid targets, or sum / ``num_items_in_batch``. With ``negatives_only`` the
     labels only select the positions: every token is a negative, Σ_k −log(1 − P_k) (the distillation's tail term).
@@ -57,6 +68,7 @@ def chunked_ovr_loss(
     (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` × ``vocab_chunk_size``
     is the tile size; it changes speed and memory, not the result.
     """
+    weight = head.weight
     if weight.dim() != 2 or loc_U.dim() != 2 or loc_U.shape[1] != weight.shape[1] or scale_U.shape != loc_U.shape:
         raise ValueError(
             f"expected loc_U, scale_U [N, C] and weight [V, C]; got {tuple(loc_U.shape)}, "
@@ -65,7 +77,7 @@ def chunked_ovr_loss(
     if labels.numel() != loc_U.shape[0]:
         raise ValueError(f"{labels.numel()} labels for {loc_U.shape[0]} positions: pass one (shifted) label per position")
     loss, target_prob, prob_sum, num_tokens = _ChunkedOvRLoss.apply(
-        loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch, temperature,
+        loc_U, scale_U, *head, labels, num_items_in_batch, temperature,
         chunk_size, vocab_chunk_size, ignore_index, negatives_only, torch.is_grad_enabled(),
     )
     return loss, {"target_prob": target_prob, "ovr_prob_sum": prob_sum, "num_tokens": num_tokens}
@@ -241,10 +253,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
 def topk_mse_loss(
     loc_U: torch.Tensor,
     scale_U: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    b_noise: torch.Tensor,
-    threshold,
+    head: DecisionHead,
     topk_ids: torch.Tensor,
     topk_probs: torch.Tensor,
     *,
@@ -257,7 +266,7 @@ def topk_mse_loss(
     the teacher's top-K as a negative, which keeps Σ_k P_k from growing over the 151,936 − K tokens the MSE leaves
     free.
 
-    ``loc_U``, ``scale_U``: [N, C]; ``weight``: [V, C]; ``topk_ids``: [N, K] the teacher's top-K token ids, its
+    ``loc_U``, ``scale_U``: [N, C]; ``head``: the action network's tensors; ``topk_ids``: [N, K] the teacher's top-K token ids, its
     top-1 first; ``topk_probs``: [N, K] its softmax probabilities there. P_k is the OvR probability under the
     training noise fusion (scale_U + T·|b_noise|), float32 math whatever the input dtype. The MSE reads only the K
     rows of W_A of each position; the tail term is `chunked_ovr_loss` with every token a negative (tiles, no [N × V]
@@ -274,6 +283,7 @@ def topk_mse_loss(
         )
     if not (math.isfinite(tail_weight) and tail_weight >= 0):
         raise ValueError(f"tail_weight must be a finite number >= 0, got {tail_weight}")
+    weight, bias, b_noise, threshold = head
     check_labels(topk_ids.reshape(-1), weight.shape[0])
     dtype = torch.promote_types(weight.dtype, torch.float32)
     loc, scale = fuse_noise(loc_U.to(dtype), scale_U.to(dtype), b_noise.to(dtype), "standard", temperature)
@@ -288,7 +298,7 @@ def topk_mse_loss(
     stats = {}
     if tail_weight > 0 and len(probs):
         # Σ_k −log(1 − P_k) over the vocabulary, then the K stored tokens' own terms off (same fusion, threshold).
-        every, kernel_stats = chunked_ovr_loss(loc_U, scale_U, weight, bias, b_noise, threshold, ids[:, 0],
+        every, kernel_stats = chunked_ovr_loss(loc_U, scale_U, head, ids[:, 0],
                                                temperature=temperature, chunk_size=chunk_size, negatives_only=True)
         tail = every + ovr_log_probs(x)[1].sum(-1).mean()
         loss = loss + tail_weight * tail
@@ -303,8 +313,7 @@ def topk_mse_loss(
 
 def chunked_softmax_loss(
     loc_U: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    head: DecisionHead,
     labels: torch.Tensor,
     *,
     num_items_in_batch=None,
@@ -313,20 +322,20 @@ def chunked_softmax_loss(
 ) -> torch.Tensor:
     """Softmax cross-entropy of the decision-score locations, −log softmax(loc_S)_y, without [N × V] tensors kept.
 
-    ``loc_U``: [N, C]; ``weight``: [V, C]; ``labels``: [N] aligned with the positions. loc_S = W_A loc_U + b_A is the
-    compatible mode's score, so this is the ordinary language-model loss of the heads: the softmax baseline, or an
-    auxiliary term that keeps loc_S a calibrated language model beside the OvR loss. Each token chunk's logits are
+    ``loc_U``: [N, C]; ``head``: the action network (its weight and bias); ``labels``: [N] aligned with the positions.
+    loc_S = W_A loc_U + b_A is the compatible mode's score, so this is the ordinary language-model loss of the heads:
+    the softmax baseline, or an auxiliary term that keeps loc_S a calibrated language model beside the OvR loss. Each token chunk's logits are
     recomputed in backward (activation checkpointing), so one chunk's [chunk × V] lives at a time. Float32 math; sum
     over targets divided by their count, or by ``num_items_in_batch``.
     """
     labels = labels.reshape(-1)
     rows = (labels != ignore_index).nonzero().squeeze(1)
     targets = labels[rows]
-    check_labels(targets, weight.shape[0])
+    check_labels(targets, head.weight.shape[0])
     loc = loc_U[rows]
     # Cast once per call (a no-op for float32 weights), not once per chunk and again in each recompute.
-    dtype = torch.promote_types(weight.dtype, torch.float32)
-    weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    dtype = torch.promote_types(head.weight.dtype, torch.float32)
+    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
     total = loc.new_zeros((), dtype=torch.float32)
     for r0 in range(0, len(rows), chunk_size):
         chunk = (loc[r0 : r0 + chunk_size], weight, bias, targets[r0 : r0 + chunk_size])

@@ -26,7 +26,7 @@ from .cauchy import INFERENCE_MODES, ovr_log_prob, ovr_probs, sample_standard_ca
 from .configuration_causalqwen import CausalQwenConfig
 from .generation import CausalGenerationMixin
 from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier
-from .losses import chunked_ovr_loss, chunked_softmax_loss, topk_mse_loss
+from .losses import DecisionHead, chunked_ovr_loss, chunked_softmax_loss, topk_mse_loss
 
 logger = logging.get_logger(__name__)
 
@@ -58,25 +58,21 @@ class CausalQwenModelOutput(ModelOutput):
 
 
 @dataclass
-class CausalQwenCausalLMOutput(ModelOutput):
-    """`logits` are loc_S in `compatible` mode and, in the OvR modes, the log of the config's `ovr_distribution`
-    (loc_S + log P_k, or log P_k; P_k itself is `model.ovr_log_probs(loc_S, scale_S)`); `loc_Y`, `scale_Y` the law of
-    the next `<NUM>` value (numeric models). With labels: `loss`, and `metrics`, a detached [sum, count] tensor per
-    name (`target_prob`, `ovr_prob_sum`, `units_mean_loc`, `units_mean_scale`, `softmax_nll`, `numeric_nll`)."""
-
+class _LossOutput(ModelOutput):
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
     metrics: dict | None = None
-    loc_U: torch.FloatTensor | None = None
-    scale_U: torch.FloatTensor | None = None
-    loc_S: torch.FloatTensor | None = None
-    scale_S: torch.FloatTensor | None = None
-    causal_noise: torch.FloatTensor | None = None
-    loc_Y: torch.FloatTensor | None = None
-    scale_Y: torch.FloatTensor | None = None
-    past_key_values: object | None = None
-    hidden_states: tuple | None = None
-    attentions: tuple | None = None
+
+
+@dataclass
+class CausalQwenCausalLMOutput(CausalQwenModelOutput, _LossOutput):
+    """`logits` are loc_S in `compatible` mode and, in the OvR modes, the log of the config's `ovr_distribution`
+    (loc_S + log P_k, or log P_k; P_k itself is `model.ovr_log_probs(loc_S, scale_S)`); `loc_Y`, `scale_Y` the law of
+    the next `<NUM>` value (numeric models). With labels: `loss`, and `metrics`, a detached [sum, count] tensor per
+    name (`target_prob`, `ovr_prob_sum`, `units_mean_loc`, `units_mean_scale`, `softmax_nll`, `numeric_nll`).
+
+    The fields are `loss`, `logits`, `metrics`, then those of `CausalQwenModelOutput` (`last_hidden_state` stays
+    None: the heads have read it)."""
 
 
 # What the causal-LM output carries over from the model output (all but the hidden state the heads read).
@@ -224,22 +220,9 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         noise = self._sampling_noise(z, mode, noise_sharing, causal_noise)
         return (*self.causal_heads(z, mode, temperature, noise), noise)
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        use_cache=None,
-        logits_to_keep=0,
-        inference_mode=None,
-        causal_temperature=None,
-        noise_sharing="step",
-        causal_noise=None,
-        numeric_values=None,
-        **kwargs,
-    ) -> CausalQwenModelOutput:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                use_cache=None, logits_to_keep=0, inference_mode=None, causal_temperature=None, noise_sharing="step",
+                causal_noise=None, numeric_values=None, **kwargs) -> CausalQwenModelOutput:
         mode, temperature = self._resolve_mode(inference_mode, causal_temperature, noise_sharing)
         outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
                                      kwargs, numeric_values)
@@ -317,28 +300,15 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
 
     loss_chunk_size = 1024  # target tokens per tile of the chunked losses: speed and memory, not the result
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        logits_to_keep=0,
-        inference_mode=None,
-        causal_temperature=None,
-        noise_sharing="step",
-        causal_noise=None,
-        numeric_values=None,
-        shift_labels=None,
-        num_items_in_batch=None,
-        hidden_state=None,
-        topk_ids=None,
-        topk_probs=None,
-        **kwargs,
-    ) -> CausalQwenCausalLMOutput:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, inference_mode=None, causal_temperature=None,
+                noise_sharing="step", causal_noise=None, numeric_values=None, shift_labels=None,
+                num_items_in_batch=None, hidden_state=None, topk_ids=None, topk_probs=None,
+                **kwargs) -> CausalQwenCausalLMOutput:
+        """`CausalQwenModel.forward`'s arguments (named, so that generate() catches a misspelt one), plus the losses'
+        inputs: `labels` (or `shift_labels`) for the training loss, or `hidden_state`, `topk_ids`, `topk_probs` for
+        the distillation loss on stored features. The losses are the same in every inference mode and keep no
+        cache: the scoring options do not apply to them."""
         if hidden_state is not None or topk_ids is not None or topk_probs is not None:
             if hidden_state is None or topk_ids is None or topk_probs is None:
                 raise ValueError("the distillation loss needs hidden_state, topk_ids and topk_probs together")
@@ -403,18 +373,13 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             }
             loss = loc_U.new_zeros((), dtype=torch.float32)
             if config.objective == "ovr":
-                # Without ovr_trains_location the OvR loss reaches only the scale path and the thresholds: the
-                # locations (W_loc, b_loc, W_A, b_A), which rank the tokens, learn from the softmax term alone.
-                grad = (lambda t: t) if config.ovr_trains_location else (lambda t: t.detach())
-                loss, stats = chunked_ovr_loss(
-                    grad(loc_U), scale_U, grad(weight), grad(self.action.bias), self.action.b_noise,
-                    self.ovr.threshold, targets, num_items_in_batch=denom, chunk_size=self.loss_chunk_size,
-                )
+                loss, stats = chunked_ovr_loss(*self._ovr_loss_inputs(loc_U, scale_U, weight), targets,
+                                               num_items_in_batch=denom, chunk_size=self.loss_chunk_size)
                 metrics["target_prob"] = _sum_count(stats["target_prob"] * n, count)
                 metrics["ovr_prob_sum"] = _sum_count(stats["ovr_prob_sum"] * n, count)
             softmax_weight = 1.0 if config.objective == "softmax" else config.softmax_loss_weight
             if softmax_weight > 0:
-                ce = chunked_softmax_loss(loc_U, weight, self.action.bias, targets, num_items_in_batch=denom,
+                ce = chunked_softmax_loss(loc_U, self._decision_head(weight), targets, num_items_in_batch=denom,
                                           chunk_size=self.loss_chunk_size)
                 loss = loss + softmax_weight * ce
                 metrics["softmax_nll"] = _sum_count(ce.detach() * denom, count)
@@ -425,6 +390,18 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
                 metrics["numeric_nll"] = _sum_count(nll.detach().sum(), torch.tensor(float(nll.numel()), device=z.device))
         return CausalQwenCausalLMOutput(loss=loss, metrics=metrics)
 
+    def _decision_head(self, weight, keep_location=True) -> DecisionHead:
+        """The action network's tensors as the losses read them; `weight` is W_A as used (own, tied or base + B·A)."""
+        location = (lambda t: t) if keep_location else (lambda t: None if t is None else t.detach())
+        return DecisionHead(location(weight), location(self.action.bias), self.action.b_noise, self.ovr.threshold)
+
+    def _ovr_loss_inputs(self, loc_U, scale_U, weight) -> tuple:
+        """(loc_U, scale_U, head) for the OvR-probability losses. Without `ovr_trains_location` they reach only the
+        scale path and the thresholds: the locations (W_loc, b_loc, W_A, b_A), which rank the tokens, learn from the
+        softmax term alone (or keep the teacher's ranking in distillation; loc_S is the base's logits at init)."""
+        keep = self.config.ovr_trains_location
+        return (loc_U if keep else loc_U.detach()), scale_U, self._decision_head(weight, keep_location=keep)
+
     def _distillation_loss(self, hidden_state, topk_ids, topk_probs) -> CausalQwenCausalLMOutput:
         """Top-K MSE plus the tail term (docs/design.md, Offline distillation) on stored z [..., H], mean over
         positions; the backbone does not run."""
@@ -432,13 +409,10 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
         with torch.autocast(z.device.type, enabled=False):
             weight = self.action.effective_weight()
             loc_U, scale_U = self.abduction(z.to(weight.dtype))
-            # As in heads_loss: without ovr_trains_location the OvR-probability loss reaches only the scale path and
-            # the thresholds, so the locations keep the teacher's ranking (loc_S is the base's logits at init).
-            grad = (lambda t: t) if self.config.ovr_trains_location else (lambda t: t.detach())
             loss, stats = topk_mse_loss(
-                grad(loc_U), scale_U, grad(weight), grad(self.action.bias), self.action.b_noise, self.ovr.threshold,
-                topk_ids.reshape(len(z), -1), topk_probs.reshape(len(z), -1),
-                tail_weight=self.config.distill_tail_weight, chunk_size=self.loss_chunk_size,
+                *self._ovr_loss_inputs(loc_U, scale_U, weight), topk_ids.reshape(len(z), -1),
+                topk_probs.reshape(len(z), -1), tail_weight=self.config.distill_tail_weight,
+                chunk_size=self.loss_chunk_size,
             )
         count = torch.tensor(float(len(z)), device=z.device)
         return CausalQwenCausalLMOutput(loss=loss, metrics={k: _sum_count(v * len(z), count) for k, v in stats.items()})

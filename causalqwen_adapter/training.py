@@ -22,6 +22,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from .adapter_io import LORA_FOLDER
 from .configuration_causalqwen import CONFIG_CHOICES, CausalQwenConfig
+from .model_card import write_model_card
 from .modeling_causalqwen import CausalQwenForCausalLM
 
 logger = logging.get_logger(__name__)
@@ -215,7 +216,7 @@ class AdapterCheckpointMixin:
         model.training_summary = self._training_summary()
         output_dir = Path(self.args.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        model._write_model_card(output_dir)
+        write_model_card(model, output_dir)
 
     def _training_summary(self) -> dict:
         """The run as the model card shows it (see model_card.py): settings, last logged metrics, data, tags."""

@@ -306,3 +306,38 @@ def test_auto_config_reads_the_adapter(tied_base, tmp_path):
     CausalQwenForCausalLM.from_base(tied_base).save_pretrained(tmp_path / "adapter")
     config = AutoConfig.from_pretrained(tmp_path / "adapter", trust_remote_code=True)
     assert config.model_type == "causalqwen" and config.get_text_config(decoder=True).model_type == "qwen2"
+
+
+FIXTURE_ADAPTERS = Path(__file__).parent / "fixtures" / "adapters-v0"
+
+
+@pytest.mark.parametrize("name", ["plain", "lora"])
+def test_adapter_saved_before_the_restructuring_loads_the_same(name, tmp_path):
+    """tests/fixtures/adapters-v0 was saved by the code of commit 0ede8e0~1 (before the model owned its losses and
+    modeling split by role), heads perturbed from their initialisation. Its own remote code, run through
+    AutoModelForCausalLM, is the reference: today's package must read the folder into the same heads."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / name
+    shutil.copytree(FIXTURE_ADAPTERS / name, folder)  # the remote-code loader writes nothing there, but be safe
+    base = save_tiny_qwen2(tmp_path / "base", tie_word_embeddings=False)
+    new = CausalQwenForCausalLM.from_pretrained(folder, base_model=str(base))
+    old = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, base_model=str(base))
+    assert type(old).__module__.startswith("transformers_modules")  # the folder's own (old) code
+    stored = load_file(folder / "model.safetensors")
+    new_state = new.adapter_state_dict()
+    assert set(stored) == set(new_state)
+    for key, value in stored.items():
+        torch.testing.assert_close(new_state[key], value, rtol=0, atol=0)
+    ids = torch.randint(1, TINY_VOCAB - 1, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for mode in ("compatible", "standard", "causal"):
+            got, want = new(ids, inference_mode=mode), old(ids, inference_mode=mode)
+            for field in ("loc_U", "scale_U", "loc_S", "scale_S"):
+                if getattr(want, field) is None:
+                    assert getattr(got, field) is None
+                else:
+                    torch.testing.assert_close(getattr(got, field), getattr(want, field), msg=f"{mode} {field}")
+        # compatible mode is the base's softmax in both
+        torch.testing.assert_close(new(ids, inference_mode="compatible").logits,
+                                   old(ids, inference_mode="compatible").logits)

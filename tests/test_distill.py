@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.distill import CausalDistillConfig, CausalDistillTrainer
 from causalqwen_adapter.features import FEATURES_CONFIG_NAME, extract_features, features_info, load_features
-from causalqwen_adapter.losses import topk_mse_loss
+from causalqwen_adapter.losses import DecisionHead, topk_mse_loss
 
 from conftest import PAIRS, TINY_HIDDEN, TINY_VOCAB, save_tiny_qwen2
 
@@ -83,7 +83,7 @@ def test_topk_mse_and_gradients_match_float64_reference(learnable_threshold, tai
     tensors = [loc_U, scale_U, weight, bias, b_noise, threshold]
 
     # tiles smaller than the problem, so the kernel's chunking is exercised
-    loss, stats = topk_mse_loss(*tensors, ids, probs, tail_weight=tail_weight, chunk_size=3)
+    loss, stats = topk_mse_loss(loc_U, scale_U, DecisionHead(*tensors[2:]), ids, probs, tail_weight=tail_weight, chunk_size=3)
     grads = torch.autograd.grad(loss, [t for t in tensors if t.requires_grad])
 
     ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
@@ -105,9 +105,9 @@ def test_topk_mse_rejects_bad_shapes_and_ids():
     loc = torch.zeros(3, 4)
     weight = torch.randn(10, 4)
     with pytest.raises(ValueError, match=r"topk_ids and topk_probs \[N, K\] for 3 positions"):
-        topk_mse_loss(loc, loc + 1, weight, None, torch.zeros(4), 0.0, torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2))
+        topk_mse_loss(loc, loc + 1, DecisionHead(weight, None, torch.zeros(4), 0.0), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        topk_mse_loss(loc, loc + 1, weight, None, torch.zeros(4), 0.0, torch.full((3, 2), 10), torch.zeros(3, 2))
+        topk_mse_loss(loc, loc + 1, DecisionHead(weight, None, torch.zeros(4), 0.0), torch.full((3, 2), 10), torch.zeros(3, 2))
 
 
 # --------------------------------------------------------------------------------------- extraction
@@ -302,8 +302,9 @@ def test_training_lowers_the_loss_saves_and_resumes(tiny_teacher, features, tmp_
         want = trainer.model(hidden_state=rows["hidden_state"], topk_ids=rows["topk_ids"],
                              topk_probs=rows["topk_probs"], distill_loss=True).loss
         loc_U, scale_U = reloaded.abduction(rows["hidden_state"])
-        got, _ = topk_mse_loss(loc_U, scale_U, reloaded.action.effective_weight(), reloaded.action.bias,
-                               reloaded.action.b_noise, reloaded.ovr.threshold, rows["topk_ids"], rows["topk_probs"])
+        head = DecisionHead(reloaded.action.effective_weight(), reloaded.action.bias, reloaded.action.b_noise,
+                            reloaded.ovr.threshold)
+        got, _ = topk_mse_loss(loc_U, scale_U, head, rows["topk_ids"], rows["topk_probs"])
     torch.testing.assert_close(got, want)
     readme = (tmp_path / "run" / "README.md").read_text()
     assert "distillation" in readme and "top1_match" in readme

@@ -604,7 +604,7 @@ def test_the_card_never_fails_a_save(tied_base, tmp_path, monkeypatch, caplog, p
 def test_card_written_before_the_weights_counts_the_model(trained, tmp_path):
     """The trainer writes the card into output_dir at each checkpoint, before output_dir holds any weights."""
     (tmp_path / "output").mkdir()
-    trained._write_model_card(tmp_path / "output")
+    model_card.write_model_card(trained, tmp_path / "output")
     _, body = _card((tmp_path / "output" / "README.md").read_text())
     parameters = sum(v.numel() for v in trained.adapter_state_dict().values())
     assert f"| adapter tensors | {parameters:,} parameters (float32) |" in body

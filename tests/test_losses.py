@@ -6,9 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causalqwen_adapter.losses import chunked_ovr_loss
+from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss
 
 NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
+
+
+def ovr_loss_of(tensors, labels, **kwargs):
+    """chunked_ovr_loss on a dict of the head tensors (NAMES)."""
+    head = DecisionHead(*(tensors[k] for k in NAMES[2:]))
+    return chunked_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, **kwargs)
 
 
 def reference(loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch=None):
@@ -74,7 +80,7 @@ def assert_rel_close(actual, expected, rtol, what):
 
 
 def check_against_reference(tensors, labels, rtol, grad_rtol, **kwargs):
-    loss, stats = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, **kwargs)
+    loss, stats = ovr_loss_of(tensors, labels, **kwargs)
     ref_tensors = as_float64(tensors)
     ref_loss, ref_stats = reference(*(ref_tensors[k] for k in NAMES), labels,
                                     num_items_in_batch=kwargs.get("num_items_in_batch"))
@@ -113,8 +119,8 @@ def test_without_bias_and_with_temperature():
     check_against_reference(tensors, labels, 1e-5, 1e-5, chunk_size=4, vocab_chunk_size=8)
     # T scales |b_noise| in the fused scale: T = 2 equals T = 1 with a doubled b_noise.
     doubled = dict(tensors, b_noise=(2 * tensors["b_noise"]).detach())
-    loss_t2, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, temperature=2.0)
-    loss_2b, _ = chunked_ovr_loss(*(doubled[k] for k in NAMES), labels)
+    loss_t2, _ = ovr_loss_of(tensors, labels, temperature=2.0)
+    loss_2b, _ = ovr_loss_of(doubled, labels)
     torch.testing.assert_close(loss_t2, loss_2b)
 
 
@@ -128,15 +134,14 @@ def test_num_items_in_batch_divides_the_sum(num_items_in_batch):
 def test_gradient_accumulation_equals_the_full_batch():
     tensors, labels = make_inputs(16, 8, 37)
     labels[:6] = -100  # unequal valid counts in the two halves
-    args = [tensors[k] for k in NAMES]
-    full_loss, _ = chunked_ovr_loss(*args, labels, chunk_size=3, vocab_chunk_size=5)
+    full_loss, _ = ovr_loss_of(tensors, labels, chunk_size=3, vocab_chunk_size=5)
     full_grads = grads_of(full_loss, tensors)
 
     total = int((labels != -100).sum())
     halves = [slice(0, 8), slice(8, 16)]
     losses = [
-        chunked_ovr_loss(tensors["loc_U"][h], tensors["scale_U"][h], *args[2:], labels[h],
-                         num_items_in_batch=total, chunk_size=3, vocab_chunk_size=5)[0]
+        ovr_loss_of(dict(tensors, loc_U=tensors["loc_U"][h], scale_U=tensors["scale_U"][h]), labels[h],
+                    num_items_in_batch=total, chunk_size=3, vocab_chunk_size=5)[0]
         for h in halves
     ]
     acc_grads = [grads_of(loss, tensors) for loss in losses]
@@ -160,7 +165,7 @@ def test_extreme_inputs_stay_finite_and_accurate():
         tensors["scale_U"].mul_(1e-6)
         tensors["b_noise"].mul_(1e-6)
         tensors["threshold"].mul_(1e3)
-    loss, stats = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, chunk_size=4, vocab_chunk_size=8)
+    loss, stats = ovr_loss_of(tensors, labels, chunk_size=4, vocab_chunk_size=8)
     ref_tensors = as_float64(tensors)
     ref_loss, _ = reference(*(ref_tensors[k] for k in NAMES), labels)
     grads = grads_of(loss, tensors)
@@ -179,7 +184,7 @@ def test_huge_standardized_scores_give_finite_gradients():
         tensors["loc_U"].mul_(1e6)
         tensors["scale_U"].mul_(1e-30)
         tensors["b_noise"].zero_()
-    loss, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+    loss, _ = ovr_loss_of(tensors, labels)
     grads = grads_of(loss, tensors)
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
 
@@ -188,21 +193,21 @@ def test_label_outside_the_vocabulary_is_a_clear_error():
     tensors, labels = make_inputs(13, 8, 37)
     labels[3] = 37
     with pytest.raises(ValueError, match="label 37 is outside the vocabulary"):
-        chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+        ovr_loss_of(tensors, labels)
 
 
 def test_mismatched_shapes_are_a_clear_error():
     tensors, labels = make_inputs(13, 8, 37)
     with pytest.raises(ValueError, match="labels for 13 positions"):
-        chunked_ovr_loss(*(tensors[k] for k in NAMES), labels[:-1])
+        ovr_loss_of(tensors, labels[:-1])
     with pytest.raises(ValueError, match="flatten the positions"):
-        chunked_ovr_loss(tensors["loc_U"][None], *(tensors[k] for k in NAMES[1:]), labels)
+        ovr_loss_of(dict(tensors, loc_U=tensors["loc_U"][None]), labels)
 
 
 def test_no_valid_target_gives_a_zero_loss_with_a_graph():
     tensors, labels = make_inputs(5, 8, 37)
     labels[:] = -100
-    loss, stats = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+    loss, stats = ovr_loss_of(tensors, labels)
     assert loss.item() == 0 and loss.requires_grad
     assert stats["num_tokens"].item() == 0
     for g in grads_of(loss, tensors).values():
@@ -213,19 +218,19 @@ def test_backward_scales_by_the_incoming_gradient_and_skips_frozen_inputs():
     tensors, labels = make_inputs(13, 8, 37)
     tensors["weight"].requires_grad_(False)
     tensors["bias"].requires_grad_(False)
-    loss, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, chunk_size=4, vocab_chunk_size=8)
+    loss, _ = ovr_loss_of(tensors, labels, chunk_size=4, vocab_chunk_size=8)
     grads = grads_of(loss, tensors)
     assert grads.keys() == {"loc_U", "scale_U", "b_noise", "threshold"}
-    loss, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels, chunk_size=4, vocab_chunk_size=8)
+    loss, _ = ovr_loss_of(tensors, labels, chunk_size=4, vocab_chunk_size=8)
     for name, g in grads_of(-2.5 * loss, tensors).items():
         torch.testing.assert_close(g, -2.5 * grads[name])
 
 
 def test_no_grad_mode_computes_the_loss_only():
     tensors, labels = make_inputs(13, 8, 37)
-    loss, _ = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+    loss, _ = ovr_loss_of(tensors, labels)
     with torch.no_grad():
-        loss_eval, stats = chunked_ovr_loss(*(tensors[k] for k in NAMES), labels)
+        loss_eval, stats = ovr_loss_of(tensors, labels)
     assert not loss_eval.requires_grad
     torch.testing.assert_close(loss_eval, loss.detach())
     assert stats["num_tokens"].item() == int((labels != -100).sum())
@@ -241,7 +246,7 @@ def test_zero_row_of_W_matches_the_model_convention():
     weight, bias, b_noise = torch.randn(11, 8), torch.zeros(11), torch.full((8,), 0.1)
     weight[3] = 0.0
     labels = torch.tensor([1, 3, 5, -100, 3, 0])
-    loss, _ = chunked_ovr_loss(loc_U, scale_U, weight, bias, b_noise, 0.0, labels, chunk_size=4, vocab_chunk_size=5)
+    loss, _ = chunked_ovr_loss(loc_U, scale_U, DecisionHead(weight, bias, b_noise, 0.0), labels, chunk_size=4, vocab_chunk_size=5)
     loc_S = loc_U @ weight.T + bias
     scale_S = (scale_U + b_noise.abs()) @ weight.abs().T
     expected = ovr_loss(loc_S, scale_S, torch.tensor(0.0), labels)
@@ -261,7 +266,7 @@ def test_zero_row_below_a_threshold_gives_finite_gradients():
     for t in (loc_U, scale_U, weight, bias, b_noise, threshold):
         t.requires_grad_(True)
     labels = torch.tensor([1, 2, 3, 4, 5])
-    loss, _ = chunked_ovr_loss(loc_U, scale_U, weight, bias, b_noise, threshold, labels, chunk_size=2, vocab_chunk_size=3)
+    loss, _ = chunked_ovr_loss(loc_U, scale_U, DecisionHead(weight, bias, b_noise, threshold), labels, chunk_size=2, vocab_chunk_size=3)
     loss.backward()
     assert torch.isfinite(loss)
     for t in (loc_U, scale_U, weight, bias, b_noise, threshold):

@@ -167,6 +167,11 @@ def test_loss_matches_float64_bce_reference(tied_base, input_ids):
     assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5)
     out.loss.backward()
     assert model.action.weight.grad is not None and model.model.embed_tokens.weight.grad is None
+    # the loss is the same in every inference mode: the scoring options (as generate() would pass them) do not apply
+    with torch.no_grad():
+        again = model(input_ids, labels=labels, use_cache=True, inference_mode="sampling", causal_temperature=2.0,
+                      noise_sharing="sequence")
+    assert again.loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
 
 
 def test_logits_to_keep_scores_only_kept_positions(tied_base, input_ids):

@@ -1,7 +1,7 @@
 """Numeric-aware heads (docs/design.md, Numbers): <NUM> values in, the Cauchy regression head out, its loss, generation with
 fed-back values, the data helpers and CausalSFTTrainer on numeric data.
 
-References: the formulas of §2.5 written out in float64, the backbone run on hand-built input embeddings, and a
+References: the formulas of docs/design.md, Numeric mode, written out in float64, the backbone run on hand-built input embeddings, and a
 teacher-forced forward pass for the generated values.
 """
 
