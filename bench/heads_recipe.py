@@ -28,6 +28,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
 from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table, score_hidden_states
 from causalqwen_adapter.training import calibrate_threshold_on_features, learning_rate_ratio
 
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--save", action="store_true", help="save each trained adapter under <cache>/<config>")
     parser.add_argument("--saved", action="store_true",
                         help="evaluate the adapters --save wrote under <cache>/<config> instead of training")
-    parser.add_argument("--distributions", nargs="+", default=["accept", "normalize"], choices=["accept", "normalize"],
+    parser.add_argument("--distributions", nargs="+", default=["accept", "normalize"], choices=list(OVR_DISTRIBUTIONS),
                         help="the OvR modes' next-token distributions to score (config ovr_distribution)")
     args = parser.parse_args()
     if args.threads:

@@ -1,8 +1,9 @@
 """Benchmark: loading an adapter (base + heads) vs loading the base alone, on the demo base.
 
 Each load runs in a fresh subprocess (nothing cached in-process), alternating base / adapter,
-after one untimed warm-up of each so both read from a warm page cache. Prints the medians,
-their ratio (target ≤ 1.2×) and the sizes of the adapter file and the base checkpoint.
+after one untimed warm-up of each so both read from a warm page cache. Prints the median times,
+the per-round ratio adapter / base as median (min–max) (target ≤ 1.2×) and the sizes of the adapter file and the base
+checkpoint.
 
     python bench/load.py --base build/demo-base [--adapter build/demo-adapter] [--repeats 5]
 """
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from stats import round_ratios, spread
 
 # (import, load). The class API is timed without its import; the Auto API is timed as a user meets
 # it, resolving and importing the model's module inside the call (transformers' own lazy import for
@@ -70,11 +73,14 @@ def main() -> None:
         for kind in LOADERS:
             times[kind].append(time_load(kind, paths[kind]))
 
-    medians = {kind: [statistics.median(t[i] for t in runs) for i in (0, 1)] for kind, runs in times.items()}
-    print(f"{'load':<44}{'returns s':>10}{'resident s':>11}{'ratio':>7}{'ratio':>7}   (medians of {args.repeats})")
-    for kind, (loaded, resident) in medians.items():
-        ref = REFERENCE.get(kind, kind)
-        print(f"{kind:<44}{loaded:>10.3f}{resident:>11.3f}{loaded / medians[ref][0]:>7.2f}{resident / medians[ref][1]:>7.2f}")
+    print(f"{'load':<44}{'returns s':>10}{'resident s':>11}  {'ratio returns':<18}{'ratio resident':<18}"
+          f"(medians and ratio min–max over {args.repeats} rounds)")
+    for kind, runs in times.items():
+        ref = times[REFERENCE.get(kind, kind)]
+        loaded, resident = ([t[i] for t in runs] for i in (0, 1))
+        ratios = [spread(round_ratios(loaded if i == 0 else resident, [t[i] for t in ref])) for i in (0, 1)]
+        print(f"{kind:<44}{statistics.median(loaded):>10.3f}{statistics.median(resident):>11.3f}  "
+              f"{ratios[0]:<18}{ratios[1]:<18}")
     weights = Path(adapter) / "model.safetensors"
     base_bytes = sum(p.stat().st_size for p in Path(args.base).glob("*.safetensors"))
     print(f"adapter model.safetensors: {weights.stat().st_size / 2**20:.1f} MiB; "

@@ -13,7 +13,10 @@ fastest of ``--repeat`` forward + backward steps after one warm-up step (the min
 timeit does, because other jobs on a shared machine only ever add time); the process CPU
 time of the fastest-CPU step is printed beside it, a second view when the machine is busy.
 
-    python bench/loss.py --n 1024 4096
+The whole comparison runs --runs times with the variants interleaved; ratios are per run, reported as median
+(min–max) (bench/stats.py).
+
+    python bench/loss.py --n 1024 4096 --variants a c
 """
 
 import argparse
@@ -22,6 +25,8 @@ import resource
 import subprocess
 import sys
 import time
+
+from stats import round_ratios, spread
 
 V, C = 151936, 896
 VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss"}
@@ -88,7 +93,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[1024], help="token counts, run in ascending order")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--repeat", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--repeat", type=int, default=3, help="timed steps after one warm-up step, per process")
+    parser.add_argument("--runs", type=int, default=3, help="times the whole comparison runs, variants interleaved")
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--vocab-chunk-size", type=int, default=2048)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -97,36 +103,46 @@ def main():
         print(json.dumps(_child(args.child, args.n[0], args.repeat, args.chunk_size, args.vocab_chunk_size)))
         return
 
-    results = {}
+    last = {}  # each variant's latest measurement, to foresee the memory of the next N
     for n in sorted(args.n):
-        for v in args.variants:
-            # The naive loss grows linearly in N: skip it where the last measurement says it would not fit.
-            prev = [r for (pv, pn), r in results.items() if pv == v and r]
-            if prev:
-                estimate = prev[-1]["inputs_mib"] + prev[-1]["extra_mib"] * n / prev[-1]["n"]
-                if estimate > 0.9 * _mem_available_mib():
-                    print(f"N={n} ({v}) {VARIANTS[v]}: skipped, needs ~{estimate / 1024:.1f} GiB "
-                          f"(extrapolated from N={prev[-1]['n']}), {_mem_available_mib() / 1024:.1f} GiB available")
-                    results[v, n] = None
+        results = {v: [] for v in args.variants}
+        for run in range(args.runs):  # the whole comparison, variants interleaved, --runs times
+            for v in args.variants:
+                r = _run_child(v, n, args, last.get(v))
+                if r is None:
                     continue
-            cmd = [sys.executable, __file__, "--child", v, "--n", str(n), "--repeat", str(args.repeat),
-                   "--chunk-size", str(args.chunk_size), "--vocab-chunk-size", str(args.vocab_chunk_size)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode:
-                print(f"N={n} ({v}) {VARIANTS[v]}: failed with exit code {proc.returncode}\n{proc.stderr[-2000:]}")
-                results[v, n] = None
-                continue
-            r = results[v, n] = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"N={n} ({v}) {VARIANTS[v]:<26} time {r['time_s']:7.2f} s (first {r['first_s']:.2f} s, cpu {r['cpu_s']:.2f} s)  "
-                  f"extra peak {r['extra_mib']:8.0f} MiB  whole-process peak {r['peak_mib']:8.0f} MiB", flush=True)
-        c = results.get(("c", n))
+                results[v].append(r)
+                last[v] = r
+                print(f"N={n} run {run + 1} ({v}) {VARIANTS[v]:<26} time {r['time_s']:7.2f} s (first {r['first_s']:.2f} s, "
+                      f"cpu {r['cpu_s']:.2f} s)  extra peak {r['extra_mib']:8.0f} MiB  whole-process peak "
+                      f"{r['peak_mib']:8.0f} MiB", flush=True)
+        c = results.get("c", [])
         for other in ("a", "b"):
-            o = results.get((other, n))
-            if c and o:
-                print(f"N={n} c/{other}: time {c['time_s'] / o['time_s']:.2f}x (cpu {c['cpu_s'] / o['cpu_s']:.2f}x)  "
-                      f"extra memory {c['extra_mib'] / o['extra_mib']:.3f}x  "
-                      f"whole-process peak {c['peak_mib'] / o['peak_mib']:.3f}x")
+            o = results.get(other, [])
+            if len(c) == len(o) and c:
+                print(f"N={n} c/{other}, median (min–max) over {len(c)} runs: "
+                      f"time {spread(round_ratios([r['time_s'] for r in c], [r['time_s'] for r in o]))}× "
+                      f"(cpu {spread(round_ratios([r['cpu_s'] for r in c], [r['cpu_s'] for r in o]))}×)  "
+                      f"extra memory {spread(round_ratios([r['extra_mib'] for r in c], [r['extra_mib'] for r in o]))}×  "
+                      f"whole-process peak {spread(round_ratios([r['peak_mib'] for r in c], [r['peak_mib'] for r in o]))}×")
 
+
+def _run_child(v: str, n: int, args, previous: dict | None) -> dict | None:
+    """One variant at N tokens in its own process; None when it would not fit in memory or failed."""
+    # The naive loss grows linearly in N: skip it where the last measurement says it would not fit.
+    if previous:
+        estimate = previous["inputs_mib"] + previous["extra_mib"] * n / previous["n"]
+        if estimate > 0.9 * _mem_available_mib():
+            print(f"N={n} ({v}) {VARIANTS[v]}: skipped, needs ~{estimate / 1024:.1f} GiB "
+                  f"(extrapolated from N={previous['n']}), {_mem_available_mib() / 1024:.1f} GiB available")
+            return None
+    cmd = [sys.executable, __file__, "--child", v, "--n", str(n), "--repeat", str(args.repeat),
+           "--chunk-size", str(args.chunk_size), "--vocab-chunk-size", str(args.vocab_chunk_size)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        print(f"N={n} ({v}) {VARIANTS[v]}: failed with exit code {proc.returncode}\n{proc.stderr[-2000:]}")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ from .cauchy import INFERENCE_MODES
 
 ACTION_WEIGHTS = ("full", "tied", "lora")
 OBJECTIVES = ("ovr", "softmax")
-OVR_DISTRIBUTIONS = ("accept", "normalize")
+OVR_DISTRIBUTIONS = ("accept", "accept_once", "normalize")
 CONFIG_CHOICES = {"action_weight": ACTION_WEIGHTS, "objective": OBJECTIVES, "ovr_distribution": OVR_DISTRIBUTIONS,
                   "inference_mode": INFERENCE_MODES}
 # Qwen2's embedding has 151936 rows; the tokenizer uses the first 151665, the last 271 are reserved.
@@ -56,8 +56,10 @@ class CausalQwenConfig(PreTrainedConfig):
         ovr_distribution (`str`): the next-token distribution q of the OvR modes, whose log the model returns as
             `logits` (what greedy decoding maximises, sampling draws from and the evaluation's NLL scores).
             "accept" (measured best): q_k ∝ softmax(loc_S)_k · P_k, the compatible model's proposal accepted with
-            the OvR probability P_k (rejection sampling); "normalize": q_k = P_k / Σ_j P_j, the seeds' reading, whose
-            polynomial Cauchy tail costs about 2 nats of NLL (docs/design.md, OvR probabilities).
+            the OvR probability P_k (rejection sampling); "accept_once": one round of it, a rejected proposal falls
+            back to a fresh draw from softmax(loc_S): q_k = softmax(loc_S)_k (1 − A + P_k), A = Σ_j softmax_j P_j,
+            never below (1 − A) × the compatible model's q_k; "normalize": q_k = P_k / Σ_j P_j, the seeds' reading,
+            whose polynomial Cauchy tail costs about 2 nats of NLL (docs/design.md, OvR probabilities).
         distill_tail_weight (`float`): in offline distillation, the weight of the tail term Σ_{k∉K} −log(1 − P_k)
             beside the top-K MSE (0 = the top-K MSE alone, which leaves the other tokens' P_k free).
     """

@@ -187,12 +187,22 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
 
     def mode_scores(self, loc_S, scale_S, inference_mode, log_P=None):
         """The logits a mode decodes with (docs/design.md, Inference modes): loc_S in `compatible`; in the OvR modes
-        the log of the config's `ovr_distribution` up to a constant: loc_S + log P_k (`accept`) or log P_k
-        (`normalize`). `log_P` may be passed when the caller already has it."""
+        the log of the config's `ovr_distribution` up to a constant: loc_S + log P_k (`accept`), log P_k
+        (`normalize`), or log softmax(loc_S)_k + log(1 − A + P_k) (`accept_once`). `log_P` may be passed when the
+        caller already has it."""
         if inference_mode == "compatible":
             return loc_S
         log_P = self.ovr_log_probs(loc_S, scale_S) if log_P is None else log_P
-        return log_P if self.config.ovr_distribution == "normalize" else loc_S.float() + log_P
+        distribution = self.config.ovr_distribution
+        if distribution == "normalize":
+            return log_P
+        if distribution == "accept":
+            return loc_S.float() + log_P
+        # accept_once: q_k = r_k (1 − A + P_k) with r = softmax(loc_S); 1 − A = Σ_j r_j (1 − P_j) summed in log space,
+        # so that it keeps its digits when A is near 1
+        log_r = torch.log_softmax(loc_S.float(), dim=-1)
+        log_rejected = torch.logsumexp(log_r + torch.log(-torch.expm1(log_P)), dim=-1, keepdim=True)
+        return log_r + torch.logaddexp(log_rejected, log_P)
 
     def _resolve_mode(self, inference_mode, causal_temperature, noise_sharing="step"):
         mode = self.config.inference_mode if inference_mode is None else inference_mode

@@ -38,8 +38,9 @@ class EvaluationArguments:
     causal_temperature: float | None = field(default=None, metadata={"help": "T of the modes' noise (default: config)."})
     ovr_distribution: str | None = field(
         default=None,
-        metadata={"help": "The OvR modes' next-token distribution for every adapter: `accept` (softmax(loc_S)·P) or "
-                  "`normalize` (P/ΣP). Default: each adapter's config.", "choices": ["accept", "normalize"]},
+        metadata={"help": "The OvR modes' next-token distribution for every adapter: `accept` (softmax(loc_S)·P), "
+                  "`accept_once` (one veto, then a fresh proposal) or `normalize` (P/ΣP). Default: each adapter's "
+                  "config.", "choices": list(OVR_DISTRIBUTIONS)},
     )
     max_length: int = field(default=1024, metadata={"help": "Tokens per row (truncated beyond)."})
     max_rows: int | None = field(default=None, metadata={"help": "Evaluate the first N rows only."})

@@ -10,8 +10,9 @@ The model is a Qwen2 base (fresh heads are attached) or a CausalQwen adapter (tr
         --per_device_train_batch_size 4 --gradient_accumulation_steps 4 \
         --num_train_epochs 1 --output_dir my-causal-adapter
 
-    # the same on two GPUs (or `--cpu` for two CPU processes)
+    # the same on two GPUs (or `--cpu` for two CPU processes); sharded with FSDP2 or DeepSpeed ZeRO-3
     accelerate launch --num_processes 2 recipes/sft_ovr.py <same arguments>
+    accelerate launch --config_file recipes/configs/fsdp2.yaml recipes/sft_ovr.py <same arguments>
 
     # LoRA on the backbone too (saved in my-causal-adapter/lora/)
     python recipes/sft_ovr.py ... --use_peft --lora_r 16 --lora_target_modules q_proj v_proj

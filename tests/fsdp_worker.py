@@ -2,18 +2,23 @@
 
     python tests/fsdp_worker.py <base folder> <work folder> <rank> <world size>
 
-Shards the model as accelerate's FSDP2 plugin does — `fully_shard` on every decoder layer (the transformer-layer
-auto-wrap policy), on the input embedding, on the final norm (the tail), then on the root, which holds the heads —
-on gloo, runs `forward(labels=...)` on this rank's half of the global batch, backward and one SGD step, and writes
-the loss summed over ranks and the gathered full adapter state dict (rank 0) to <work folder>/result.pt.
+The environment is what `accelerate launch --config_file recipes/configs/fsdp2.yaml` gives each process (test_fsdp.py
+builds it with accelerate's own launcher code). Accelerate switches FSDP on only on accelerators, so this worker
+calls the step that `Accelerator.prepare` runs for FSDP2, `fsdp2_prepare_model`, itself, with the plugin read from
+that environment: `fully_shard` on every decoder layer (the model's `_no_split_modules`), the input embedding, the
+tail, then the root, which holds the heads. On gloo it runs `forward(labels=...)` on this rank's half of the global
+batch, backward and one SGD step, and writes the loss summed over ranks and the gathered full adapter state dict
+(rank 0) to <work folder>/result.pt.
 """
 
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import BASE_PREFIXES
@@ -27,11 +32,12 @@ def main(base: str, work: str, rank: int, world: int) -> None:
     rows = len(batch) // world
     local = batch[rank * rows : (rank + 1) * rows]
 
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model.model.embed_tokens)
-    fully_shard([model.model.norm], reshard_after_forward=False)
-    fully_shard(model)
+    plugin = FullyShardedDataParallelPlugin()  # from the launch environment (FSDP_VERSION=2, auto-wrap policy, ...)
+    assert plugin.fsdp_version == 2, "run through test_fsdp.py: it sets the environment accelerate launch would"
+    # float32 here (gloo, compared with one process within float tolerance); the config's bf16 is for GPUs
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                  mixed_precision="no", is_main_process=rank == 0, device=torch.device("cpu"))
+    model = fsdp2_prepare_model(accelerator, model)
     # What the check is about: the vocabulary-sized W_A and the heads are sharded like any weight.
     sharded = {n: type(p).__name__ == "DTensor" for n, p in model.named_parameters()}
     assert sharded["action.weight"] and sharded["abduction.loc.weight"] and all(sharded.values()), sharded

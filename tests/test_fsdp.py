@@ -1,6 +1,8 @@
-"""Sharded training under FSDP2 (torch's `fully_shard`, as accelerate's FSDP2 plugin applies it) on 2 CPU
-processes with gloo: the same loss and the same adapter tensors as one process on the same global batch, and the
-gathered adapter loads through `AutoModelForCausalLM` with `trust_remote_code=True`."""
+"""Sharded training under FSDP2 with the shipped `recipes/configs/fsdp2.yaml`, on 2 CPU processes with gloo: the
+environment `accelerate launch` would give each process, accelerate's own FSDP2 model preparation, then the same
+loss and the same adapter tensors as one process on the same global batch, and the gathered adapter loads through
+`AutoModelForCausalLM` with `trust_remote_code=True`. The launch configurations are checked against what the heads
+need."""
 
 import os
 import signal
@@ -16,13 +18,43 @@ from causalqwen_adapter import CausalQwenForCausalLM
 
 from conftest import TINY_VOCAB
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
+CONFIGS = REPO_ROOT / "recipes" / "configs"
+
+
+def launch_environment(config_file: Path) -> dict:
+    """The environment `accelerate launch --config_file <config_file>` gives each training process (FSDP_*,
+    ACCELERATE_*), built by accelerate's own launcher code."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+
+
+def test_launch_configurations_keep_what_the_heads_need():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    fsdp = ClusterConfig.from_yaml_file(CONFIGS / "fsdp2.yaml")  # unknown keys are an error there
+    assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
+    # the Trainer gathers the model at save time only under FULL_STATE_DICT: save_pretrained writes the adapter folder
+    assert fsdp.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    # fresh heads copy lm_head into W_A: every rank needs the real base weights, not the meta device
+    assert fsdp.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
+    zero3 = ClusterConfig.from_yaml_file(CONFIGS / "deepspeed_zero3.yaml")
+    assert zero3.distributed_type == "DEEPSPEED" and zero3.deepspeed_config["zero_stage"] == 3
+    # the same copy needs the unpartitioned weight at construction; gathered 16-bit weights at save time
+    assert zero3.deepspeed_config["zero3_init_flag"] is False
+    assert zero3.deepspeed_config["zero3_save_16bit_model"] is True
 
 
 def test_fsdp2_step_matches_one_process(tied_base, tmp_path):
     batch = torch.randint(1, TINY_VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
     torch.save(batch, tmp_path / "batch.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, **launch_environment(CONFIGS / "fsdp2.yaml"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO_ROOT)}
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), str(tied_base), str(tmp_path), str(rank), "2"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

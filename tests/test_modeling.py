@@ -90,7 +90,7 @@ def _reference_forward(model, input_ids, mode, temperature):
     return loc_S, scale_S, torch.log(0.5 + torch.atan(x) / math.pi)
 
 
-@pytest.mark.parametrize("distribution", ["accept", "normalize"])
+@pytest.mark.parametrize("distribution", ["accept", "accept_once", "normalize"])
 @pytest.mark.parametrize("mode,temperature", [("standard", 1.0), ("standard", 0.3), ("causal", 1.0)])
 def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperature, distribution):
     # scales of the order of the logits: the plain atan of the reference is exact there
@@ -104,7 +104,11 @@ def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperat
         loc_S, scale_S, log_p = _reference_forward(model, input_ids, mode, temperature)
     torch.testing.assert_close(out.loc_S.double(), loc_S, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.scale_S.double(), scale_S, rtol=1e-5, atol=1e-5)
-    expected = log_p if distribution == "normalize" else loc_S + log_p  # log P_k, or the accepted proposal
+    if distribution == "accept_once":  # log r_k + log(1 − Σ_j r_j P_j + P_k), written out
+        r, P = torch.softmax(loc_S, -1), log_p.exp()
+        expected = r.log() + (1 - (r * P).sum(-1, keepdim=True) + P).log()
+    else:
+        expected = log_p if distribution == "normalize" else loc_S + log_p  # log P_k, or the accepted proposal
     torch.testing.assert_close(out.logits.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.ovr_log_probs(out.loc_S, out.scale_S).double(), log_p, rtol=1e-5, atol=1e-6)
 
@@ -123,6 +127,28 @@ def test_accept_distribution_is_rejection_sampling_of_the_compatible_model(tied_
     proposals = torch.multinomial(torch.softmax(loc, 0), 400_000, replacement=True, generator=g)
     kept = proposals[torch.rand(len(proposals), generator=g, dtype=torch.float64) < P[proposals]]
     empirical = torch.bincount(kept, minlength=len(loc)).double() / len(kept)
+    torch.testing.assert_close(empirical, q, rtol=0, atol=0.005)  # Monte Carlo σ ≈ 0.001
+
+
+def test_accept_once_is_one_veto_then_a_fresh_proposal(tied_base, input_ids):
+    """`accept_once`: softmax(logits) is the law of "draw from softmax(loc_S), keep the draw with probability P_k,
+    else draw once more from softmax(loc_S) and keep that" — checked against the procedure run by Monte Carlo."""
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, gamma_init=0.5, b_noise_init=0.05,
+                                            ovr_distribution="accept_once")
+    with torch.no_grad():
+        model.action.weight.mul_(4.0)
+        out = model(input_ids[:1, :4], inference_mode="standard")
+    loc, P = out.loc_S[0, -1].double(), model.ovr_log_probs(out.loc_S, out.scale_S)[0, -1].double().exp()
+    q = torch.softmax(out.logits[0, -1].double(), 0)
+    torch.testing.assert_close(out.logits[0, -1].double().exp().sum(), torch.tensor(1.0, dtype=torch.float64))
+    r = torch.softmax(loc, 0)
+    assert (q - r).abs().max() > 0.02  # the veto matters
+    g = torch.Generator().manual_seed(0)
+    first = torch.multinomial(r, 400_000, replacement=True, generator=g)
+    second = torch.multinomial(r, 400_000, replacement=True, generator=g)
+    kept = torch.rand(len(first), generator=g, dtype=torch.float64) < P[first]
+    drawn = torch.where(kept, first, second)
+    empirical = torch.bincount(drawn, minlength=len(loc)).double() / len(drawn)
     torch.testing.assert_close(empirical, q, rtol=0, atol=0.005)  # Monte Carlo σ ≈ 0.001
 
 
