@@ -160,6 +160,6 @@ def test_evaluate_recipe_scores_bases_and_adapters(sft_base, tmp_path):
     normalized = run(tmp_path / "eval-normalize", ovr_distribution="normalize")[str(adapter)]
     assert normalized["standard"]["prob_sum_median"] == pytest.approx(heads["standard"]["prob_sum_median"])
     assert normalized["standard"]["nll"] != pytest.approx(heads["standard"]["nll"])  # another distribution q
-    with pytest.raises(ValueError, match="ovr_distribution='both': choose one of accept, normalize"):
+    with pytest.raises(ValueError, match="ovr_distribution=.both.: choose one of accept, accept_once, normalize"):
         run(tmp_path / "bad", ovr_distribution="both")
     assert not (tmp_path / "bad").exists()
