@@ -81,7 +81,7 @@ def cached_features(base, tokenizer, name, modules, length, limit, cache: Path):
     return data
 
 
-def evaluate_heads(model, z, targets, modes, distributions=("accept",), chunk=256):
+def evaluate_heads(model, z, targets, modes, distributions=("accept_once",), chunk=256):
     """{mode: metrics} on cached features; OvR modes once per `ovr_distribution` in `distributions`
     (keyed "standard (normalize)" for every distribution but the first)."""
     kinds = [(mode, None) for mode in modes if mode == "compatible"]
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--save", action="store_true", help="save each trained adapter under <cache>/<config>")
     parser.add_argument("--saved", action="store_true",
                         help="evaluate the adapters --save wrote under <cache>/<config> instead of training")
-    parser.add_argument("--distributions", nargs="+", default=["accept", "normalize"], choices=list(OVR_DISTRIBUTIONS),
+    parser.add_argument("--distributions", nargs="+", default=["accept_once", "accept", "normalize"], choices=list(OVR_DISTRIBUTIONS),
                         help="the OvR modes' next-token distributions to score (config ovr_distribution)")
     args = parser.parse_args()
     if args.threads:

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from causalqwen_adapter import CausalQwenForCausalLM  # noqa: E402
+from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS  # noqa: E402
 
 from heads_recipe import HELD_OUT_MODULES, windows  # noqa: E402
 
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=48)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--skip-base", action="store_true", help="only the adapters (the base row is still scored)")
+    parser.add_argument("--ovr-distribution", choices=list(OVR_DISTRIBUTIONS),
+                        help="the OvR modes' next-token distribution for every adapter (default: each adapter's config)")
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
@@ -57,6 +60,8 @@ def main() -> None:
         runs = {}
     for folder in args.adapters:
         model = CausalQwenForCausalLM.from_pretrained(folder, base_model=base, dtype=torch.bfloat16).eval()
+        if args.ovr_distribution:
+            model.config.ovr_distribution = args.ovr_distribution
         for mode in args.modes:
             runs[f"{Path(folder).name} {mode}"] = (
                 lambda p, seed, model=model, mode=mode: sample(model, p, args.new_tokens, seed, inference_mode=mode))

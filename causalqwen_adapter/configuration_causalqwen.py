@@ -55,10 +55,11 @@ class CausalQwenConfig(PreTrainedConfig):
             only, and the OvR loss trains the scale path and the thresholds. True: the seeds' single loss.
         ovr_distribution (`str`): the next-token distribution q of the OvR modes, whose log the model returns as
             `logits` (what greedy decoding maximises, sampling draws from and the evaluation's NLL scores).
-            "accept" (measured best): q_k ∝ softmax(loc_S)_k · P_k, the compatible model's proposal accepted with
-            the OvR probability P_k (rejection sampling); "accept_once": one round of it, a rejected proposal falls
-            back to a fresh draw from softmax(loc_S): q_k = softmax(loc_S)_k (1 − A + P_k), A = Σ_j softmax_j P_j,
-            never below (1 − A) × the compatible model's q_k; "normalize": q_k = P_k / Σ_j P_j, the seeds' reading,
+            "accept_once" (measured best): the compatible model proposes a token, the OvR heads accept it with
+            probability P_k, and a rejected proposal is replaced by a fresh draw from softmax(loc_S):
+            q_k = softmax(loc_S)_k (1 − A + P_k), A = Σ_j softmax_j P_j, never below (1 − A) × the compatible
+            model's q_k; "accept": proposals repeat until one is accepted (rejection sampling), q_k ∝ softmax(loc_S)_k
+            · P_k, which lets a rejection cost many nats; "normalize": q_k = P_k / Σ_j P_j, the seeds' reading,
             whose polynomial Cauchy tail costs about 2 nats of NLL (docs/design.md, OvR probabilities).
         distill_tail_weight (`float`): in offline distillation, the weight of the tail term Σ_{k∉K} −log(1 − P_k)
             beside the top-K MSE (0 = the top-K MSE alone, which leaves the other tokens' P_k free).
@@ -86,7 +87,7 @@ class CausalQwenConfig(PreTrainedConfig):
     objective: str = "ovr"
     softmax_loss_weight: float = 1.0
     ovr_trains_location: bool = False
-    ovr_distribution: str = "accept"
+    ovr_distribution: str = "accept_once"
     distill_tail_weight: float = 1.0
 
     def __post_init__(self, **kwargs):

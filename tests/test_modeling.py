@@ -116,7 +116,8 @@ def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperat
 def test_accept_distribution_is_rejection_sampling_of_the_compatible_model(tied_base, input_ids):
     """`accept`: softmax(logits) is the law of "draw from softmax(loc_S), keep the draw with probability P_k,
     else draw again" — checked against that procedure run by Monte Carlo."""
-    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, gamma_init=0.5, b_noise_init=0.05)
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, gamma_init=0.5, b_noise_init=0.05,
+                                            ovr_distribution="accept")
     with torch.no_grad():
         model.action.weight.mul_(4.0)  # a proposal spread over many tokens; P_k between 0.25 and 0.86
         out = model(input_ids[:1, :4], inference_mode="standard")
@@ -163,8 +164,9 @@ def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
     assert torch.allclose(log_P[..., 0].exp(), torch.tensor(0.5))  # loc = threshold: P = ½
     loss = model(input_ids, labels=input_ids).loss
     assert torch.isfinite(loss)
-    # below the threshold the degenerate law is a step: P = 0 exactly (log P = −inf), never NaN
-    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=16.0)
+    # below the threshold the degenerate law is a step: P = 0 exactly (log P = −inf), never NaN; `accept` never
+    # draws a token with P = 0, `accept_once` keeps it as a fallback draw: log r_0 + log(1 − A), finite
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=16.0, ovr_distribution="accept")
     with torch.no_grad():
         out = model(input_ids)
     log_P = model.ovr_log_probs(out.loc_S, out.scale_S)
@@ -172,6 +174,10 @@ def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
     assert torch.all(log_P[..., 0] == -math.inf) and torch.isfinite(out.logits[..., 1:]).all()
     loss = model(input_ids, labels=input_ids).loss
     assert torch.isfinite(loss)
+    model.config.ovr_distribution = "accept_once"
+    with torch.no_grad():
+        out = model(input_ids)
+    assert torch.isfinite(out.logits).all()
 
 
 def test_loss_matches_float64_bce_reference(tied_base, input_ids):

@@ -380,7 +380,7 @@ def test_recipe_help_describes_head_options_from_the_config():
 
     for name in ("gamma_init", "ovr_threshold_init", "ovr_distribution", "objective"):
         assert " ".join(config_field_help(name).split()[:8]) in help_text, name
-    assert "{accept,normalize}" in help_text
+    assert "{accept,accept_once,normalize}" in help_text
 
 
 def test_recipe_takes_trls_model_flags(sft_base, tmp_path):
@@ -498,7 +498,7 @@ def test_an_adapter_keeps_its_loss_and_distribution_options_unless_asked(sft_bas
     args = _args(tmp_path / "b", objective="ovr", ovr_distribution="accept")
     changed = CausalSFTTrainer(str(adapter), args=args, train_dataset=_prompt_completion()).model.config
     assert (changed.objective, changed.ovr_distribution) == ("ovr", "accept")
-    with pytest.raises(ValueError, match="ovr_distribution='sample': choose one of accept, normalize"):
+    with pytest.raises(ValueError, match="ovr_distribution='sample': choose one of accept, accept_once, normalize"):
         CausalSFTTrainer(str(adapter), args=_args(tmp_path / "c", ovr_distribution="sample"),
                          train_dataset=_prompt_completion())
 
