@@ -48,6 +48,8 @@ CONFIGS = {
     "default": dict(heads=dict(), learning_rate=None),  # the package's defaults, whatever they are
     "softmax": dict(heads=dict(objective="softmax"), learning_rate=None),
     "ovr_location": dict(heads=dict(ovr_trains_location=True), learning_rate=None),
+    # thresholds compared with loc_S itself (the default before relative thresholds), calibrated on data
+    "absolute_thresholds": dict(heads=dict(ovr_relative_threshold=False), learning_rate=None),
     # per-token thresholds, learned fast (0.1): under the accepted-proposal distribution they gate, they do not rank
     "learned_thresholds": dict(heads=dict(learnable_threshold=True), learning_rate=None, threshold_lr_ratio=1000.0),
 }
@@ -156,7 +158,7 @@ def main() -> None:
         spec = CONFIGS[name]
         base_f32 = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32)
         model = CausalQwenForCausalLM.from_base(base_f32, **spec["heads"])
-        if "ovr_threshold_init" not in spec["heads"]:  # as the trainer does for fresh heads
+        if "ovr_threshold_init" not in spec["heads"] and not model.config.ovr_relative_threshold:  # as the trainer
             threshold = calibrate_threshold_on_features(model, train["z"][:1024])
             print(f"  {name}: threshold calibrated to {threshold:.3f}", flush=True)
         learning_rate = spec["learning_rate"] or trainer_defaults.learning_rate

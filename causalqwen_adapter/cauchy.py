@@ -140,9 +140,12 @@ def ovr_log_probs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log P_k, log(1 − P_k)) for the OvR probability P_k = ½ + atan(x_k)/π.
 
     Through the atan2 forms P = atan2(1, −x)/π and 1 − P = atan2(1, x)/π: neither side
-    rounds to 0 for large |x| (atan2(1, x) ≈ 1/x), so no clamping is needed.
+    rounds to 0 for large |x| (atan2(1, x) ≈ 1/x), so no clamping is needed. Below the threshold (x < 0)
+    log(1 − P) is log1p(−P): atan2(1, x)/π is within an ulp of 1 there and would lose the digits of a small P.
     """
-    return ovr_log_prob(x), ovr_log_prob(-x)  # 1 − P(x) = P(−x)
+    below = x < 0
+    small_p = torch.where(below, ovr_probs(x), 0.0)  # 0 elsewhere: no log1p(−1) in the unused branch's gradient
+    return ovr_log_prob(x), torch.where(below, torch.log1p(-small_p), ovr_log_prob(-x))  # 1 − P(x) = P(−x)
 
 
 def ovr_log_prob(x: torch.Tensor) -> torch.Tensor:

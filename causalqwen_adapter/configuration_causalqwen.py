@@ -17,6 +17,8 @@ CONFIG_CHOICES = {"action_weight": ACTION_WEIGHTS, "objective": OBJECTIVES, "ovr
 # Qwen2's embedding has 151936 rows; the tokenizer uses the first 151665, the last 271 are reserved.
 QWEN2_VOCAB_SIZE = 151936
 QWEN2_RESERVED_ROWS = 271
+# The absolute threshold where the demo base's standard-mode argmax agrees best with its own (BENCHMARKS.md).
+ABSOLUTE_THRESHOLD_INIT = 16.0
 
 
 class CausalQwenConfig(PreTrainedConfig):
@@ -32,8 +34,14 @@ class CausalQwenConfig(PreTrainedConfig):
         gamma_init (`float`): initial scale of U, softplus(b_scale) = gamma_init. Small (1e-5): with a scale of
             order 1 every P_k is near ½ and Σ_k P_k is half the vocabulary (BENCHMARKS.md, "Heads that learn").
         b_noise_init (`float`): initial value of every component of b_noise (a tenth of gamma_init).
-        ovr_threshold_init (`float`): initial OvR threshold C_k. 16 is where the demo base's standard-mode argmax
-            agrees best with its own (96%); the trainers calibrate it on the training data for fresh heads.
+        ovr_threshold_init (`float`, *optional*): initial OvR threshold C_k. Unset: log ½ with relative thresholds
+            (a token is accepted when the compatible model gives it more than half the probability), 16 with absolute
+            ones (where the demo base's standard-mode argmax agrees best with its own; the trainers calibrate it on
+            the training data for fresh heads).
+        ovr_relative_threshold (`bool`): compare C_k with the location's log-probability loc_S_k − logsumexp_j loc_S_j
+            (the threshold moves with each position's log-partition, so P_k > ½ exactly when softmax(loc_S)_k > e^C_k
+            and at most e^−C tokens per position are above a uniform threshold) instead of with loc_S_k itself, whose
+            per-position offset is arbitrary. Adapters saved before this option existed load with False.
         learnable_threshold (`bool`): learn one threshold per vocabulary entry (saved in the adapter).
         inference_mode (`str`): default scoring mode, one of "compatible", "standard", "sampling", "causal".
         causal_temperature (`float`): default temperature T ≥ 0 of the noise in the inference modes.
@@ -75,7 +83,8 @@ class CausalQwenConfig(PreTrainedConfig):
     causal_size: int | None = None
     gamma_init: float = 1e-5
     b_noise_init: float = 1e-6
-    ovr_threshold_init: float = 16.0
+    ovr_threshold_init: float | None = None
+    ovr_relative_threshold: bool = True
     learnable_threshold: bool = False
     inference_mode: str = "standard"
     causal_temperature: float = 1.0
@@ -102,6 +111,8 @@ class CausalQwenConfig(PreTrainedConfig):
             raise ValueError(
                 f"inference_mode={self.inference_mode!r} is not a mode: choose one of {', '.join(INFERENCE_MODES)}"
             )
+        if self.ovr_threshold_init is None:
+            self.ovr_threshold_init = math.log(0.5) if self.ovr_relative_threshold else ABSOLUTE_THRESHOLD_INIT
         # NaN passes every `< 0` check and turns every score into NaN: each number is checked to be finite.
         for name in ("gamma_init", "b_noise_init", "ovr_threshold_init", "causal_temperature", "softmax_loss_weight",
                      "numeric_loss_weight", "distill_tail_weight"):
@@ -145,6 +156,13 @@ class CausalQwenConfig(PreTrainedConfig):
                 raise ValueError(f"num_token_id={self.num_token_id} is outside the vocabulary [0, {vocab})")
             if self.numeric_loss_weight < 0:
                 raise ValueError(f"numeric_loss_weight must be >= 0, got {self.numeric_loss_weight}")
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        # A saved config without the field is an adapter whose thresholds were trained against loc_S itself.
+        if "ovr_relative_threshold" not in config_dict and "ovr_relative_threshold" not in kwargs:
+            config_dict = {**config_dict, "ovr_relative_threshold": False}
+        return super().from_dict(config_dict, **kwargs)
 
     @property
     def hidden_size(self) -> int:

@@ -141,19 +141,24 @@ class ActionNetwork(nn.Module):
 
 
 class OvRClassifier(nn.Module):
-    """One-vs-rest thresholds C_k: a scalar buffer, or one learnable value per vocabulary entry."""
+    """One-vs-rest thresholds C_k: a scalar buffer, or one learnable value per vocabulary entry; `relative`
+    thresholds are compared with loc_S_k − logsumexp_j loc_S_j, the compatible model's log-probability."""
 
-    def __init__(self, vocab_size: int, threshold_init: float, learnable: bool):
+    def __init__(self, vocab_size: int, threshold_init: float, learnable: bool, relative: bool = False):
         super().__init__()
         self.threshold_init = threshold_init
+        self.relative = relative
         if learnable:
             self.threshold = nn.Parameter(torch.empty(vocab_size))
         else:
             self.register_buffer("threshold", torch.empty(()), persistent=False)
 
     def forward(self, loc_S: torch.Tensor, scale_S: torch.Tensor) -> torch.Tensor:
-        """Standardized scores x_k = (loc_S_k − C_k) / scale_S_k in float32."""
-        return ovr_standardize(loc_S.float(), scale_S.float(), self.threshold.float())
+        """Standardized scores x_k = (loc_S_k − C_k) / scale_S_k in float32 (loc_S: full rows [..., V])."""
+        loc_S = loc_S.float()
+        if self.relative:
+            loc_S = loc_S - torch.logsumexp(loc_S, -1, keepdim=True)
+        return ovr_standardize(loc_S, scale_S.float(), self.threshold.float())
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -55,6 +55,7 @@ def chunked_ovr_loss(
     vocab_chunk_size: int = 2048,
     ignore_index: int = -100,
     negatives_only: bool = False,
+    threshold_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """OvR loss of the action head on the individual distributions, without [N × V] tensors.
 
@@ -63,6 +64,8 @@ def chunked_ovr_loss(
     Training noise fusion (scale_U + T·|b_noise|), float32 math whatever the input dtype;
     sum over the vocabulary, mean over valid targets, or sum / ``num_items_in_batch``. With ``negatives_only`` the
     labels only select the positions: every token is a negative, Σ_k −log(1 − P_k) (the distillation's tail term).
+    ``threshold_offset`` [N]: an amount added to every threshold of a position, the log-partition of loc_S under
+    relative thresholds (``log_partition``); a reference point, no gradient flows into it.
 
     Returns (loss, stats) with detached ``target_prob`` (mean P_y), ``ovr_prob_sum``
     (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` × ``vocab_chunk_size``
@@ -76,9 +79,11 @@ def chunked_ovr_loss(
         )
     if labels.numel() != loc_U.shape[0]:
         raise ValueError(f"{labels.numel()} labels for {loc_U.shape[0]} positions: pass one (shifted) label per position")
+    if threshold_offset is not None and threshold_offset.shape != (loc_U.shape[0],):
+        raise ValueError(f"threshold_offset must be [N] = [{loc_U.shape[0]}], got {tuple(threshold_offset.shape)}")
     loss, target_prob, prob_sum, num_tokens = _ChunkedOvRLoss.apply(
         loc_U, scale_U, *head, labels, num_items_in_batch, temperature,
-        chunk_size, vocab_chunk_size, ignore_index, negatives_only, torch.is_grad_enabled(),
+        chunk_size, vocab_chunk_size, ignore_index, negatives_only, threshold_offset, torch.is_grad_enabled(),
     )
     return loss, {"target_prob": target_prob, "ovr_prob_sum": prob_sum, "num_tokens": num_tokens}
 
@@ -86,7 +91,7 @@ def chunked_ovr_loss(
 class _ChunkedOvRLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch, temperature,
-                chunk_size, vocab_chunk_size, ignore_index, negatives_only, grad_enabled):
+                chunk_size, vocab_chunk_size, ignore_index, negatives_only, threshold_offset, grad_enabled):
         # needs_input_grad stays True under no_grad, hence the explicit grad_enabled.
         need = [grad_enabled and n for n in ctx.needs_input_grad[:6]]
         need_loc, need_scale, need_W, need_bias, need_noise, need_thr = need
@@ -106,6 +111,7 @@ class _ChunkedOvRLoss(torch.autograd.Function):
         thr = threshold.to(dtype) if torch.is_tensor(threshold) else threshold
         # W loc + b − C in one addmm per tile.
         shift = (torch.zeros(vocab, dtype=dtype, device=weight.device) if bias is None else bias.to(dtype)) - thr
+        offset = None if threshold_offset is None else threshold_offset.detach()[rows].to(dtype).unsqueeze(1)
 
         if num_items_in_batch is None:
             denom = float(max(n_valid, 1))
@@ -122,6 +128,7 @@ class _ChunkedOvRLoss(torch.autograd.Function):
         neg_log_sum, u_row_sum, p_target = _ovr_tiles(
             loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor,
             max(1, min(chunk_size, n_valid)), min(vocab_chunk_size, vocab), dtype, precise=negatives_only,
+            offset=offset,
         )
 
         loss = (neg_log_sum / denom).to(torch.float32)
@@ -160,11 +167,11 @@ class _ChunkedOvRLoss(torch.autograd.Function):
             # In place, so no second [V × C] buffer; the saved tensors' version check then makes a
             # second backward through this graph fail loudly instead of scaling twice.
             grads = [None if g is None else g.mul_(grad_loss) for g in grads]
-        return (*grads, *([None] * 8))
+        return (*grads, *([None] * 9))
 
 
 def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor, chunk, vblock, dtype,
-               precise=False):
+               precise=False, offset=None):
     """Loss terms, stats and (unscaled) gradients over all (token chunk × vocabulary block) tiles.
 
     Vocabulary blocks are the outer loop, so |W|, sign(W) and the fp32 copy of a bf16 W exist
@@ -172,7 +179,8 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     g_loc, g_scale, g_shift receive token sums of π ∂ℓ/∂loc_S and −π ∂ℓ/∂scale_S paths; grad_W
     (left zero when there are no valid tokens) receives its final value, ``factor`` included.
     Returns (Σ ℓ, per-token Σ_k (1 − a_k), per-token P_y), the last two in float64; ``precise`` keeps the digits of
-    P_k < 6e-8 in both sums (the distillation's tail term).
+    P_k < 6e-8 in both sums (the distillation's tail term); ``offset`` [n_valid, 1] is subtracted from each row's
+    loc_S − C (relative thresholds).
     """
     n_valid, width = loc.shape
     vocab = weight.shape[0]
@@ -201,6 +209,8 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             r1 = min(r0 + chunk, n_valid)
             x, s, a, t, u = (buf[: (r1 - r0) * w].view(r1 - r0, w) for buf in (x_buf, s_buf, a_buf, t_buf, u_buf))
             torch.addmm(shift[v0:v1], loc[r0:r1], w_blk.T, out=x)
+            if offset is not None:
+                x.sub_(offset[r0:r1])
             torch.mm(scale[r0:r1], abs_w.T, out=s)
             s.clamp_min_(torch.finfo(s.dtype).tiny)  # a zero row of W_A: the floor of cauchy.ovr_standardize
             x.div_(s)
@@ -260,6 +270,7 @@ def topk_mse_loss(
     temperature: float = 1.0,
     tail_weight: float = 0.0,
     chunk_size: int = 1024,
+    threshold_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Distillation loss of docs/design.md, Offline distillation: Σ_{k∈K} (P_k − p_teacher,k)² (summed over K, mean
     over positions), plus ``tail_weight`` × the tail term Σ_{k∉K} −log(1 − P_k): the OvR loss of every token outside
@@ -292,14 +303,17 @@ def topk_mse_loss(
     thr = threshold.to(dtype) if torch.is_tensor(threshold) else threshold
     if torch.is_tensor(thr) and thr.dim() == 1:
         thr = thr[ids]
+    if threshold_offset is not None:  # relative thresholds: see chunked_ovr_loss
+        loc_S = loc_S - threshold_offset.detach().to(dtype).unsqueeze(1)
     x = ovr_standardize(loc_S, scale_S, thr)
     probs = ovr_probs(x)
     loss = (probs - topk_probs.to(dtype)).square().sum(-1).mean() if len(probs) else probs.sum()
     stats = {}
     if tail_weight > 0 and len(probs):
         # Σ_k −log(1 − P_k) over the vocabulary, then the K stored tokens' own terms off (same fusion, threshold).
-        every, kernel_stats = chunked_ovr_loss(loc_U, scale_U, head, ids[:, 0],
-                                               temperature=temperature, chunk_size=chunk_size, negatives_only=True)
+        every, kernel_stats = chunked_ovr_loss(loc_U, scale_U, head, ids[:, 0], temperature=temperature,
+                                               chunk_size=chunk_size, negatives_only=True,
+                                               threshold_offset=threshold_offset)
         tail = every + ovr_log_probs(x)[1].sum(-1).mean()
         loss = loss + tail_weight * tail
         stats = {"ovr_prob_sum": kernel_stats["ovr_prob_sum"], "tail_loss": tail.detach()}
@@ -319,14 +333,16 @@ def chunked_softmax_loss(
     num_items_in_batch=None,
     chunk_size: int = 1024,
     ignore_index: int = -100,
-) -> torch.Tensor:
+    return_log_partition: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax cross-entropy of the decision-score locations, −log softmax(loc_S)_y, without [N × V] tensors kept.
 
     ``loc_U``: [N, C]; ``head``: the action network (its weight and bias); ``labels``: [N] aligned with the positions.
     loc_S = W_A loc_U + b_A is the compatible mode's score, so this is the ordinary language-model loss of the heads:
     the softmax baseline, or an auxiliary term that keeps loc_S a calibrated language model beside the OvR loss. Each token chunk's logits are
     recomputed in backward (activation checkpointing), so one chunk's [chunk × V] lives at a time. Float32 math; sum
-    over targets divided by their count, or by ``num_items_in_batch``.
+    over targets divided by their count, or by ``num_items_in_batch``. With ``return_log_partition`` also returns
+    logsumexp_k loc_S_k per position [N] (detached; 0 where there is no target), which relative thresholds need.
     """
     labels = labels.reshape(-1)
     rows = (labels != ignore_index).nonzero().squeeze(1)
@@ -337,15 +353,31 @@ def chunked_softmax_loss(
     dtype = torch.promote_types(head.weight.dtype, torch.float32)
     weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
     total = loc.new_zeros((), dtype=torch.float32)
+    lse = loc.new_zeros(len(rows), dtype=torch.float32)
     for r0 in range(0, len(rows), chunk_size):
         chunk = (loc[r0 : r0 + chunk_size], weight, bias, targets[r0 : r0 + chunk_size])
         if torch.is_grad_enabled():
-            total = total + checkpoint(_softmax_chunk, *chunk, use_reentrant=False)
+            nll, lse[r0 : r0 + chunk_size] = checkpoint(_softmax_chunk, *chunk, use_reentrant=False)
         else:
-            total = total + _softmax_chunk(*chunk)
+            nll, lse[r0 : r0 + chunk_size] = _softmax_chunk(*chunk)
+        total = total + nll
     denom = max(len(rows), 1) if num_items_in_batch is None else num_items_in_batch
+    if return_log_partition:
+        return total / denom, loc_U.new_zeros(len(labels), dtype=torch.float32).index_copy_(0, rows, lse)
     return total / denom
 
 
 def _softmax_chunk(loc, weight, bias, targets):
-    return F.cross_entropy(F.linear(loc.to(weight.dtype), weight, bias), targets, reduction="sum")
+    logits = F.linear(loc.to(weight.dtype), weight, bias)
+    lse = torch.logsumexp(logits, -1)
+    return (lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)).sum(), lse.detach()
+
+
+@torch.no_grad()
+def log_partition(loc_U: torch.Tensor, head: DecisionHead, chunk_size: int = 1024) -> torch.Tensor:
+    """logsumexp_k loc_S_k per position [N] (float32, no gradient): the reference of relative thresholds, token
+    chunk by token chunk (one [chunk × V] tile at a time)."""
+    dtype = torch.promote_types(head.weight.dtype, torch.float32)
+    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
+    return torch.cat([torch.logsumexp(F.linear(loc_U[r0 : r0 + chunk_size].to(dtype), weight, bias), -1)
+                      for r0 in range(0, len(loc_U), chunk_size)] or [loc_U.new_zeros(0, dtype=torch.float32)])

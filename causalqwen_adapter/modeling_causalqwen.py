@@ -26,7 +26,7 @@ from .cauchy import INFERENCE_MODES, ovr_log_prob, ovr_probs, sample_standard_ca
 from .configuration_causalqwen import CausalQwenConfig
 from .generation import CausalGenerationMixin
 from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier
-from .losses import DecisionHead, chunked_ovr_loss, chunked_softmax_loss, topk_mse_loss
+from .losses import DecisionHead, chunked_ovr_loss, chunked_softmax_loss, log_partition, topk_mse_loss
 
 logger = logging.get_logger(__name__)
 
@@ -121,7 +121,8 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         self.model.requires_grad_(False)  # frozen by default: the heads are what trains
         self.abduction = AbductionNetwork(text.hidden_size, config.causal_size)
         self.action = ActionNetwork(config.causal_size, text.vocab_size, config.action_weight, config.action_lora_rank)
-        self.ovr = OvRClassifier(text.vocab_size, config.ovr_threshold_init, config.learnable_threshold)
+        self.ovr = OvRClassifier(text.vocab_size, config.ovr_threshold_init, config.learnable_threshold,
+                                 config.ovr_relative_threshold)
         if config.numeric:
             self.numeric = NumericHead(text.hidden_size, config.causal_size)
         if config.action_weight != "full":
@@ -382,17 +383,23 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
                 "units_mean_scale": _sum_count(scale_U.detach().float().mean(-1).sum(), count),
             }
             loss = loc_U.new_zeros((), dtype=torch.float32)
-            if config.objective == "ovr":
-                loss, stats = chunked_ovr_loss(*self._ovr_loss_inputs(loc_U, scale_U, weight), targets,
-                                               num_items_in_batch=denom, chunk_size=self.loss_chunk_size)
-                metrics["target_prob"] = _sum_count(stats["target_prob"] * n, count)
-                metrics["ovr_prob_sum"] = _sum_count(stats["ovr_prob_sum"] * n, count)
+            lse = None  # logsumexp of loc_S per position: the softmax term computes it, relative thresholds use it
             softmax_weight = 1.0 if config.objective == "softmax" else config.softmax_loss_weight
             if softmax_weight > 0:
-                ce = chunked_softmax_loss(loc_U, self._decision_head(weight), targets, num_items_in_batch=denom,
-                                          chunk_size=self.loss_chunk_size)
+                ce, lse = chunked_softmax_loss(loc_U, self._decision_head(weight), targets, num_items_in_batch=denom,
+                                               chunk_size=self.loss_chunk_size, return_log_partition=True)
                 loss = loss + softmax_weight * ce
                 metrics["softmax_nll"] = _sum_count(ce.detach() * denom, count)
+            if config.objective == "ovr":
+                inputs = self._ovr_loss_inputs(loc_U, scale_U, weight)
+                if config.ovr_relative_threshold and lse is None:
+                    lse = log_partition(loc_U, inputs[2], self.loss_chunk_size)
+                loss_ovr, stats = chunked_ovr_loss(*inputs, targets, num_items_in_batch=denom,
+                                                   chunk_size=self.loss_chunk_size,
+                                                   threshold_offset=lse if config.ovr_relative_threshold else None)
+                loss = loss + loss_ovr
+                metrics["target_prob"] = _sum_count(stats["target_prob"] * n, count)
+                metrics["ovr_prob_sum"] = _sum_count(stats["ovr_prob_sum"] * n, count)
             if config.numeric:  # λ · Σ NLL over the same denominator
                 nll = self.numeric.nll(loc_U, scale_U, self.action.b_noise, targets, numeric_values,
                                        config.num_token_id)
@@ -419,10 +426,11 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
         with torch.autocast(z.device.type, enabled=False):
             weight = self.action.effective_weight()
             loc_U, scale_U = self.abduction(z.to(weight.dtype))
+            inputs = self._ovr_loss_inputs(loc_U, scale_U, weight)
+            lse = log_partition(loc_U, inputs[2], self.loss_chunk_size) if self.config.ovr_relative_threshold else None
             loss, stats = topk_mse_loss(
-                *self._ovr_loss_inputs(loc_U, scale_U, weight), topk_ids.reshape(len(z), -1),
-                topk_probs.reshape(len(z), -1), tail_weight=self.config.distill_tail_weight,
-                chunk_size=self.loss_chunk_size,
+                *inputs, topk_ids.reshape(len(z), -1), topk_probs.reshape(len(z), -1),
+                tail_weight=self.config.distill_tail_weight, chunk_size=self.loss_chunk_size, threshold_offset=lse,
             )
         count = torch.tensor(float(len(z)), device=z.device)
         return CausalQwenCausalLMOutput(loss=loss, metrics={k: _sum_count(v * len(z), count) for k, v in stats.items()})

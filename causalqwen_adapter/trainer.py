@@ -237,7 +237,7 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
         eval_datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
         for name, dataset in eval_datasets.items():
             _check_targets(dataset, vocab_size, name, require_targets=False)
-        if fresh_heads and args.ovr_threshold_init is None:
+        if fresh_heads and args.ovr_threshold_init is None and not model.config.ovr_relative_threshold:
             calibrate_threshold(model, self._calibration_batches())
 
     def _calibration_batches(self, rows: int = 64):

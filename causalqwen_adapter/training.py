@@ -59,8 +59,10 @@ class CausalHeadArguments:
     gamma_init: float | None = config_argument("gamma_init")
     b_noise_init: float | None = config_argument("b_noise_init")
     ovr_threshold_init: float | None = config_argument(
-        "ovr_threshold_init", "Unset for fresh heads: calibrated on the first training rows (`calibrate_threshold`)."
+        "ovr_threshold_init", "Unset for fresh heads with absolute thresholds: calibrated on the first training rows "
+        "(`calibrate_threshold`)."
     )
+    ovr_relative_threshold: bool | None = config_argument("ovr_relative_threshold")
     learnable_threshold: bool | None = config_argument("learnable_threshold")
     action_weight: str | None = config_argument("action_weight")
     action_lora_rank: int | None = config_argument("action_lora_rank")

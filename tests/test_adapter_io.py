@@ -338,6 +338,10 @@ def test_adapter_saved_before_the_restructuring_loads_the_same(name, tmp_path):
                     assert getattr(got, field) is None
                 else:
                     torch.testing.assert_close(getattr(got, field), getattr(want, field), msg=f"{mode} {field}")
+            if mode != "compatible":  # saved before relative thresholds: P_k still compares loc_S with C_k
+                torch.testing.assert_close(new.ovr(got.loc_S, got.scale_S), old.ovr(want.loc_S, want.scale_S),
+                                           msg=f"{mode} standardized scores")
+        assert new.config.ovr_relative_threshold is False
         # compatible mode is the base's softmax in both
         torch.testing.assert_close(new(ids, inference_mode="compatible").logits,
                                    old(ids, inference_mode="compatible").logits)

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.distill import CausalDistillConfig, CausalDistillTrainer
 from causalqwen_adapter.features import FEATURES_CONFIG_NAME, extract_features, features_info, load_features
-from causalqwen_adapter.losses import DecisionHead, topk_mse_loss
+from causalqwen_adapter.losses import DecisionHead, log_partition, topk_mse_loss
 
 from conftest import PAIRS, TINY_HIDDEN, TINY_VOCAB, save_tiny_qwen2
 
@@ -27,11 +27,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQUENCES = [[5, 9, 17, 3, 44, 60, 2], [7, 8], [100, 101, 102, 103, 104], [12], [30, 31, 32, 33]]
 
 
-def _naive_topk_mse(loc_U, scale_U, weight, bias, b_noise, threshold, ids, probs, tail_weight=0.0):
-    """Full-vocabulary scores in float64, then gather (and a mask for the tail): the obvious implementation."""
+def _naive_topk_mse(loc_U, scale_U, weight, bias, b_noise, threshold, ids, probs, tail_weight=0.0, relative=False):
+    """Full-vocabulary scores in float64, then gather (and a mask for the tail): the obvious implementation.
+    `relative` thresholds compare with loc_S − logsumexp(loc_S), the log-partition a reference without gradient."""
     scale = scale_U + b_noise.abs()
     loc_S = loc_U @ weight.T + bias
     scale_S = scale @ weight.abs().T
+    if relative:
+        loc_S = loc_S - loc_S.logsumexp(-1, keepdim=True).detach()
     P = 0.5 + torch.atan((loc_S - threshold) / scale_S) / math.pi
     mse = ((P.gather(1, ids) - probs) ** 2).sum(1).mean()
     outside = torch.ones_like(P, dtype=torch.bool).scatter_(1, ids, False)
@@ -67,9 +70,10 @@ def _args(output_dir, **overrides) -> CausalDistillConfig:
 # --------------------------------------------------------------------------------------- the loss
 
 
+@pytest.mark.parametrize("relative", [False, True])
 @pytest.mark.parametrize("tail_weight", [0.0, 0.7])
 @pytest.mark.parametrize("learnable_threshold", [False, True])
-def test_topk_mse_and_gradients_match_float64_reference(learnable_threshold, tail_weight):
+def test_topk_mse_and_gradients_match_float64_reference(learnable_threshold, tail_weight, relative):
     g = torch.Generator().manual_seed(0)
     N, C, V, K = 7, 5, 40, 4
     loc_U = torch.randn(N, C, generator=g, requires_grad=True)
@@ -83,11 +87,14 @@ def test_topk_mse_and_gradients_match_float64_reference(learnable_threshold, tai
     tensors = [loc_U, scale_U, weight, bias, b_noise, threshold]
 
     # tiles smaller than the problem, so the kernel's chunking is exercised
-    loss, stats = topk_mse_loss(loc_U, scale_U, DecisionHead(*tensors[2:]), ids, probs, tail_weight=tail_weight, chunk_size=3)
+    head = DecisionHead(*tensors[2:])
+    offset = log_partition(loc_U, head, chunk_size=3) if relative else None
+    loss, stats = topk_mse_loss(loc_U, scale_U, head, ids, probs, tail_weight=tail_weight, chunk_size=3,
+                                threshold_offset=offset)
     grads = torch.autograd.grad(loss, [t for t in tensors if t.requires_grad])
 
     ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
-    ref, P = _naive_topk_mse(*ref_inputs, ids, probs.double(), tail_weight)
+    ref, P = _naive_topk_mse(*ref_inputs, ids, probs.double(), tail_weight, relative)
     ref_grads = torch.autograd.grad(ref, [t for t in ref_inputs if t.requires_grad])
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-7)
     for got, want in zip(grads, ref_grads):
@@ -239,7 +246,7 @@ def test_one_sgd_step_matches_the_hand_computed_update(tiny_teacher, features, t
     ref_loss, _ = _naive_topk_mse(
         loc_U.double(), scale_U.double(), ref.action.weight.detach().double(), ref.action.bias.detach().double(),
         ref.action.b_noise.double(), ref.ovr.threshold.double(), rows["topk_ids"].long(), rows["topk_probs"].double(),
-        ref.config.distill_tail_weight,
+        ref.config.distill_tail_weight, ref.config.ovr_relative_threshold,
     )
     assert ref.config.distill_tail_weight > 0  # the default: the tail term is part of the update
     grads = torch.autograd.grad(ref_loss, [params[n] for n in trainable], allow_unused=True)
@@ -304,7 +311,8 @@ def test_training_lowers_the_loss_saves_and_resumes(tiny_teacher, features, tmp_
         loc_U, scale_U = reloaded.abduction(rows["hidden_state"])
         head = DecisionHead(reloaded.action.effective_weight(), reloaded.action.bias, reloaded.action.b_noise,
                             reloaded.ovr.threshold)
-        got, _ = topk_mse_loss(loc_U, scale_U, head, rows["topk_ids"], rows["topk_probs"])
+        offset = log_partition(loc_U, head) if reloaded.config.ovr_relative_threshold else None
+        got, _ = topk_mse_loss(loc_U, scale_U, head, rows["topk_ids"], rows["topk_probs"], threshold_offset=offset)
     torch.testing.assert_close(got, want)
     readme = (tmp_path / "run" / "README.md").read_text()
     assert "distillation" in readme and "top1_match" in readme

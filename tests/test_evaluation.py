@@ -93,7 +93,9 @@ def test_compatible_mode_scores_exactly_as_the_base(tied_base, input_ids, distri
     # the standard mode scores the logits of the model's own forward, and P_k from its loc_S and scale_S
     with torch.no_grad():
         out = model(input_ids, inference_mode="standard")
-    x = (out.loc_S.double() - model.config.ovr_threshold_init) / out.scale_S.double()
+    loc_S = out.loc_S.double()
+    reference = torch.log_softmax(loc_S, -1) if model.config.ovr_relative_threshold else loc_S
+    x = (reference - model.config.ovr_threshold_init) / out.scale_S.double()
     log_P = torch.log(0.5 + torch.atan(x) / math.pi)
     expected_logits = log_P if distribution == "normalize" else out.loc_S.double() + log_P
     torch.testing.assert_close(out.logits.double() - out.logits.double().logsumexp(-1, keepdim=True),

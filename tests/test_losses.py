@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss
+from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss, chunked_softmax_loss, log_partition
 
 NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
 
@@ -17,9 +17,12 @@ def ovr_loss_of(tensors, labels, **kwargs):
     return chunked_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, **kwargs)
 
 
-def reference(loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch=None):
-    """docs/design.md, Training losses written out plainly: full scores, P = ½ + atan(x)/π, BCE against a one-hot."""
+def reference(loc_U, scale_U, weight, bias, b_noise, threshold, labels, num_items_in_batch=None, relative=False):
+    """docs/design.md, Training losses written out plainly: full scores, P = ½ + atan(x)/π, BCE against a one-hot.
+    `relative` thresholds: loc_S minus its logsumexp, a reference point without gradient."""
     loc_S = loc_U @ weight.T + (0 if bias is None else bias)
+    if relative:
+        loc_S = loc_S - loc_S.logsumexp(-1, keepdim=True).detach()
     scale_S = (scale_U + b_noise.abs()) @ weight.abs().T
     P = 0.5 + torch.atan((loc_S - threshold) / scale_S) / math.pi
     valid = labels != -100
@@ -83,7 +86,8 @@ def check_against_reference(tensors, labels, rtol, grad_rtol, **kwargs):
     loss, stats = ovr_loss_of(tensors, labels, **kwargs)
     ref_tensors = as_float64(tensors)
     ref_loss, ref_stats = reference(*(ref_tensors[k] for k in NAMES), labels,
-                                    num_items_in_batch=kwargs.get("num_items_in_batch"))
+                                    num_items_in_batch=kwargs.get("num_items_in_batch"),
+                                    relative=kwargs.get("threshold_offset") is not None)
     assert loss.dtype == torch.float32
     assert_rel_close(loss, ref_loss, rtol, "loss")
     for key in ("target_prob", "ovr_prob_sum"):
@@ -112,6 +116,22 @@ def check_against_reference(tensors, labels, rtol, grad_rtol, **kwargs):
 def test_matches_float64_reference(n, c, v, chunk_size, vocab_chunk_size, threshold):
     tensors, labels = make_inputs(n, c, v, threshold=threshold)
     check_against_reference(tensors, labels, 1e-5, 1e-5, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+
+
+@pytest.mark.parametrize("threshold", ["vector", "scalar_buffer"])
+def test_relative_thresholds_match_float64_reference(threshold):
+    """threshold_offset = the log-partition of loc_S: P_k compares log softmax(loc_S)_k with C_k; the offset is a
+    reference point, so every gradient is the reference's with logsumexp detached."""
+    tensors, labels = make_inputs(13, 8, 37, threshold=threshold)
+    head = DecisionHead(*(tensors[k] for k in NAMES[2:]))
+    offset = log_partition(tensors["loc_U"], head, chunk_size=4)
+    loc_S = tensors["loc_U"].double() @ tensors["weight"].double().T + tensors["bias"].double()
+    torch.testing.assert_close(offset.double(), loc_S.logsumexp(-1), rtol=1e-6, atol=1e-6)
+    assert not offset.requires_grad
+    # the softmax term computes the same log-partition as it goes (0 where there is no target)
+    _, from_softmax = chunked_softmax_loss(tensors["loc_U"], head, labels, chunk_size=4, return_log_partition=True)
+    torch.testing.assert_close(from_softmax, offset.masked_fill(labels == -100, 0.0))
+    check_against_reference(tensors, labels, 1e-5, 1e-5, chunk_size=5, vocab_chunk_size=6, threshold_offset=offset)
 
 
 def test_without_bias_and_with_temperature():

@@ -86,16 +86,20 @@ def _reference_forward(model, input_ids, mode, temperature):
     W, b = model.action.weight.double(), model.action.bias.double()
     loc_S = loc_U @ W.T + b
     scale_S = scale_U @ W.abs().T
-    x = (loc_S - model.ovr.threshold.double()) / scale_S
+    # relative thresholds are compared with the log-probability log softmax(loc_S)_k
+    reference = torch.log_softmax(loc_S, -1) if model.config.ovr_relative_threshold else loc_S
+    x = (reference - model.ovr.threshold.double()) / scale_S
     return loc_S, scale_S, torch.log(0.5 + torch.atan(x) / math.pi)
 
 
+@pytest.mark.parametrize("relative,threshold", [(True, -4.0), (False, 0.5)])
 @pytest.mark.parametrize("distribution", ["accept", "accept_once", "normalize"])
 @pytest.mark.parametrize("mode,temperature", [("standard", 1.0), ("standard", 0.3), ("causal", 1.0)])
-def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperature, distribution):
+def test_ovr_logits_match_float64_reference(tied_base, input_ids, mode, temperature, distribution, relative,
+                                            threshold):
     # scales of the order of the logits: the plain atan of the reference is exact there
-    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.5, gamma_init=1.0, b_noise_init=0.1,
-                                            ovr_distribution=distribution)
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=threshold, gamma_init=1.0, b_noise_init=0.1,
+                                            ovr_distribution=distribution, ovr_relative_threshold=relative)
     with torch.no_grad():
         model.action.weight[0].normal_(std=0.05)  # the padding row is zero: see the degenerate-row test
         model.action.bias.normal_()
@@ -117,7 +121,7 @@ def test_accept_distribution_is_rejection_sampling_of_the_compatible_model(tied_
     """`accept`: softmax(logits) is the law of "draw from softmax(loc_S), keep the draw with probability P_k,
     else draw again" — checked against that procedure run by Monte Carlo."""
     model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, gamma_init=0.5, b_noise_init=0.05,
-                                            ovr_distribution="accept")
+                                            ovr_distribution="accept", ovr_relative_threshold=False)
     with torch.no_grad():
         model.action.weight.mul_(4.0)  # a proposal spread over many tokens; P_k between 0.25 and 0.86
         out = model(input_ids[:1, :4], inference_mode="standard")
@@ -135,7 +139,7 @@ def test_accept_once_is_one_veto_then_a_fresh_proposal(tied_base, input_ids):
     """`accept_once`: softmax(logits) is the law of "draw from softmax(loc_S), keep the draw with probability P_k,
     else draw once more from softmax(loc_S) and keep that" — checked against the procedure run by Monte Carlo."""
     model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, gamma_init=0.5, b_noise_init=0.05,
-                                            ovr_distribution="accept_once")
+                                            ovr_distribution="accept_once", ovr_relative_threshold=False)
     with torch.no_grad():
         model.action.weight.mul_(4.0)
         out = model(input_ids[:1, :4], inference_mode="standard")
@@ -154,8 +158,9 @@ def test_accept_once_is_one_veto_then_a_fresh_proposal(tied_base, input_ids):
 
 
 def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
-    # Qwen2 zeroes the padding embedding, so a tied W_A has a zero row: scale_S = 0 there.
-    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0)
+    # Qwen2 zeroes the padding embedding, so a tied W_A has a zero row: scale_S = 0 there (absolute threshold 0:
+    # the row's loc_S = 0 sits exactly on it)
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, ovr_relative_threshold=False)
     assert torch.count_nonzero(model.action.weight[0]) == 0
     with torch.no_grad():
         out = model(input_ids)
@@ -180,18 +185,19 @@ def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
     assert torch.isfinite(out.logits).all()
 
 
-def test_loss_matches_float64_bce_reference(tied_base, input_ids):
-    # the OvR loss alone (no auxiliary cross-entropy), threshold 0 as the reference writes it
-    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=0.0, softmax_loss_weight=0.0,
-                                            ovr_trains_location=True)
+@pytest.mark.parametrize("relative,threshold", [(True, -4.0), (False, 0.0)])
+def test_loss_matches_float64_bce_reference(tied_base, input_ids, relative, threshold):
+    # the OvR loss alone (no auxiliary cross-entropy); relative thresholds compare with log softmax(loc_S)
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=threshold, softmax_loss_weight=0.0,
+                                            ovr_trains_location=True, ovr_relative_threshold=relative)
     with torch.no_grad():
         model.action.weight[0].normal_(std=0.05)  # no degenerate row: the reference divides by scale_S
     labels = input_ids.clone()
     labels[0, :3] = -100  # a prompt that carries no target
     out = model(input_ids, labels=labels)
     with torch.no_grad():
-        loc_S, scale_S, _ = _reference_forward(model, input_ids, "standard", 1.0)
-        p = 0.5 + torch.atan((loc_S - 0.0) / scale_S) / math.pi
+        _, _, log_p = _reference_forward(model, input_ids, "standard", 1.0)
+        p = log_p.exp()
         targets = labels[:, 1:]
         p = p[:, :-1][targets != -100]
         onehot = F.one_hot(targets[targets != -100], TINY_VOCAB).double()
@@ -217,7 +223,8 @@ def test_logits_to_keep_scores_only_kept_positions(tied_base, input_ids):
 
 def test_verify_initialization_reports_a_faithful_copy(tiny_base, input_ids):
     base = Qwen2ForCausalLM.from_pretrained(tiny_base)
-    model = CausalQwenForCausalLM.from_base(base, ovr_threshold_init=0.0)  # a padding row then has P = ½, not 0
+    # absolute threshold 0: a padding row (loc_S = 0) then has P = ½, not 0
+    model = CausalQwenForCausalLM.from_base(base, ovr_threshold_init=0.0, ovr_relative_threshold=False)
     report = model.verify_initialization(input_ids)
     assert report["feature_diff"] == 0.0
     assert report["loc_U_vs_z"] < 1e-6

@@ -112,7 +112,10 @@ def test_loss_is_ovr_plus_lambda_times_the_nll_of_num_targets(numeric_base, mode
     with torch.no_grad():  # the reference scores: the standard-mode forward, training fusion
         out = model(IDS, numeric_values=VALUES, inference_mode="standard", causal_temperature=1.0)
     targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1)
-    ovr = ovr_loss(out.loc_S, out.scale_S, model.ovr.threshold, targets)
+    loc_S = out.loc_S.double()
+    if model.config.ovr_relative_threshold:  # thresholds compared with log softmax(loc_S)
+        loc_S = torch.log_softmax(loc_S, -1)
+    ovr = ovr_loss(loc_S, out.scale_S.double(), model.ovr.threshold, targets)
     is_number = targets == NUM
     y = torch.cat([VALUES[:, 1:], torch.zeros(2, 1)], 1)[is_number].double()
     loc_U, scale_U = out.loc_U[is_number].double(), out.scale_U[is_number].double() + model.action.b_noise.double().abs()

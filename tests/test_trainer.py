@@ -6,6 +6,7 @@ for gradient accumulation, an uninterrupted run for resuming, a single process f
 
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -150,7 +151,8 @@ def test_gradient_accumulation_matches_one_big_batch(sft_base, tmp_path, micro_b
 
 def test_logs_ovr_metrics_in_training_and_evaluation(sft_base, tmp_path):
     trainer = CausalSFTTrainer(
-        str(sft_base), args=_args(tmp_path, max_steps=2, learning_rate=0.0, gamma_init=4.0, ovr_threshold_init=0.0),
+        str(sft_base), args=_args(tmp_path, max_steps=2, learning_rate=0.0, gamma_init=4.0, ovr_threshold_init=0.0,
+                                  ovr_relative_threshold=False),
         train_dataset=_prompt_completion(), eval_dataset=_prompt_completion(3),
     )
     trainer.train()
@@ -523,7 +525,12 @@ def test_learning_rates_by_role(sft_base, tmp_path):
 
 
 def test_fresh_threshold_is_calibrated_on_data_unless_given(sft_base, tmp_path):
-    trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path), train_dataset=_prompt_completion())
+    # relative thresholds (the default) start at log ½ by design: nothing to calibrate
+    relative = CausalSFTTrainer(str(sft_base), args=_args(tmp_path), train_dataset=_prompt_completion()).model
+    assert relative.config.ovr_relative_threshold and relative.ovr.threshold.item() == pytest.approx(math.log(0.5))
+    # absolute thresholds are calibrated on the first training rows
+    trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, ovr_relative_threshold=False),
+                               train_dataset=_prompt_completion())
     model = trainer.model
     threshold = model.config.ovr_threshold_init
     assert torch.equal(model.ovr.threshold, torch.tensor(threshold))
@@ -545,7 +552,8 @@ def test_fresh_threshold_is_calibrated_on_data_unless_given(sft_base, tmp_path):
         candidates = torch.quantile(loc_S.max(-1).values, torch.linspace(0, 0.95, 20, dtype=torch.float64)).tolist()
     assert agreement(threshold) == pytest.approx(max(agreement(c) for c in candidates))
     assert agreement(threshold) >= agreement(0.0)
-    given = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, ovr_threshold_init=-1.5), train_dataset=_prompt_completion())
+    given = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, ovr_threshold_init=-1.5, ovr_relative_threshold=False),
+                             train_dataset=_prompt_completion())
     assert given.model.config.ovr_threshold_init == -1.5 and given.model.ovr.threshold.item() == -1.5
 
 
