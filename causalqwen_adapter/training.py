@@ -281,6 +281,13 @@ def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
             "learnable_threshold=True but this model's heads have a fixed threshold: it applies to fresh heads "
             "only (pass the Qwen2 base instead of an adapter, or drop the option)"
         )
+    relative = getattr(args, "ovr_relative_threshold", None)
+    if not fresh and relative is not None and relative != model.config.ovr_relative_threshold:
+        raise ValueError(
+            f"ovr_relative_threshold={relative} but this adapter's thresholds were trained with "
+            f"ovr_relative_threshold={model.config.ovr_relative_threshold}: it applies to fresh heads only (pass the "
+            "Qwen2 base instead of an adapter, or drop the option)"
+        )
     if args.numeric and not model.config.numeric:
         raise ValueError("numeric=True but this adapter's heads are not numeric: it applies to fresh heads only (pass "
                          "the Qwen2 base instead of an adapter, or drop the option)")
@@ -322,6 +329,12 @@ def calibrate_threshold(model: CausalQwenForCausalLM, batches, max_positions: in
 @torch.no_grad()
 def calibrate_threshold_on_features(model: CausalQwenForCausalLM, z: torch.Tensor) -> float:
     """`calibrate_threshold` on final hidden states z [N, H] already computed (cached features)."""
+    if model.config.ovr_relative_threshold:
+        raise ValueError(
+            "calibrate_threshold chooses an absolute threshold (compared with loc_S); these heads compare C with "
+            "log softmax(loc_S), where C = log ½ needs no data. Build the heads with ovr_relative_threshold=False "
+            "to calibrate"
+        )
     loc_U, scale_U = model.abduction(z.to(model.action.bias.dtype))
     loc_S, scale_S = model.action(loc_U, scale_U, "standard", 1.0)
     loc_S, scale_S = loc_S.float(), scale_S.float().clamp_min(torch.finfo(torch.float32).tiny)

@@ -157,6 +157,26 @@ def test_accept_once_is_one_veto_then_a_fresh_proposal(tied_base, input_ids):
     torch.testing.assert_close(empirical, q, rtol=0, atol=0.005)  # Monte Carlo σ ≈ 0.001
 
 
+@pytest.mark.parametrize("threshold", [math.log(0.5), math.log(1 / 3), math.log(0.05)])
+def test_relative_threshold_accepts_exactly_the_tokens_above_e_to_the_c(tied_base, input_ids, threshold):
+    """Relative thresholds: P_k > ½ exactly where softmax(loc_S)_k > e^C, so fewer than e^−C tokens per position —
+    whatever the locations' per-position offset, which an absolute threshold would see."""
+    model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=threshold, gamma_init=0.05)
+    with torch.no_grad():
+        model.action.weight.mul_(8.0)  # peaked and flat positions alike
+        model.action.weight[0].normal_(std=0.05)  # no degenerate row (P is a step there)
+        out = model(input_ids, inference_mode="standard")
+        P = model.ovr_log_probs(out.loc_S, out.scale_S).exp()
+        r = torch.softmax(out.loc_S.double(), -1)
+        assert torch.equal(P > 0.5, r > math.exp(threshold))
+        assert (P > 0.5).sum(-1).max() < math.exp(-threshold)
+        assert (r.max(-1).values > math.exp(threshold)).any()  # some position has a token above it
+        # shifting every location of a position (b_A + a constant) changes no P_k
+        model.action.bias.add_(7.0)
+        shifted = model(input_ids, inference_mode="standard")
+        torch.testing.assert_close(model.ovr_log_probs(shifted.loc_S, shifted.scale_S).exp(), P, rtol=0, atol=1e-4)
+
+
 def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
     # Qwen2 zeroes the padding embedding, so a tied W_A has a zero row: scale_S = 0 there (absolute threshold 0:
     # the row's loc_S = 0 sits exactly on it)

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, TrainerCallback
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
+from causalqwen_adapter.training import calibrate_threshold_on_features
 
 from conftest import PAIRS
 from conftest import TOKENIZER_BASE_VOCAB as VOCAB
@@ -503,6 +504,14 @@ def test_an_adapter_keeps_its_loss_and_distribution_options_unless_asked(sft_bas
     with pytest.raises(ValueError, match="ovr_distribution='sample': choose one of accept, accept_once, normalize"):
         CausalSFTTrainer(str(adapter), args=_args(tmp_path / "c", ovr_distribution="sample"),
                          train_dataset=_prompt_completion())
+    # the threshold's reference is part of what the adapter's thresholds mean: fresh heads only
+    same = CausalSFTTrainer(str(adapter), args=_args(tmp_path / "d", ovr_relative_threshold=True),
+                            train_dataset=_prompt_completion()).model.config
+    assert same.ovr_relative_threshold
+    with pytest.raises(ValueError, match="ovr_relative_threshold=False but this adapter's thresholds were trained"):
+        CausalSFTTrainer(str(adapter), args=_args(tmp_path / "e", ovr_relative_threshold=False),
+                         train_dataset=_prompt_completion())
+    assert not (tmp_path / "e").exists()
 
 
 def test_learning_rates_by_role(sft_base, tmp_path):
@@ -528,6 +537,8 @@ def test_fresh_threshold_is_calibrated_on_data_unless_given(sft_base, tmp_path):
     # relative thresholds (the default) start at log ½ by design: nothing to calibrate
     relative = CausalSFTTrainer(str(sft_base), args=_args(tmp_path), train_dataset=_prompt_completion()).model
     assert relative.config.ovr_relative_threshold and relative.ovr.threshold.item() == pytest.approx(math.log(0.5))
+    with pytest.raises(ValueError, match="chooses an absolute threshold"):
+        calibrate_threshold_on_features(relative, torch.zeros(4, relative.config.hidden_size))
     # absolute thresholds are calibrated on the first training rows
     trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, ovr_relative_threshold=False),
                                train_dataset=_prompt_completion())
