@@ -14,6 +14,7 @@ from torch import nn
 
 from .cauchy import (
     cauchy_linear,
+    cauchy_linear_blocked,
     cauchy_linear_single_row,
     cauchy_nll,
     cauchy_regression,
@@ -76,7 +77,6 @@ class ActionNetwork(nn.Module):
         self.b_noise = nn.Parameter(torch.empty(causal_size))
         self._base_owner = None  # module whose .weight is W_base ("tied"/"lora"); outside the module tree
         self._merged_cache = None  # (key, W_base + B·A) for inference; never saved
-        self._abs_weight_cache = None  # (key, |W_A|) for inference; never saved
 
     def bind_base_weight(self, owner: nn.Module) -> None:
         # Stored in __dict__, not as a submodule: the tensor belongs to the base, which owns and moves it.
@@ -103,23 +103,15 @@ class ActionNetwork(nn.Module):
         weight = self.effective_weight()
         if mode == "compatible":
             return F.linear(loc_U, weight, self.bias), None
-        no_grad = not (torch.is_grad_enabled() and (weight.requires_grad or loc_U.requires_grad))
+        no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in (loc_U, scale_U, weight, self.bias)))
         single_row = loc_U.numel() == loc_U.shape[-1]
         if no_grad and single_row and _FUSED_DECODE and weight.numel() >= _FUSED_MIN_NUMEL:
             fused = cauchy_linear_single_row(loc_U, scale_U, weight, self.bias)
             if fused is not None:
                 return fused
-        return cauchy_linear(loc_U, scale_U, weight, self.bias, self._cached_abs_weight(weight))
-
-    def _cached_abs_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """|W_A| kept across decode steps when no gradient flows; rebuilt when W_A changes."""
-        if torch.is_grad_enabled() and weight.requires_grad:
-            self._abs_weight_cache = None
-            return None
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
-            self._abs_weight_cache = (key, weight.detach().abs())
-        return self._abs_weight_cache[1]
+        if no_grad and not torch.is_autocast_enabled(loc_U.device.type):
+            return cauchy_linear_blocked(loc_U, scale_U, weight, self.bias)  # no second [V × C] tensor
+        return cauchy_linear(loc_U, scale_U, weight, self.bias)
 
     @torch.no_grad()
     def reset_parameters(self, b_noise_init: float, weight=None, bias=None) -> None:

@@ -1,5 +1,6 @@
 """generate() in every inference mode (docs/design.md, Inference modes): exactness, the cache, sampling noise, options."""
 
+import gc
 import subprocess
 import sys
 import warnings
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen2ForCausalLM
+from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from causalqwen_adapter import CausalQwenForCausalLM
-from causalqwen_adapter.cauchy import cauchy_linear, cauchy_linear_single_row
+from causalqwen_adapter.cauchy import cauchy_linear, cauchy_linear_blocked, cauchy_linear_single_row
 
 from conftest import TINY_VOCAB
 
@@ -145,17 +146,46 @@ def test_bad_options(tied_base, input_ids):
         model.generate(input_ids, max_new_tokens=2, inference_mode="sampling", causal_temperature=0.5)
 
 
-def test_abs_weight_is_cached_across_steps_and_invalidated_on_update(tied_base, input_ids):
-    model = _trained_like(tied_base)
-    with torch.no_grad():
-        model(input_ids)
-        first = model.action._abs_weight_cache[1]
-        model(input_ids)
-        assert model.action._abs_weight_cache[1] is first  # not recomputed
-        model.action.weight.mul_(2.0)
-        model(input_ids)
-        assert model.action._abs_weight_cache[1] is not first
-        torch.testing.assert_close(model.action._abs_weight_cache[1], model.action.weight.abs())
+@pytest.mark.parametrize("mode", ["standard", "causal", "sampling"])
+def test_decoding_holds_no_vocabulary_sized_tensor_besides_the_weights(tied_base, padded_batch, mode):
+    model = _trained_like(tied_base)  # a "full" adapter: W_A is its own [V, C] parameter beside the embedding
+    shape = tuple(model.action.weight.shape)
+    weights = {p.data_ptr() for p in model.parameters()}
+    strays = []
+
+    class ScanMemory(LogitsProcessor):  # runs between decode steps, with the model's state as decoding leaves it
+        def __call__(self, ids, scores):
+            strays.extend(o.data_ptr() for o in gc.get_objects()
+                          if isinstance(o, torch.Tensor) and tuple(o.shape) == shape and o.data_ptr() not in weights)
+            return scores
+
+    model.generate(**padded_batch, max_new_tokens=3, do_sample=False, inference_mode=mode,
+                   logits_processor=LogitsProcessorList([ScanMemory()]))
+    assert strays == []  # e.g. no cached |W_A|
+    vocabulary_sized = {name for name, p in model.named_parameters() if tuple(p.shape) == shape}
+    assert vocabulary_sized == {"action.weight", "model.embed_tokens.weight"}
+    assert not [name for name, b in model.named_buffers() if tuple(b.shape) == shape]
+
+
+def test_blocked_kernel_matches_float64_reference():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 24), torch.randn(300)
+    loc_U, scale_U = torch.randn(2, 5, 24), torch.rand(2, 5, 24)
+    w64 = weight.double()
+    want_loc = torch.einsum("vc,blc->blv", w64, loc_U.double()) + bias.double()
+    want_scale = torch.einsum("vc,blc->blv", w64.abs(), scale_U.double())
+    for block_rows in (64, 300, 4096):  # a partial last block, one exact block, a block larger than V
+        for b, expected_loc in ((bias, want_loc), (None, want_loc - bias.double())):
+            loc_S, scale_S = cauchy_linear_blocked(loc_U, scale_U, weight, b, block_rows=block_rows)
+            assert loc_S.shape == scale_S.shape == (2, 5, 300)
+            torch.testing.assert_close(loc_S.double(), expected_loc, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(scale_S.double(), want_scale, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the model's heads take that path without gradient, and give the same scores
+        model_weight = weight.clone()
+        got = cauchy_linear_blocked(loc_U, scale_U, model_weight, bias)
+        model_weight.mul_(2.0)  # nothing is cached: a changed W_A is read as it is now
+        again = cauchy_linear_blocked(loc_U, scale_U, model_weight, bias)
+    torch.testing.assert_close(again[1], 2 * got[1])
 
 
 def test_single_row_kernel_matches_two_matmuls():
