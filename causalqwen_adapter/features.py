@@ -5,6 +5,9 @@ state z and the teacher's top-K next-token ids and softmax probabilities, as a `
 (`Dataset.save_to_disk` layout, memory-mapped when read back) plus `causalqwen_features.json` naming the teacher
 and the sha256 of every shard. `load_features` reads a store back (checking the shards), and
 `check_feature_dataset` checks one against the model that will train on it.
+
+Under `accelerate launch` / `torchrun` (a torch.distributed process group is up) every process runs the teacher on
+every world-size-th sequence, and the first process merges their rows, in corpus order, into the one store.
 """
 
 import hashlib
@@ -17,7 +20,8 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import torch
-from datasets import Dataset, Features, IterableDataset, Sequence, Value, load_from_disk
+import torch.distributed as dist
+from datasets import Dataset, Features, IterableDataset, Sequence, Value, concatenate_datasets, load_from_disk
 from datasets.arrow_writer import ArrowWriter
 from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
 from transformers.utils import logging
@@ -79,55 +83,140 @@ def extract_features(
     vocab = teacher.config.vocab_size
     if not isinstance(top_k, int) or not 1 <= top_k <= vocab:
         raise ValueError(f"top_k must be an integer in [1, {vocab}] (the teacher's vocabulary), got {top_k!r}")
-    sequences = _token_sequences(dataset, tokenizer, text_field, max_length, teacher.name_or_path, revision)
+    rank, world = _process_group()
+    if world > 1 and torch.cuda.is_available() and teacher.device.type == "cpu":
+        teacher.to(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")  # each process on its launcher's device
+    sequences = _token_sequences(dataset, tokenizer, text_field, max_length, teacher.name_or_path, revision,
+                                 rank=rank, world=world)
 
     hidden = teacher.config.hidden_size
-    store_dtype = getattr(torch, feature_dtype)
     features = Features({
         "hidden_state": Sequence(Value(feature_dtype), length=hidden),
         "topk_ids": Sequence(Value("int32"), length=top_k),
         "topk_probs": Sequence(Value("float32"), length=top_k),
     })
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    staging = None
+    if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
-        arrow_file = staging / "rows.arrow"
-        num_tokens = num_sequences = 0
-        with ArrowWriter(features=features, path=str(arrow_file)) as writer:
-            for z, ids, probs in _teacher_rows(teacher, sequences, batch_size, top_k):
-                if store_dtype == torch.float16 and z.abs().max() > torch.finfo(torch.float16).max:
-                    raise ValueError("a hidden state does not fit in float16: extract with feature_dtype='float32'")
-                writer.write_batch({
-                    "hidden_state": z.to(store_dtype).numpy(),
-                    "topk_ids": ids.to(torch.int32).numpy(),
-                    "topk_probs": probs.numpy(),
-                })
-                num_tokens += len(z)
-                num_sequences += 1
-            writer.finalize()
+        staging = Path(_broadcast(str(staging) if staging else None))
+        lengths, error = [], None
+        try:  # this process's rows; its sequence lengths let the first process put every row back in corpus order
+            _write_rows(teacher, sequences, batch_size, top_k, features, staging / f"rows-{rank}.arrow", lengths)
+        except Exception as exc:  # reported to every process, so that none waits for rows that will not come
+            error = exc
+        results = _gather((None if error is None else f"{type(error).__name__}: {error}", lengths))
+        failed = [(r, message) for r, (message, _) in enumerate(results) if message is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"feature extraction failed in process {failed[0][0]}: {failed[0][1]}")
+        lengths_by_rank = [rank_lengths for _, rank_lengths in results]
+        num_tokens = sum(map(sum, lengths_by_rank))
         if num_tokens == 0:
             raise ValueError("the dataset holds no token to extract features from (empty dataset or empty texts)")
-        Dataset.from_file(str(arrow_file)).save_to_disk(str(staging / "store"))
-        info = {
-            "teacher_name_or_path": _same_place(teacher.name_or_path),  # a folder by its absolute path
-            "teacher_revision": revision,
-            "hidden_size": hidden,
-            "vocab_size": vocab,
-            "top_k": top_k,
-            "max_length": max_length,
-            "num_tokens": num_tokens,
-            "num_sequences": num_sequences,
-            "feature_dtype": feature_dtype,
-            "teacher_dtype": str(teacher.dtype).removeprefix("torch."),
-            # sha256 of every Arrow shard: load_features refuses a store whose bytes changed since
-            "shards": {f.name: _sha256(f) for f in sorted((staging / "store").glob("*.arrow"))},
-        }
-        (staging / "store" / FEATURES_CONFIG_NAME).write_text(json.dumps(info, indent=2) + "\n")
-        _install(staging / "store", target)
+        message = None
+        if rank == 0:
+            try:
+                _merge_and_install(staging, target, lengths_by_rank, {
+                    "teacher_name_or_path": _same_place(teacher.name_or_path),  # a folder by its absolute path
+                    "teacher_revision": revision,
+                    "hidden_size": hidden,
+                    "vocab_size": vocab,
+                    "top_k": top_k,
+                    "max_length": max_length,
+                    "num_tokens": num_tokens,
+                    "num_sequences": sum(n > 0 for rank_lengths in lengths_by_rank for n in rank_lengths),
+                    "feature_dtype": feature_dtype,
+                    "teacher_dtype": str(teacher.dtype).removeprefix("torch."),
+                })
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                _broadcast(message)
+        elif (message := _broadcast(None)) is not None:
+            raise RuntimeError(f"feature extraction failed in process 0 while writing {target}: {message}")
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    logger.info(f"Stored teacher features of {num_tokens} tokens ({num_sequences} sequences) in {target}")
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    logger.info(f"Stored teacher features of {num_tokens} tokens in {target}")
     return load_features(target)
+
+
+def _write_rows(teacher, sequences, batch_size, top_k, features, arrow_file: Path, lengths: list) -> None:
+    """The teacher's rows of `sequences` into one Arrow file; `lengths` receives each sequence's token count (0 for
+    an empty one), in order."""
+    store_dtype = getattr(torch, features["hidden_state"].feature.dtype)
+
+    def counted():
+        for seq in sequences:
+            lengths.append(len(seq))
+            yield seq
+
+    with ArrowWriter(features=features, path=str(arrow_file)) as writer:
+        for z, ids, probs in _teacher_rows(teacher, counted(), batch_size, top_k):
+            if store_dtype == torch.float16 and z.abs().max() > torch.finfo(torch.float16).max:
+                raise ValueError("a hidden state does not fit in float16: extract with feature_dtype='float32'")
+            writer.write_batch({
+                "hidden_state": z.to(store_dtype).numpy(),
+                "topk_ids": ids.to(torch.int32).numpy(),
+                "topk_probs": probs.numpy(),
+            })
+        writer.finalize()
+
+
+def _merge_and_install(staging: Path, target: Path, lengths_by_rank: list[list[int]], info: dict) -> None:
+    """The processes' rows as one store in corpus order (sequence j came from process j mod world), its info and
+    shard checksums, then the folder put in place of `target`."""
+    world = len(lengths_by_rank)
+    parts = [Dataset.from_file(str(staging / f"rows-{r}.arrow")) for r in range(world)]
+    merged = parts[0]
+    if world > 1:
+        firsts = []  # per process: the first row of each of its sequences in the concatenated table
+        offset = 0
+        for rank_lengths in lengths_by_rank:
+            starts = [0] * len(rank_lengths)
+            for i in range(1, len(rank_lengths)):
+                starts[i] = starts[i - 1] + rank_lengths[i - 1]
+            firsts.append([offset + start for start in starts])
+            offset += sum(rank_lengths)
+        order = []
+        for j in range(sum(map(len, lengths_by_rank))):
+            r, i = j % world, j // world
+            order.extend(range(firsts[r][i], firsts[r][i] + lengths_by_rank[r][i]))
+        merged = concatenate_datasets(parts).select(order)
+    merged.save_to_disk(str(staging / "store"))
+    # sha256 of every Arrow shard: load_features refuses a store whose bytes changed since
+    info["shards"] = {f.name: _sha256(f) for f in sorted((staging / "store").glob("*.arrow"))}
+    (staging / "store" / FEATURES_CONFIG_NAME).write_text(json.dumps(info, indent=2) + "\n")
+    _install(staging / "store", target)
+
+
+def _process_group() -> tuple[int, int]:
+    """(rank, world size) of the torch.distributed group a launcher started; (0, 1) in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast(value):
+    """The first process's `value`, in every process (itself without a process group)."""
+    if _process_group()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value) -> list:
+    """Every process's `value`, by rank."""
+    if _process_group()[1] == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def load_features(path) -> Dataset:
@@ -181,7 +270,9 @@ def _load_teacher(teacher, dtype, revision) -> Qwen2ForCausalLM:
     return teacher.eval()
 
 
-def _token_sequences(dataset, tokenizer, text_field, max_length, teacher_name, revision) -> Iterator[list[int]]:
+def _token_sequences(dataset, tokenizer, text_field, max_length, teacher_name, revision, rank=0,
+                     world=1) -> Iterator[list[int]]:
+    """The token ids of every `world`-th sequence from the `rank`-th, truncated to `max_length`."""
     if isinstance(dataset, (list, tuple)):
         if not all(isinstance(t, str) for t in dataset):
             raise TypeError("a list dataset must hold strings (the texts)")
@@ -196,6 +287,8 @@ def _token_sequences(dataset, tokenizer, text_field, max_length, teacher_name, r
             columns = list(first) if first is not None else []
     else:
         raise TypeError(f"dataset must be a datasets.Dataset, an IterableDataset or a list of texts, got {type(dataset).__name__}")
+    if world > 1:  # round robin, before tokenizing: each process tokenizes only its own texts
+        rows = (row for i, row in enumerate(rows) if i % world == rank)
     if "input_ids" in columns:
         return (list(row["input_ids"])[:max_length] for row in rows)
     if text_field not in columns:

@@ -10,11 +10,17 @@ probabilities, in a `datasets` folder that `recipes/distill_heads.py` trains on 
         --output_dir features/train
 
 The dataset is a `datasets` name or a local .jsonl/.json/.parquet/.csv file or folder with a text column (or
-`input_ids`). Run with `--help` for every option.
+`input_ids`). Run with `--help` for every option. On several devices, each process runs the teacher on its share of
+the sequences and the first writes the one store, in corpus order:
+
+    accelerate launch --num_processes 4 recipes/extract_features.py ...     # GPUs
+    torchrun --nproc_per_node 2 recipes/extract_features.py ...             # CPU processes (gloo)
 """
 
 from dataclasses import dataclass, field
 
+import torch
+from accelerate import PartialState
 from transformers import HfArgumentParser
 
 from causalqwen_adapter.data import load_text_dataset  # the data sources of the SFT recipe
@@ -47,7 +53,10 @@ class ExtractArguments:
 
 
 def main(args: ExtractArguments):
-    dataset = load_text_dataset(args.dataset_name, args.dataset_config, streaming=False)
+    # Starts the process group a launcher asked for (gloo between CPU processes); a no-op in a single process.
+    state = PartialState(cpu=not torch.cuda.is_available())
+    with state.main_process_first():  # one process builds the datasets cache, the others read it
+        dataset = load_text_dataset(args.dataset_name, args.dataset_config, streaming=False)
     if args.dataset_split not in dataset:
         raise ValueError(f"{args.dataset_name} has no split {args.dataset_split!r}: it has {list(dataset)}")
     features = extract_features(
@@ -63,7 +72,8 @@ def main(args: ExtractArguments):
         revision=args.model_revision,
         overwrite=args.overwrite,
     )
-    print(f"Features of {len(features)} tokens saved to {args.output_dir}.")
+    if state.is_main_process:
+        print(f"Features of {len(features)} tokens saved to {args.output_dir}.")
     return features
 
 

@@ -150,13 +150,17 @@ def test_bad_options(tied_base, input_ids):
 def test_decoding_holds_no_vocabulary_sized_tensor_besides_the_weights(tied_base, padded_batch, mode):
     model = _trained_like(tied_base)  # a "full" adapter: W_A is its own [V, C] parameter beside the embedding
     shape = tuple(model.action.weight.shape)
-    weights = {p.data_ptr() for p in model.parameters()}
+
+    def vocabulary_sized():  # every live tensor of W_A's shape in this process
+        return {o.data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == shape}
+
+    gc.collect()  # other tests' models, left in reference cycles, are not this test's business
+    before = vocabulary_sized()
     strays = []
 
     class ScanMemory(LogitsProcessor):  # runs between decode steps, with the model's state as decoding leaves it
         def __call__(self, ids, scores):
-            strays.extend(o.data_ptr() for o in gc.get_objects()
-                          if isinstance(o, torch.Tensor) and tuple(o.shape) == shape and o.data_ptr() not in weights)
+            strays.extend(vocabulary_sized() - before)
             return scores
 
     model.generate(**padded_batch, max_new_tokens=3, do_sample=False, inference_mode=mode,
