@@ -75,24 +75,27 @@ def cauchy_linear_blocked(
 
     |W| exists for one block at a time (7 MiB for bf16 at C = 896, still in cache when the second product reads it),
     never as a second [V × C] tensor, and each block of W comes from memory once for both products. The products
-    are computed as [V, N] (one contiguous output block per vocabulary block) and returned as [..., V]. Same dtypes
-    as ``F.linear`` needs.
+    are computed as [V, N] (one contiguous output block per vocabulary block) and returned as [..., V]. Under
+    autocast the products run in its dtype, as ``F.linear`` would (each block cast on its own).
     """
+    device = loc_U.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     shape = loc_U.shape
-    loc_t = loc_U.reshape(-1, shape[-1]).T
-    scale_t = scale_U.reshape(-1, shape[-1]).T
+    loc_t = loc_U.reshape(-1, shape[-1]).T.to(dtype)
+    scale_t = scale_U.reshape(-1, shape[-1]).T.to(dtype)
     vocab, n = weight.shape[0], loc_t.shape[1]
-    loc_S = weight.new_empty(vocab, n)
-    scale_S = weight.new_empty(vocab, n)
-    abs_buf = weight.new_empty(min(block_rows, vocab), weight.shape[1])
-    for v0 in range(0, vocab, block_rows):
-        w = weight[v0 : v0 + block_rows]
-        v1 = v0 + len(w)
-        if bias is None:
-            torch.mm(w, loc_t, out=loc_S[v0:v1])
-        else:
-            torch.addmm(bias[v0:v1].unsqueeze(1), w, loc_t, out=loc_S[v0:v1])
-        torch.mm(torch.abs(w, out=abs_buf[: len(w)]), scale_t, out=scale_S[v0:v1])
+    loc_S = loc_t.new_empty(vocab, n)
+    scale_S = loc_t.new_empty(vocab, n)
+    abs_buf = loc_t.new_empty(min(block_rows, vocab), weight.shape[1])
+    with torch.autocast(device, enabled=False):  # the out= products take the dtypes set here
+        for v0 in range(0, vocab, block_rows):
+            w = weight[v0 : v0 + block_rows].to(dtype)
+            v1 = v0 + len(w)
+            if bias is None:
+                torch.mm(w, loc_t, out=loc_S[v0:v1])
+            else:
+                torch.addmm(bias[v0:v1].to(dtype).unsqueeze(1), w, loc_t, out=loc_S[v0:v1])
+            torch.mm(torch.abs(w, out=abs_buf[: len(w)]), scale_t, out=scale_S[v0:v1])
     # Back to [N, V] rows: the scores' softmax and log-odds reduce over V, which a [V, N] layout makes strided (and
     # slower than this one copy, measured in a decode step at batch 8).
     return loc_S.T.contiguous().reshape(*shape[:-1], vocab), scale_S.T.contiguous().reshape(*shape[:-1], vocab)

@@ -11,6 +11,7 @@ every world-size-th sequence, and the first process merges their rows, in corpus
 """
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -177,11 +178,8 @@ def _merge_and_install(staging: Path, target: Path, lengths_by_rank: list[list[i
         firsts = []  # per process: the first row of each of its sequences in the concatenated table
         offset = 0
         for rank_lengths in lengths_by_rank:
-            starts = [0] * len(rank_lengths)
-            for i in range(1, len(rank_lengths)):
-                starts[i] = starts[i - 1] + rank_lengths[i - 1]
-            firsts.append([offset + start for start in starts])
-            offset += sum(rank_lengths)
+            firsts.append(list(itertools.accumulate(rank_lengths, initial=offset)))
+            offset = firsts[-1][-1]
         order = []
         for j in range(sum(map(len, lengths_by_rank))):
             r, i = j % world, j // world

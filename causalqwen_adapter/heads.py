@@ -109,7 +109,7 @@ class ActionNetwork(nn.Module):
             fused = cauchy_linear_single_row(loc_U, scale_U, weight, self.bias)
             if fused is not None:
                 return fused
-        if no_grad and not torch.is_autocast_enabled(loc_U.device.type):
+        if no_grad:
             return cauchy_linear_blocked(loc_U, scale_U, weight, self.bias)  # no second [V × C] tensor
         return cauchy_linear(loc_U, scale_U, weight, self.bias)
 

@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random Qwen2 checkpoints saved to disk, and the real demo base when built."""
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,21 @@ def build_tiny_base_with_tokenizer(folder: Path) -> Path:
 @pytest.fixture(scope="session")
 def sft_base(tmp_path_factory) -> Path:
     return build_tiny_base_with_tokenizer(tmp_path_factory.mktemp("trainer-tiny-base"))
+
+
+def run_processes(commands: list[tuple[list[str], dict]], *, cwd=None, timeout: float = 180,
+                  what: str = "the processes") -> list[tuple[int, str, str]]:
+    """Start every (argv, env) at once (the ranks of one distributed job), wait for all; (return code, stdout, stderr)
+    each. On timeout every process group is killed and the test fails: a rank that waits forever is a failure."""
+    procs = [subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for argv, env in commands]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{what} timed out (a process waited for another that had stopped)")
+    return results

@@ -4,17 +4,14 @@ process: every row, in corpus order."""
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 
-import pytest
 import torch
 
 from causalqwen_adapter.features import extract_features, features_info, load_features
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_processes
 
 # Uneven on purpose: 7 sequences over 2 processes, one empty, one longer than max_length (truncated).
 SEQUENCES = [[5, 9, 17, 3, 44, 60, 2], [7, 8], [], [100, 101, 102, 103, 104], [12], [30, 31, 32, 33],
@@ -27,26 +24,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(args: list[str], world: int, cwd, timeout: float = 180) -> list[tuple[int, str]]:
+def _launch(args: list[str], world: int, cwd) -> list[tuple[int, str]]:
     """The recipe in `world` processes with the environment torchrun gives each; (return code, stderr) per rank."""
     env = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    procs = [
-        subprocess.Popen([sys.executable, str(REPO_ROOT / "recipes" / "extract_features.py"), *args],
-                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=cwd, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for rank in range(world)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, err))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the extraction processes timed out (a process waited for another that had stopped)")
-    return results
+    script = [sys.executable, str(REPO_ROOT / "recipes" / "extract_features.py"), *args]
+    results = run_processes([(script, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world)],
+                            cwd=cwd, what="the extraction processes")
+    return [(code, err) for code, _, err in results]
 
 
 def test_two_processes_write_the_store_one_process_writes(sft_base, tmp_path):

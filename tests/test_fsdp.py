@@ -5,8 +5,6 @@ loss and the same adapter tensors as one process on the same global batch, and t
 need."""
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
 
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, run_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
@@ -55,21 +53,10 @@ def test_fsdp2_step_matches_one_process(tied_base, tmp_path):
     torch.save(batch, tmp_path / "batch.pt")
     env = {**os.environ, **launch_environment(CONFIGS / "fsdp2.yaml"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO_ROOT)}
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(tied_base), str(tmp_path), str(rank), "2"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=180))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the FSDP2 workers timed out")
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    results = run_processes([([sys.executable, str(WORKER), str(tied_base), str(tmp_path), str(rank), "2"], env)
+                             for rank in range(2)], what="the FSDP2 workers")
+    for code, out, err in results:
+        assert code == 0, out[-2000:] + err[-4000:]
     sharded = torch.load(tmp_path / "result.pt")
 
     # One process, the whole batch, the same step.

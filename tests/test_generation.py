@@ -166,8 +166,8 @@ def test_decoding_holds_no_vocabulary_sized_tensor_besides_the_weights(tied_base
     model.generate(**padded_batch, max_new_tokens=3, do_sample=False, inference_mode=mode,
                    logits_processor=LogitsProcessorList([ScanMemory()]))
     assert strays == []  # e.g. no cached |W_A|
-    vocabulary_sized = {name for name, p in model.named_parameters() if tuple(p.shape) == shape}
-    assert vocabulary_sized == {"action.weight", "model.embed_tokens.weight"}
+    vocabulary_sized_parameters = {name for name, p in model.named_parameters() if tuple(p.shape) == shape}
+    assert vocabulary_sized_parameters == {"action.weight", "model.embed_tokens.weight"}
     assert not [name for name, b in model.named_buffers() if tuple(b.shape) == shape]
 
 
@@ -190,6 +190,12 @@ def test_blocked_kernel_matches_float64_reference():
         model_weight.mul_(2.0)  # nothing is cached: a changed W_A is read as it is now
         again = cauchy_linear_blocked(loc_U, scale_U, model_weight, bias)
     torch.testing.assert_close(again[1], 2 * got[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the products in autocast's dtype, as F.linear's would be
+        loc_S, scale_S = cauchy_linear_blocked(loc_U, scale_U, weight, bias, block_rows=64)
+        expected = cauchy_linear(loc_U, scale_U, weight, bias)
+    assert loc_S.dtype == scale_S.dtype == expected[0].dtype == torch.bfloat16
+    torch.testing.assert_close(loc_S.double(), want_loc, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(scale_S.double(), want_scale, rtol=2e-2, atol=5e-2)
 
 
 def test_single_row_kernel_matches_two_matmuls():
