@@ -75,7 +75,7 @@ class CausalQwenConfig(PreTrainedConfig):
 
     model_type = "causalqwen"
     sub_configs_defaults = {"text_config": Qwen2Config}
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the KV cache (transformers < / ≥ 5.24)
 
     base_model_name_or_path: str | None = None
     base_model_revision: str | None = None

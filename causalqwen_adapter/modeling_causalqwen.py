@@ -35,6 +35,10 @@ NOISE_SHARING = ("step", "sequence")
 
 # --------------------------------------------------------------------------------------- outputs
 
+# The KV cache's name in model outputs and in the backbone's forward: transformers 5.24 renamed `past_key_values` to
+# `cache` (its ModelOutput keeps `past_key_values` as a deprecated alias). Remote code runs on the user's version.
+CACHE_NAME = "cache" if hasattr(ModelOutput, "past_key_values") else "past_key_values"
+
 
 @dataclass
 class CausalQwenModelOutput(ModelOutput):
@@ -52,7 +56,8 @@ class CausalQwenModelOutput(ModelOutput):
     loc_Y: torch.FloatTensor | None = None
     scale_Y: torch.FloatTensor | None = None
     last_hidden_state: torch.FloatTensor | None = None
-    past_key_values: object | None = None
+    __annotations__[CACHE_NAME] = object | None  # noqa: F821 (the class body's own annotations)
+    locals()[CACHE_NAME] = None
     hidden_states: tuple | None = None
     attentions: tuple | None = None
 
@@ -88,7 +93,7 @@ class CausalQwenPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen2DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -147,14 +152,15 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
     def _run_backbone(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs,
                       numeric_values=None):
         kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+        cache = kwargs.pop("cache", None)  # generate() of transformers ≥ 5.24 passes the KV cache by that name
         input_ids, inputs_embeds = self.embed_numbers(input_ids, inputs_embeds, numeric_values)
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            **{CACHE_NAME: cache if past_key_values is None else past_key_values},
             **kwargs,
         )
 
@@ -249,7 +255,7 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
             loc_Y=loc_Y,
             scale_Y=scale_Y,
             last_hidden_state=outputs.last_hidden_state,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
