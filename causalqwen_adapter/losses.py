@@ -71,14 +71,7 @@ def chunked_ovr_loss(
     (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` × ``vocab_chunk_size``
     is the tile size; it changes speed and memory, not the result.
     """
-    weight = head.weight
-    if weight.dim() != 2 or loc_U.dim() != 2 or loc_U.shape[1] != weight.shape[1] or scale_U.shape != loc_U.shape:
-        raise ValueError(
-            f"expected loc_U, scale_U [N, C] and weight [V, C]; got {tuple(loc_U.shape)}, "
-            f"{tuple(scale_U.shape)} and {tuple(weight.shape)}: flatten the positions first"
-        )
-    if labels.numel() != loc_U.shape[0]:
-        raise ValueError(f"{labels.numel()} labels for {loc_U.shape[0]} positions: pass one (shifted) label per position")
+    check_head_inputs(loc_U, scale_U, head.weight, labels)
     if threshold_offset is not None and threshold_offset.shape != (loc_U.shape[0],):
         raise ValueError(f"threshold_offset must be [N] = [{loc_U.shape[0]}], got {tuple(threshold_offset.shape)}")
     loss, target_prob, prob_sum, num_tokens = _ChunkedOvRLoss.apply(
@@ -87,6 +80,18 @@ def chunked_ovr_loss(
     )
     return loss, {"target_prob": target_prob, "ovr_prob_sum": prob_sum, "num_tokens": num_tokens}
 
+
+
+def check_head_inputs(loc_U, scale_U, weight, labels) -> None:
+    """loc_U (and scale_U, unless None) [N, C], weight [V, C] and one label per position, or a ValueError."""
+    scale_shape = loc_U.shape if scale_U is None else scale_U.shape
+    if weight.dim() != 2 or loc_U.dim() != 2 or loc_U.shape[1] != weight.shape[1] or scale_shape != loc_U.shape:
+        raise ValueError(
+            f"expected loc_U, scale_U [N, C] and weight [V, C]; got {tuple(loc_U.shape)}, "
+            f"{tuple(scale_shape)} and {tuple(weight.shape)}: flatten the positions first"
+        )
+    if labels.numel() != loc_U.shape[0]:
+        raise ValueError(f"{labels.numel()} labels for {loc_U.shape[0]} positions: pass one (shifted) label per position")
 
 class _ChunkedOvRLoss(torch.autograd.Function):
     @staticmethod
@@ -189,7 +194,6 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     abs_buf = torch.empty(vblock, width, dtype=dtype, device=dev)
     if grad_W is not None:
         acc_loc, acc_scale = (torch.empty(vblock, width, dtype=dtype, device=dev) for _ in range(2))
-    one = torch.ones((), dtype=dtype, device=dev)
     neg_log_sum = torch.zeros((), dtype=torch.float64, device=dev)
     u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
@@ -200,9 +204,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
         w = v1 - v0
         w_blk = weight[v0:v1].to(dtype)
         abs_w = torch.abs(w_blk, out=abs_buf[:w])
-        # A zero row of W_A (a padding embedding) has scale_S = 0: its P is a step in loc_S, whose derivative is 0
-        # (a Dirac at the step itself, which no finite gradient can represent); 1/tiny would overflow the sums.
-        degenerate = (abs_w.sum(1) == 0).nonzero().squeeze(1)
+        degenerate = zero_rows(abs_w)
         if grad_W is not None:
             acc_l, acc_s = acc_loc[:w].zero_(), acc_scale[:w].zero_()
         for r0 in range(0, n_valid, chunk):
@@ -212,38 +214,12 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             if offset is not None:
                 x.sub_(offset[r0:r1])
             torch.mm(scale[r0:r1], abs_w.T, out=s)
-            s.clamp_min_(torch.finfo(s.dtype).tiny)  # a zero row of W_A: the floor of cauchy.ovr_standardize
-            x.div_(s)
-            # The target's column when it lies in this block; elsewhere column 0 with a no-op flip.
-            col = targets[r0:r1] - v0
-            hit = (col >= 0) & (col < w)
-            col = col.clamp(0, w - 1).unsqueeze(1)
-            flip = torch.where(hit, -1.0, 1.0).to(dtype).unsqueeze(1)
-            x.scatter_(1, col, x.gather(1, col) * flip)  # now z
-            torch.atan2(one, x, out=a).mul_(1 / math.pi)  # 1 − P_k off target, P_y on it
-            p_target[r0:r1] += a.gather(1, col).squeeze(1) * hit
-            if precise:
-                # u = 1 − a as atan2(1, −z)/π: where z < 0, a is within a few ulps of 1 and has lost the digits of the
-                # small P_k (float32's ulp at 1 is 6e-8), which u keeps. One more transcendental per entry: only for
-                # the tail term, where the tiny P_k are the whole loss.
-                torch.atan2(one, torch.neg(x, out=u), out=u).mul_(1 / math.pi)
-                neg_log_sum -= torch.where(x < 0, torch.log1p(-u), torch.log(a)).sum(dtype=torch.float64)
-            else:
-                torch.sub(one, a, out=u)
-                neg_log_sum -= torch.log(a).sum(dtype=torch.float64)  # ℓ = −log a
-            u_row_sum[r0:r1] += u.sum(1, dtype=torch.float64)
+            col, hit, flip = target_columns(targets[r0:r1], v0, w, dtype)
+            neg_log, u_rows, p_y = ovr_tile(x, s, col, hit, flip, a, t, u, degenerate, want_grads, precise)
+            neg_log_sum += neg_log
+            u_row_sum[r0:r1] += u_rows
+            p_target[r0:r1] += p_y
             if want_grads:
-                # π ∂ℓ/∂z = 1/(a + z·(z·a)): a product form, so z² never overflows into inf·0.
-                # For z → +∞, z·a → 1/π and the gradient → 1/z; for z → −∞ the denominator → +∞
-                # and the gradient → 0, its true limit.
-                torch.mul(x, a, out=t)
-                torch.addcmul(a, t, x, out=t).reciprocal_()
-                t.div_(s)
-                if degenerate.numel():  # x is ±inf there (a finite gap over scale 0): 0·inf would be NaN
-                    t.index_fill_(1, degenerate, 0.0)
-                    x.index_fill_(1, degenerate, 0.0)
-                x.mul_(t)  # −π ∂ℓ/∂scale_S
-                t.scatter_(1, col, t.gather(1, col) * flip)  # π ∂ℓ/∂loc_S
                 if grad_W is not None:
                     acc_l.addmm_(t.T, loc[r0:r1])
                     acc_s.addmm_(x.T, scale[r0:r1])
@@ -259,6 +235,59 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             grad_W[v0:v1] = acc_l.mul_(factor)
     return neg_log_sum, u_row_sum, p_target
 
+
+
+def zero_rows(abs_w: torch.Tensor) -> torch.Tensor:
+    """Indices of the all-zero rows of a block of |W_A| (a padding embedding). There scale_S = 0 and P is a step in
+    loc_S, whose derivative is 0 (a Dirac at the step itself, which no finite gradient can represent)."""
+    return (abs_w.sum(1) == 0).nonzero().squeeze(1)
+
+
+def target_columns(targets: torch.Tensor, v0: int, width: int, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(col [r, 1], hit [r], flip [r, 1]) of a vocabulary block [v0, v0 + width): the target's column when it lies in
+    the block (hit), elsewhere column 0 with a no-op flip (+1); flip is −1 at a hit."""
+    col = targets - v0
+    hit = (col >= 0) & (col < width)
+    return col.clamp(0, width - 1).unsqueeze(1), hit, torch.where(hit, -1.0, 1.0).to(dtype).unsqueeze(1)
+
+
+def ovr_tile(x, s, col, hit, flip, a, t, u, degenerate, want_grads, precise=False):
+    """The OvR terms of one (token × vocabulary) tile, in place on [r, w] buffers.
+
+    ``x``: loc_S − C (minus the offset of relative thresholds); ``s``: scale_S; ``a``, ``t``, ``u``: scratch of the
+    same shape; ``col``, ``hit``, ``flip``: `target_columns`; ``degenerate``: `zero_rows` of the block. Returns
+    (Σ ℓ in float64, per-row Σ (1 − a) in float64, per-row P_y). With ``want_grads``, on return ``t`` holds
+    π ∂ℓ/∂loc_S and ``x`` holds −π ∂ℓ/∂scale_S. ``precise``: see `_ovr_tiles`.
+    """
+    s.clamp_min_(torch.finfo(s.dtype).tiny)  # a zero row of W_A: the floor of cauchy.ovr_standardize
+    x.div_(s)
+    x.scatter_(1, col, x.gather(1, col) * flip)  # now z
+    one = torch.ones((), dtype=x.dtype, device=x.device)
+    torch.atan2(one, x, out=a).mul_(1 / math.pi)  # 1 − P_k off target, P_y on it
+    p_y = a.gather(1, col).squeeze(1) * hit
+    if precise:
+        # u = 1 − a as atan2(1, −z)/π: where z < 0, a is within a few ulps of 1 and has lost the digits of the
+        # small P_k (float32's ulp at 1 is 6e-8), which u keeps. One more transcendental per entry: only for
+        # the tail term, where the tiny P_k are the whole loss.
+        torch.atan2(one, torch.neg(x, out=u), out=u).mul_(1 / math.pi)
+        neg_log = torch.where(x < 0, torch.log1p(-u), torch.log(a)).sum(dtype=torch.float64)
+    else:
+        torch.sub(one, a, out=u)
+        neg_log = torch.log(a).sum(dtype=torch.float64)
+    u_rows = u.sum(1, dtype=torch.float64)
+    if want_grads:
+        # π ∂ℓ/∂z = 1/(a + z·(z·a)): a product form, so z² never overflows into inf·0.
+        # For z → +∞, z·a → 1/π and the gradient → 1/z; for z → −∞ the denominator → +∞
+        # and the gradient → 0, its true limit.
+        torch.mul(x, a, out=t)
+        torch.addcmul(a, t, x, out=t).reciprocal_()
+        t.div_(s)
+        if degenerate.numel():  # x is ±inf there (a finite gap over scale 0): 0·inf would be NaN
+            t.index_fill_(1, degenerate, 0.0)
+            x.index_fill_(1, degenerate, 0.0)
+        x.mul_(t)  # −π ∂ℓ/∂scale_S
+        t.scatter_(1, col, t.gather(1, col) * flip)  # π ∂ℓ/∂loc_S
+    return -neg_log, u_rows, p_y
 
 def topk_mse_loss(
     loc_U: torch.Tensor,

@@ -1,0 +1,220 @@
+"""The training loss of ``forward(labels=...)`` in one chunked pass: the softmax cross-entropy of loc_S and the OvR
+loss (docs/design.md, Training losses), fused with the action head.
+
+Run one after the other, the two losses read the output matrix seven times per step: the cross-entropy
+(checkpointed, as Liger-Kernel's fused linear cross-entropy keeps no [N × V] logits) computes the logits, recomputes
+them in backward and takes its two gradients; the OvR kernel computes loc_S again, scale_S and the scale gradient.
+Both need the same loc_S, so here one pass computes it once. Token chunks are the outer loop, as in Liger's kernel:
+
+    pass A  loc_S = W loc_U + b for the chunk, vocabulary block by block, into one [chunk × V] buffer; its logsumexp;
+    pass B  block by block again: scale_S = |W| scale_U (|W| exists for one block), the OvR terms on loc_S − C
+            (minus the logsumexp under relative thresholds), and ONE location gradient
+            D = w·(softmax − onehot)/denom (+ the OvR's ∂ℓ/∂loc_S when it trains the locations),
+            so that ∂loc_U = D W and ∂W = Dᵀ loc_U take one product each.
+
+Five products of N × V × C with the OvR loss on the scale path (the cross-entropy alone takes three), against seven.
+Like `chunked_ovr_loss`, every gradient is computed in the forward and backward only rescales it. The chunk holds
+its logits, so its size comes from a memory budget (`chunk_tokens`), not from N: memory is flat in N.
+"""
+
+import math
+
+import torch
+
+from .cauchy import check_labels, fuse_noise
+from .losses import DecisionHead, check_head_inputs, ovr_tile, target_columns, zero_rows
+
+LOGITS_BUDGET_BYTES = 64 * 2**20  # one token chunk's float32 logits: 110 tokens at Qwen2's V = 151,936
+
+
+def chunk_tokens(vocab_size: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
+    """Tokens per chunk whose float32 [chunk × V] logits fit the budget (as Liger-Kernel sizes its chunks)."""
+    return max(1, budget_bytes // (4 * vocab_size))
+
+
+def chunked_lm_loss(
+    loc_U: torch.Tensor,
+    scale_U: torch.Tensor | None,
+    head: DecisionHead,
+    labels: torch.Tensor,
+    *,
+    softmax_weight: float = 1.0,
+    ovr_trains_location: bool = False,
+    relative_threshold: bool = True,
+    num_items_in_batch=None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int = 4096,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``softmax_weight`` × the cross-entropy of loc_S plus the OvR loss, without [N × V] tensors kept.
+
+    ``loc_U``, ``scale_U``: [N, C]; ``scale_U=None`` leaves the OvR loss out (the softmax baseline). ``head``: the
+    action network's tensors; ``labels``: [N] aligned with the positions, ``ignore_index`` where there is no target.
+    The OvR loss is `chunked_ovr_loss`'s (training noise fusion scale_U + T·|b_noise|); its gradient reaches loc_U,
+    W_A and b_A only with ``ovr_trains_location`` (otherwise the locations learn from the cross-entropy alone), and
+    with ``relative_threshold`` each position's C_k is compared with log softmax(loc_S)_k (the logsumexp is a
+    reference point, no gradient flows through it). Float32 math whatever the input dtype; sums over targets divided
+    by their count, or by ``num_items_in_batch``. ``chunk_size`` tokens per chunk (default `chunk_tokens`) and
+    ``vocab_chunk_size`` rows per block change speed and memory, not the result.
+
+    Returns (loss, stats) with detached means per target: ``softmax_nll`` (−log softmax(loc_S)_y), with the OvR loss
+    ``target_prob`` (P_y) and ``ovr_prob_sum`` (Σ_k P_k); and ``num_tokens``.
+    """
+    check_head_inputs(loc_U, scale_U, head.weight, labels)
+    if not (math.isfinite(softmax_weight) and softmax_weight >= 0) or (scale_U is None and softmax_weight == 0):
+        raise ValueError(f"softmax_weight must be a finite number >= 0 (> 0 without the OvR loss), got {softmax_weight}")
+    if chunk_size is not None and chunk_size < 1 or vocab_chunk_size < 1:
+        raise ValueError(f"chunk_size and vocab_chunk_size must be positive, got {chunk_size}, {vocab_chunk_size}")
+    options = (softmax_weight, ovr_trains_location, relative_threshold, num_items_in_batch, temperature,
+               chunk_size or chunk_tokens(head.weight.shape[0]), vocab_chunk_size, ignore_index)
+    loss, *stats = _ChunkedLMLoss.apply(loc_U, scale_U, *head, labels, options, torch.is_grad_enabled())
+    names = ("softmax_nll", "target_prob", "ovr_prob_sum", "num_tokens")
+    return loss, {k: v for k, v in zip(names, stats) if scale_U is not None or k not in ("target_prob", "ovr_prob_sum")}
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loc_U, scale_U, weight, bias, b_noise, threshold, labels, options, grad_enabled):
+        (softmax_weight, ovr_trains_location, relative, num_items_in_batch, temperature, chunk, vblock,
+         ignore_index) = options
+        # needs_input_grad stays True under no_grad, hence the explicit grad_enabled.
+        need_loc, need_scale, need_W, need_bias, need_noise, need_thr = (
+            grad_enabled and n for n in ctx.needs_input_grad[:6])
+        ovr = scale_U is not None
+        vocab, width = weight.shape
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        dev = weight.device
+
+        labels = labels.reshape(-1)
+        rows = (labels != ignore_index).nonzero().squeeze(1)
+        targets = labels[rows]
+        check_labels(targets, vocab)
+        n_valid = rows.numel()
+        loc = loc_U[rows].to(dtype)
+        scale = fuse_noise(loc, scale_U[rows].to(dtype), b_noise.to(dtype), "standard", temperature)[1] if ovr else None
+        thr = threshold.to(dtype) if torch.is_tensor(threshold) else threshold
+        thr_per_token = torch.is_tensor(thr) and thr.dim() == 1
+        if num_items_in_batch is None:
+            denom = float(max(n_valid, 1))
+        else:
+            denom = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=dev)
+        ce_factor = softmax_weight / denom
+        # The tiles give π ∂ℓ/∂loc_S and −π ∂ℓ/∂scale_S (see `ovr_tile`): π, the sign and the reduction go here.
+        ovr_factor = 1 / (math.pi * denom)
+
+        ovr_locates = ovr and ovr_trains_location
+        # The location gradient D of the module docstring; without the cross-entropy or the OvR's share it is 0.
+        need_D = (need_loc or need_W or need_bias) and (softmax_weight > 0 or ovr_locates)
+        ovr_grads = ovr and (need_scale or need_noise or need_thr or (ovr_locates and need_D))
+        g_loc = loc.new_zeros(n_valid, width) if need_loc else None
+        g_scale = loc.new_zeros(n_valid, width) if ovr and (need_scale or need_noise) else None
+        g_bias = loc.new_zeros(vocab) if need_bias else None
+        g_thr = loc.new_zeros(vocab) if ovr and need_thr else None
+        # float32 across chunks even for a bf16 W; one block of sign(W) ⊙ (…) for the scale path's share.
+        grad_W = torch.zeros(vocab, width, dtype=dtype, device=dev) if need_W else None
+        scale_path_W = ovr_locates and need_W
+
+        chunk, vblock = max(1, min(chunk, n_valid)), min(vblock, vocab)
+        logits_buf = torch.empty(chunk * vocab if n_valid else 0, dtype=dtype, device=dev)
+        d_buf, s_buf, a_buf, t_buf, u_buf = (torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(5))
+        abs_buf = torch.empty(vblock, width, dtype=dtype, device=dev)
+        tmp_W = torch.empty(vblock, width, dtype=dtype, device=dev) if scale_path_W else None
+        nll_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        ovr_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
+        p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
+        blocks = [(v0, min(v0 + vblock, vocab)) for v0 in range(0, vocab, vblock)]
+
+        for r0 in range(0, n_valid, chunk):
+            r1 = min(r0 + chunk, n_valid)
+            r = r1 - r0
+            loc_r, tgt = loc[r0:r1], targets[r0:r1]
+            # Block b's logits are the contiguous [r, w] slice logits_buf[r·v0 : r·v1].
+            logits = [logits_buf[r * v0 : r * v1].view(r, v1 - v0) for v0, v1 in blocks]
+            block_lse = loc.new_empty(r, len(blocks))
+            for i, ((v0, v1), x) in enumerate(zip(blocks, logits)):  # pass A
+                w_blk = weight[v0:v1].to(dtype)
+                if bias is None:
+                    torch.mm(loc_r, w_blk.T, out=x)
+                else:
+                    torch.addmm(bias[v0:v1].to(dtype), loc_r, w_blk.T, out=x)
+                block_lse[:, i] = torch.logsumexp(x, 1)
+            lse = torch.logsumexp(block_lse, 1)
+            nll_sum += lse.sum(dtype=torch.float64)
+
+            for (v0, v1), x in zip(blocks, logits):  # pass B
+                w = v1 - v0
+                w_blk = weight[v0:v1].to(dtype)
+                d, s, a, t, u = (buf[: r * w].view(r, w) for buf in (d_buf, s_buf, a_buf, t_buf, u_buf))
+                col, hit, flip = target_columns(tgt, v0, w, dtype)
+                nll_sum -= (x.gather(1, col).squeeze(1) * hit).sum(dtype=torch.float64)
+                if need_D:
+                    if softmax_weight > 0:  # softmax − onehot, times w/denom
+                        torch.sub(x, lse.unsqueeze(1), out=d).exp_()
+                        d.scatter_add_(1, col, -hit.to(dtype).unsqueeze(1))
+                        d.mul_(ce_factor)
+                    else:  # the OvR's share alone
+                        d.zero_()
+                if ovr:
+                    abs_w = torch.abs(w_blk, out=abs_buf[:w])
+                    torch.mm(scale[r0:r1], abs_w.T, out=s)
+                    x.sub_(thr[v0:v1] if thr_per_token else thr)  # the logits' last use: x becomes loc_S − C
+                    if relative:
+                        x.sub_(lse.unsqueeze(1))
+                    neg_log, u_rows, p_y = ovr_tile(x, s, col, hit, flip, a, t, u, zero_rows(abs_w), ovr_grads)
+                    ovr_sum += neg_log
+                    u_row_sum[r0:r1] += u_rows
+                    p_target[r0:r1] += p_y
+                    if ovr_grads:  # t = π ∂ℓ/∂loc_S, x = −π ∂ℓ/∂scale_S
+                        if g_thr is not None:  # ∂ℓ/∂C = −∂ℓ/∂loc_S
+                            g_thr[v0:v1] -= t.sum(0)
+                        if g_scale is not None:
+                            g_scale[r0:r1].addmm_(x, abs_w)
+                        if scale_path_W:  # ∂/∂W of |W|·scale is sign(W)·(…), with the scale path's minus sign
+                            tmp = torch.mm(x.T, scale[r0:r1], out=tmp_W[:w])
+                            grad_W[v0:v1] -= tmp.mul_(torch.sign(w_blk, out=abs_w)).mul_(ovr_factor)
+                        if ovr_locates and need_D:
+                            d.add_(t.mul_(ovr_factor))
+                if need_D and need_loc:
+                    g_loc[r0:r1].addmm_(d, w_blk)
+                if need_D and need_W:
+                    grad_W[v0:v1].addmm_(d.T, loc_r)
+                if need_D and need_bias:
+                    g_bias[v0:v1] += d.sum(0)
+
+        n_tok = max(n_valid, 1)
+        loss = ((softmax_weight * nll_sum + ovr_sum) / denom).to(torch.float32)
+        # Σ_k P_k = Σ_{k≠y} (1 − a_k) + P_y, where a_y = P_y: rows summed in float64.
+        stats = (
+            (nll_sum / n_tok).to(torch.float32),
+            (p_target.sum() / n_tok).to(torch.float32),
+            ((u_row_sum - 1 + 2 * p_target).sum() / n_tok).to(torch.float32),
+            torch.tensor(n_valid, device=dev),
+        )
+        ctx.mark_non_differentiable(*stats)
+
+        grad_loc = grad_scale = grad_bias = grad_noise = grad_thr = None
+        if need_loc:
+            grad_loc = torch.zeros_like(loc_U).index_copy_(0, rows, g_loc.to(loc_U.dtype))
+        if g_scale is not None:
+            g_scale.mul_(-ovr_factor)
+            if need_scale:
+                grad_scale = torch.zeros_like(scale_U).index_copy_(0, rows, g_scale.to(scale_U.dtype))
+            if need_noise:
+                grad_noise = (temperature * b_noise.to(dtype).sign() * g_scale.sum(0)).to(b_noise.dtype)
+        if need_bias:
+            grad_bias = g_bias.to(bias.dtype)
+        if g_thr is not None:
+            grad_thr = g_thr.mul_(ovr_factor).sum_to_size(threshold.shape).to(threshold.dtype)
+        if need_W:
+            grad_W = grad_W.to(weight.dtype)
+        ctx.save_for_backward(grad_loc, grad_scale, grad_W, grad_bias, grad_noise, grad_thr)
+        return (loss, *stats)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        grads = ctx.saved_tensors
+        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
+            grads = [None if g is None else g.mul_(grad_loss) for g in grads]  # in place: see _ChunkedOvRLoss
+        return (*grads, None, None, None)

@@ -1,0 +1,162 @@
+"""chunked_lm_loss (cross-entropy of loc_S + OvR loss in one pass) against a naive float64 reference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_losses import NAMES, as_float64, assert_rel_close, grads_of, make_inputs
+
+from causalqwen_adapter.lm_loss import chunk_tokens, chunked_lm_loss
+from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss
+
+
+def lm_loss_of(tensors, labels, ovr=True, **kwargs):
+    head = DecisionHead(*(tensors[k] for k in NAMES[2:]))
+    return chunked_lm_loss(tensors["loc_U"], tensors["scale_U"] if ovr else None, head, labels, **kwargs)
+
+
+def reference(t, labels, softmax_weight=1.0, ovr=True, ovr_trains_location=False, relative_threshold=True,
+              num_items_in_batch=None):
+    """The two losses written out plainly on full [N × V] scores; the OvR term sees the locations through .detach()
+    unless it trains them, and the log-partition of relative thresholds is detached."""
+    valid = labels != -100
+    denom = valid.sum() if num_items_in_batch is None else num_items_in_batch
+    bias = 0 if t["bias"] is None else t["bias"]
+    loc_S = t["loc_U"] @ t["weight"].T + bias
+    nll = F.cross_entropy(loc_S[valid], labels[valid], reduction="sum")
+    loss, stats = softmax_weight * nll / denom, {"softmax_nll": nll / valid.sum()}
+    if ovr:
+        weight = t["weight"] if ovr_trains_location else t["weight"].detach()
+        loc = loc_S if ovr_trains_location else (t["loc_U"].detach() @ weight.T + (
+            bias.detach() if torch.is_tensor(bias) else 0))
+        if relative_threshold:
+            loc = loc - loc_S.logsumexp(-1, keepdim=True).detach()
+        scale_S = (t["scale_U"] + t["b_noise"].abs()) @ weight.abs().T
+        P = 0.5 + torch.atan((loc - t["threshold"]) / scale_S) / math.pi
+        one_hot = F.one_hot(labels.clamp(min=0), t["weight"].shape[0]).to(P.dtype)
+        per_token = -(one_hot * P.log() + (1 - one_hot) * (1 - P).log()).sum(-1)
+        loss = loss + per_token[valid].sum() / denom
+        stats.update(target_prob=(P * one_hot).sum(-1)[valid].mean(), ovr_prob_sum=P.sum(-1)[valid].mean())
+    return loss, stats
+
+
+def check(tensors, labels, rtol=1e-5, grad_rtol=1e-5, ovr=True, softmax_weight=1.0, ovr_trains_location=False,
+          relative_threshold=True, num_items_in_batch=None, **tiles):
+    options = dict(softmax_weight=softmax_weight, ovr_trains_location=ovr_trains_location,
+                   relative_threshold=relative_threshold, num_items_in_batch=num_items_in_batch)
+    loss, stats = lm_loss_of(tensors, labels, ovr=ovr, **options, **tiles)
+    ref_tensors = as_float64(tensors)
+    ref_loss, ref_stats = reference(ref_tensors, labels, ovr=ovr, **options)
+    assert loss.dtype == torch.float32
+    assert_rel_close(loss, ref_loss, rtol, "loss")
+    assert stats.keys() == ref_stats.keys() | {"num_tokens"}
+    for key, value in ref_stats.items():
+        assert not stats[key].requires_grad
+        assert_rel_close(stats[key], value, rtol, key)
+    assert stats["num_tokens"].item() == (labels != -100).sum().item()
+    used = {k: v for k, v in tensors.items() if ovr or k not in ("scale_U", "b_noise", "threshold")}
+    grads, ref_grads = grads_of(loss, used), grads_of(ref_loss, {k: ref_tensors[k] for k in used})
+    for name, g in grads.items():
+        assert g.dtype == tensors[name].dtype and g.shape == tensors[name].shape
+        assert_rel_close(g, ref_grads[name], grad_rtol, f"grad {name}")
+
+
+@pytest.mark.parametrize(
+    "n, c, v, chunk_size, vocab_chunk_size",
+    [
+        (13, 8, 37, 5, 6),  # neither N nor V divisible by the tile
+        (13, 8, 37, 1, 37),  # one token per chunk, one vocabulary block
+        (13, 8, 37, None, 4096),  # the defaults: a single tile
+        (7, 16, 5, 3, 2),  # C > V
+        (30, 4, 101, 7, 1),  # one vocabulary entry per block
+    ],
+)
+@pytest.mark.parametrize("threshold", ["vector", "scalar_learnable", "scalar_buffer", "float"])
+def test_matches_float64_reference(n, c, v, chunk_size, vocab_chunk_size, threshold):
+    tensors, labels = make_inputs(n, c, v, threshold=threshold)
+    check(tensors, labels, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+
+
+@pytest.mark.parametrize("ovr_trains_location", [False, True])
+@pytest.mark.parametrize("relative_threshold", [False, True])
+@pytest.mark.parametrize("softmax_weight", [0.0, 0.5])
+def test_every_loss_option_matches_the_reference(ovr_trains_location, relative_threshold, softmax_weight):
+    tensors, labels = make_inputs(13, 8, 37)
+    check(tensors, labels, softmax_weight=softmax_weight, ovr_trains_location=ovr_trains_location,
+          relative_threshold=relative_threshold, chunk_size=4, vocab_chunk_size=8)
+
+
+def test_softmax_alone_is_the_cross_entropy():
+    tensors, labels = make_inputs(13, 8, 37)
+    check(tensors, labels, ovr=False, chunk_size=4, vocab_chunk_size=8)
+    check(dict(tensors, bias=None), labels, ovr=False, chunk_size=5, vocab_chunk_size=37)
+
+
+def test_ovr_part_equals_chunked_ovr_loss():
+    """Without the cross-entropy and with the OvR loss on every head tensor, the fused pass is chunked_ovr_loss."""
+    tensors, labels = make_inputs(13, 8, 37)
+    head = DecisionHead(*(tensors[k] for k in NAMES[2:]))
+    fused, fused_stats = lm_loss_of(tensors, labels, softmax_weight=0.0, ovr_trains_location=True,
+                                    relative_threshold=False, chunk_size=4, vocab_chunk_size=8)
+    alone, alone_stats = chunked_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, chunk_size=3,
+                                          vocab_chunk_size=5)
+    torch.testing.assert_close(fused, alone)
+    for key in ("target_prob", "ovr_prob_sum"):
+        torch.testing.assert_close(fused_stats[key], alone_stats[key])
+    alone_grads = grads_of(alone, tensors)
+    for name, g in grads_of(fused, tensors).items():
+        assert_rel_close(g, alone_grads[name], 1e-5, f"grad {name}")
+
+
+@pytest.mark.parametrize("num_items_in_batch", [20, torch.tensor(20)])
+def test_num_items_in_batch_divides_the_sums(num_items_in_batch):
+    tensors, labels = make_inputs(13, 8, 37)
+    check(tensors, labels, num_items_in_batch=num_items_in_batch, ovr_trains_location=True, chunk_size=4,
+          vocab_chunk_size=10)
+
+
+def test_bfloat16_inputs_use_float32_math():
+    tensors, labels = make_inputs(13, 8, 37, dtype=torch.bfloat16)
+    check(tensors, labels, grad_rtol=1e-2, ovr_trains_location=True, chunk_size=4, vocab_chunk_size=8)
+
+
+def test_no_target_gives_zero_loss_and_gradients():
+    tensors, labels = make_inputs(6, 8, 37)
+    labels[:] = -100
+    loss, stats = lm_loss_of(tensors, labels, chunk_size=4)
+    assert loss.item() == 0 and stats["num_tokens"].item() == 0
+    assert all((g == 0).all() for g in grads_of(loss, tensors).values())
+
+
+def test_no_grad_and_a_scaled_backward():
+    tensors, labels = make_inputs(13, 8, 37)
+    with torch.no_grad():
+        value, _ = lm_loss_of(tensors, labels, chunk_size=4)
+    loss, _ = lm_loss_of(tensors, labels, chunk_size=4)
+    torch.testing.assert_close(value, loss.detach())
+    grads = grads_of(loss, tensors)
+    loss2, _ = lm_loss_of(tensors, labels, chunk_size=4)
+    for name, g in grads_of(3 * loss2, tensors).items():
+        torch.testing.assert_close(g, 3 * grads[name])
+
+
+def test_bad_inputs_are_refused():
+    tensors, labels = make_inputs(13, 8, 37)
+    with pytest.raises(ValueError, match="softmax_weight"):
+        lm_loss_of(tensors, labels, ovr=False, softmax_weight=0.0)
+    with pytest.raises(ValueError, match="softmax_weight"):
+        lm_loss_of(tensors, labels, softmax_weight=float("nan"))
+    with pytest.raises(ValueError, match="chunk_size"):
+        lm_loss_of(tensors, labels, chunk_size=0)
+    with pytest.raises(ValueError, match="labels for"):
+        lm_loss_of(tensors, labels[:5])
+    bad = labels.clone()
+    bad[0] = 37
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        lm_loss_of(tensors, bad)
+
+
+def test_chunk_size_follows_the_memory_budget():
+    assert chunk_tokens(151936) * 4 * 151936 <= 64 * 2**20 < (chunk_tokens(151936) + 1) * 4 * 151936
+    assert chunk_tokens(10**9) == 1
