@@ -22,14 +22,7 @@ import math
 import torch
 
 from .cauchy import check_labels, fuse_noise
-from .losses import DecisionHead, check_head_inputs, ovr_tile, target_columns, zero_rows
-
-LOGITS_BUDGET_BYTES = 64 * 2**20  # one token chunk's float32 logits: 110 tokens at Qwen2's V = 151,936
-
-
-def chunk_tokens(vocab_size: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
-    """Tokens per chunk whose float32 [chunk × V] logits fit the budget (as Liger-Kernel sizes its chunks)."""
-    return max(1, budget_bytes // (4 * vocab_size))
+from .losses import DecisionHead, check_head_inputs, chunk_tokens, ovr_tile, target_columns, zero_rows
 
 
 def chunked_lm_loss(

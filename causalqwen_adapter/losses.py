@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_log_probs, ovr_probs, ovr_standardize
 
@@ -354,58 +353,19 @@ def topk_mse_loss(
     return loss.to(torch.float32), {k: v.to(torch.float32) for k, v in stats.items()}
 
 
-def chunked_softmax_loss(
-    loc_U: torch.Tensor,
-    head: DecisionHead,
-    labels: torch.Tensor,
-    *,
-    num_items_in_batch=None,
-    chunk_size: int = 1024,
-    ignore_index: int = -100,
-    return_log_partition: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Softmax cross-entropy of the decision-score locations, −log softmax(loc_S)_y, without [N × V] tensors kept.
-
-    ``loc_U``: [N, C]; ``head``: the action network (its weight and bias); ``labels``: [N] aligned with the positions.
-    loc_S = W_A loc_U + b_A is the compatible mode's score, so this is the ordinary language-model loss of the heads:
-    the softmax baseline, or an auxiliary term that keeps loc_S a calibrated language model beside the OvR loss. Each token chunk's logits are
-    recomputed in backward (activation checkpointing), so one chunk's [chunk × V] lives at a time. Float32 math; sum
-    over targets divided by their count, or by ``num_items_in_batch``. With ``return_log_partition`` also returns
-    logsumexp_k loc_S_k per position [N] (detached; 0 where there is no target), which relative thresholds need.
-    """
-    labels = labels.reshape(-1)
-    rows = (labels != ignore_index).nonzero().squeeze(1)
-    targets = labels[rows]
-    check_labels(targets, head.weight.shape[0])
-    loc = loc_U[rows]
-    # Cast once per call (a no-op for float32 weights), not once per chunk and again in each recompute.
-    dtype = torch.promote_types(head.weight.dtype, torch.float32)
-    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-    total = loc.new_zeros((), dtype=torch.float32)
-    lse = loc.new_zeros(len(rows), dtype=torch.float32)
-    for r0 in range(0, len(rows), chunk_size):
-        chunk = (loc[r0 : r0 + chunk_size], weight, bias, targets[r0 : r0 + chunk_size])
-        if torch.is_grad_enabled():
-            nll, lse[r0 : r0 + chunk_size] = checkpoint(_softmax_chunk, *chunk, use_reentrant=False)
-        else:
-            nll, lse[r0 : r0 + chunk_size] = _softmax_chunk(*chunk)
-        total = total + nll
-    denom = max(len(rows), 1) if num_items_in_batch is None else num_items_in_batch
-    if return_log_partition:
-        return total / denom, loc_U.new_zeros(len(labels), dtype=torch.float32).index_copy_(0, rows, lse)
-    return total / denom
+LOGITS_BUDGET_BYTES = 64 * 2**20  # one token chunk's float32 logits: 110 tokens at Qwen2's V = 151,936
 
 
-def _softmax_chunk(loc, weight, bias, targets):
-    logits = F.linear(loc.to(weight.dtype), weight, bias)
-    lse = torch.logsumexp(logits, -1)
-    return (lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)).sum(), lse.detach()
+def chunk_tokens(vocab_size: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
+    """Tokens per chunk whose float32 [chunk × V] logits fit the budget (as Liger-Kernel sizes its chunks)."""
+    return max(1, budget_bytes // (4 * vocab_size))
 
 
 @torch.no_grad()
-def log_partition(loc_U: torch.Tensor, head: DecisionHead, chunk_size: int = 1024) -> torch.Tensor:
+def log_partition(loc_U: torch.Tensor, head: DecisionHead, chunk_size: int | None = None) -> torch.Tensor:
     """logsumexp_k loc_S_k per position [N] (float32, no gradient): the reference of relative thresholds, token
-    chunk by token chunk (one [chunk × V] tile at a time)."""
+    chunk by token chunk (one [chunk × V] tile at a time; ``chunk_size`` defaults to `chunk_tokens`)."""
+    chunk_size = chunk_size or chunk_tokens(head.weight.shape[0])
     dtype = torch.promote_types(head.weight.dtype, torch.float32)
     weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
     return torch.cat([torch.logsumexp(F.linear(loc_U[r0 : r0 + chunk_size].to(dtype), weight, bias), -1)

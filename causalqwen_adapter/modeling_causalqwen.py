@@ -26,7 +26,8 @@ from .cauchy import INFERENCE_MODES, ovr_log_prob, ovr_probs, sample_standard_ca
 from .configuration_causalqwen import CausalQwenConfig
 from .generation import CausalGenerationMixin
 from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier
-from .losses import DecisionHead, chunked_ovr_loss, chunked_softmax_loss, log_partition, topk_mse_loss
+from .lm_loss import chunked_lm_loss
+from .losses import DecisionHead, log_partition, topk_mse_loss
 
 logger = logging.get_logger(__name__)
 
@@ -315,7 +316,8 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
     returns the top-K distillation loss on stored features (the backbone does not run).
     """
 
-    loss_chunk_size = 1024  # target tokens per tile of the chunked losses: speed and memory, not the result
+    # Target tokens per chunk of the losses; None: as many as a chunk's logits budget holds (losses.chunk_tokens).
+    loss_chunk_size: int | None = None
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, inference_mode=None, causal_temperature=None,
@@ -388,24 +390,18 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
                 "units_mean_loc": _sum_count(loc_U.detach().float().mean(-1).sum(), count),
                 "units_mean_scale": _sum_count(scale_U.detach().float().mean(-1).sum(), count),
             }
-            loss = loc_U.new_zeros((), dtype=torch.float32)
-            lse = None  # logsumexp of loc_S per position: the softmax term computes it, relative thresholds use it
-            softmax_weight = 1.0 if config.objective == "softmax" else config.softmax_loss_weight
-            if softmax_weight > 0:
-                ce, lse = chunked_softmax_loss(loc_U, self._decision_head(weight), targets, num_items_in_batch=denom,
-                                               chunk_size=self.loss_chunk_size, return_log_partition=True)
-                loss = loss + softmax_weight * ce
-                metrics["softmax_nll"] = _sum_count(ce.detach() * denom, count)
-            if config.objective == "ovr":
-                inputs = self._ovr_loss_inputs(loc_U, scale_U, weight)
-                if config.ovr_relative_threshold and lse is None:
-                    lse = log_partition(loc_U, inputs[2], self.loss_chunk_size)
-                loss_ovr, stats = chunked_ovr_loss(*inputs, targets, num_items_in_batch=denom,
-                                                   chunk_size=self.loss_chunk_size,
-                                                   threshold_offset=lse if config.ovr_relative_threshold else None)
-                loss = loss + loss_ovr
-                metrics["target_prob"] = _sum_count(stats["target_prob"] * n, count)
-                metrics["ovr_prob_sum"] = _sum_count(stats["ovr_prob_sum"] * n, count)
+            # The cross-entropy of loc_S and the OvR loss in one chunked pass over W_A (lm_loss.py); the softmax
+            # objective is the same pass without the OvR term.
+            ovr = config.objective == "ovr"
+            loss, stats = chunked_lm_loss(
+                loc_U, scale_U if ovr else None, self._decision_head(weight), targets,
+                softmax_weight=config.softmax_loss_weight if ovr else 1.0,
+                ovr_trains_location=config.ovr_trains_location, relative_threshold=config.ovr_relative_threshold,
+                num_items_in_batch=denom, chunk_size=self.loss_chunk_size,
+            )
+            # means per target, kept as sums: softmax_nll (free: the pass computes it whatever its weight), P_y, Σ_k P_k
+            metrics.update({name: _sum_count(stats[name] * n, count)
+                            for name in ("softmax_nll", "target_prob", "ovr_prob_sum") if name in stats})
             if config.numeric:  # λ · Σ NLL over the same denominator
                 nll = self.numeric.nll(loc_U, scale_U, self.action.b_noise, targets, numeric_values,
                                        config.num_token_id)
@@ -436,7 +432,8 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             lse = log_partition(loc_U, inputs[2], self.loss_chunk_size) if self.config.ovr_relative_threshold else None
             loss, stats = topk_mse_loss(
                 *inputs, topk_ids.reshape(len(z), -1), topk_probs.reshape(len(z), -1),
-                tail_weight=self.config.distill_tail_weight, chunk_size=self.loss_chunk_size, threshold_offset=lse,
+                tail_weight=self.config.distill_tail_weight, threshold_offset=lse,
+                **({"chunk_size": self.loss_chunk_size} if self.loss_chunk_size else {}),  # None: the loss's own tiles
             )
         count = torch.tensor(float(len(z)), device=z.device)
         return CausalQwenCausalLMOutput(loss=loss, metrics={k: _sum_count(v * len(z), count) for k, v in stats.items()})

@@ -60,11 +60,11 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
         metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A: what ranks the tokens) as a "
                   "multiple of learning_rate."},
     )
-    loss_chunk_size: int = field(
-        default=1024,
+    loss_chunk_size: int | None = field(
+        default=None,
         metadata={
-            "help": "Number of target tokens scored at once by the chunked OvR loss. Changes speed and memory, "
-            "not the result."
+            "help": "Number of target tokens scored at once by the chunked training loss; by default as many as "
+            "one chunk's logits budget holds (losses.LOGITS_BUDGET_BYTES). Changes speed and memory, not the result."
         },
     )
     freeze_backbone: bool = field(
@@ -118,7 +118,7 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
         if self.dataloader_pin_memory is None:
             self.dataloader_pin_memory = torch.cuda.is_available()
         super().__post_init__()
-        if self.loss_chunk_size < 1:
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive integer, got {self.loss_chunk_size}")
         bad = [m for m in self.eval_inference_modes if m not in INFERENCE_MODES]
         if bad:

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from test_losses import NAMES, as_float64, assert_rel_close, grads_of, make_inputs
 
-from causalqwen_adapter.lm_loss import chunk_tokens, chunked_lm_loss
-from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss
+from causalqwen_adapter.lm_loss import chunked_lm_loss
+from causalqwen_adapter.losses import LOGITS_BUDGET_BYTES, DecisionHead, chunk_tokens, chunked_ovr_loss
 
 
 def lm_loss_of(tensors, labels, ovr=True, **kwargs):
@@ -158,5 +158,6 @@ def test_bad_inputs_are_refused():
 
 
 def test_chunk_size_follows_the_memory_budget():
-    assert chunk_tokens(151936) * 4 * 151936 <= 64 * 2**20 < (chunk_tokens(151936) + 1) * 4 * 151936
+    budget = LOGITS_BUDGET_BYTES
+    assert chunk_tokens(151936) * 4 * 151936 <= budget < (chunk_tokens(151936) + 1) * 4 * 151936
     assert chunk_tokens(10**9) == 1
