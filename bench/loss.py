@@ -1,9 +1,15 @@
-"""Benchmark: the chunked OvR loss against lm_head + cross-entropy and the naive OvR loss.
+"""Benchmark: the training loss of ``forward(labels=...)`` against lm_head + cross-entropy and the naive OvR loss.
 
-Forward + backward in float32 on the real head shape (V = 151936, C = 896) at N tokens:
-  (a) ``F.linear`` lm_head + ``F.cross_entropy``   the reference cost of a plain LM head
+Forward + backward (float32 by default) on the real head shape (V = 151936, C = 896) at N tokens:
+  (a) ``F.linear`` lm_head + ``F.cross_entropy`` on float32 logits, as transformers' causal-LM loss upcasts them
   (b) naive OvR: ``cauchy_linear`` + ``ovr_loss``   full [N × V] loc_S / scale_S, autograd
-  (c) ``chunked_ovr_loss``
+  (c) ``chunked_ovr_loss``: the OvR loss alone, every head tensor trained by it (distillation's kernel)
+  (d) ``chunked_lm_loss`` as ``forward(labels=...)`` runs it with the config's defaults: cross-entropy of loc_S
+      (weight ``softmax_loss_weight``) + the OvR loss on the scale path, relative thresholds, one fused pass
+
+``--dtype bfloat16`` stores the weight and the activations in bfloat16 (a bfloat16 model: lm_head's product in
+bfloat16, the losses' own math in float32); ``--autocast`` keeps them float32 and runs every variant under bfloat16
+autocast (TRL's default mixed precision; (d) then multiplies in bfloat16, as ``forward(labels=...)`` does).
 
 Each (variant, N) runs in its own subprocess so that peak memory is per variant. Memory is
 the child's whole-process peak RSS (``ru_maxrss``); "extra" is that peak minus the peak just
@@ -16,7 +22,7 @@ time of the fastest-CPU step is printed beside it, a second view when the machin
 The whole comparison runs --runs times with the variants interleaved; ratios are per run, reported as median
 (min–max) (bench/stats.py).
 
-    python bench/loss.py --n 1024 4096 --variants a c
+    python bench/loss.py --n 1024 4096 --variants a c d
 """
 
 import argparse
@@ -29,22 +35,30 @@ import time
 from stats import round_ratios, spread
 
 V, C = 151936, 896
-VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss"}
+VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss",
+            "d": "forward(labels) loss"}
 
 
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size: int) -> dict:
+def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size: int, dtype: str,
+           autocast: bool) -> dict:
+    import contextlib
+
     import torch
     import torch.nn.functional as F
 
     from causalqwen_adapter.cauchy import cauchy_linear, fuse_noise, ovr_loss
+    from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
+    from causalqwen_adapter.lm_loss import chunked_lm_loss
     from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
+    torch.set_default_dtype(getattr(torch, dtype))
+    precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     # In place, so that no temporary [V × C] copy raises the baseline peak.
     weight = torch.randn(V, C).mul_(0.02).requires_grad_()
     labels = torch.randint(0, V, (n,))
@@ -54,7 +68,7 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
         params = (hidden, weight)
 
         def step():
-            return F.cross_entropy(F.linear(hidden, weight), labels)
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels)
     else:
         loc_U = torch.randn(n, C).requires_grad_()
         scale_U = torch.rand(n, C).add_(0.5).requires_grad_()
@@ -66,10 +80,21 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
             def step():
                 loc, scale = fuse_noise(loc_U, scale_U, b_noise)
                 return ovr_loss(*cauchy_linear(loc, scale, weight, bias), 0.0, labels)
-        else:
+        elif variant == "c":
             def step():
                 return chunked_ovr_loss(loc_U, scale_U, DecisionHead(weight, bias, b_noise, 0.0), labels,
-                                        chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)[0]
+                                        chunk_size=chunk_size or 1024, vocab_chunk_size=vocab_chunk_size or 2048)[0]
+        else:
+            config = CausalQwenConfig()
+            threshold = torch.full((), config.ovr_threshold_init)  # a buffer, as with learnable_threshold=False
+
+            def step():
+                return chunked_lm_loss(loc_U, scale_U, DecisionHead(weight, bias, b_noise, threshold), labels,
+                                       matmul_dtype=torch.bfloat16 if autocast else None,
+                                       softmax_weight=config.softmax_loss_weight,
+                                       ovr_trains_location=config.ovr_trains_location,
+                                       relative_threshold=config.ovr_relative_threshold, chunk_size=chunk_size or None,
+                                       vocab_chunk_size=vocab_chunk_size or 4096)[0]
 
     base = _peak_rss_mib()
     times, cpu_times = [], []
@@ -77,7 +102,9 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
         for p in params:
             p.grad = None
         start, cpu_start = time.perf_counter(), time.process_time()
-        step().backward()
+        with precision:
+            loss = step()
+        loss.backward()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
     return {"variant": variant, "n": n, "time_s": min(times[1:]), "first_s": times[0], "cpu_s": min(cpu_times[1:]),
@@ -95,12 +122,15 @@ def main():
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeat", type=int, default=3, help="timed steps after one warm-up step, per process")
     parser.add_argument("--runs", type=int, default=3, help="times the whole comparison runs, variants interleaved")
-    parser.add_argument("--chunk-size", type=int, default=1024)
-    parser.add_argument("--vocab-chunk-size", type=int, default=2048)
+    parser.add_argument("--chunk-size", type=int, default=0, help="tokens per chunk; 0: each loss's default")
+    parser.add_argument("--vocab-chunk-size", type=int, default=0, help="vocabulary rows per block; 0: defaults")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and inputs")
+    parser.add_argument("--autocast", action="store_true", help="float32 weights, bfloat16 autocast")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child, args.n[0], args.repeat, args.chunk_size, args.vocab_chunk_size)))
+        print(json.dumps(_child(args.child, args.n[0], args.repeat, args.chunk_size, args.vocab_chunk_size, args.dtype,
+                                args.autocast)))
         return
 
     last = {}  # each variant's latest measurement, to foresee the memory of the next N
@@ -116,11 +146,10 @@ def main():
                 print(f"N={n} run {run + 1} ({v}) {VARIANTS[v]:<26} time {r['time_s']:7.2f} s (first {r['first_s']:.2f} s, "
                       f"cpu {r['cpu_s']:.2f} s)  extra peak {r['extra_mib']:8.0f} MiB  whole-process peak "
                       f"{r['peak_mib']:8.0f} MiB", flush=True)
-        c = results.get("c", [])
-        for other in ("a", "b"):
-            o = results.get(other, [])
+        for mine, other in (("c", "a"), ("c", "b"), ("d", "a")):
+            c, o = results.get(mine, []), results.get(other, [])
             if len(c) == len(o) and c:
-                print(f"N={n} c/{other}, median (min–max) over {len(c)} runs: "
+                print(f"N={n} {mine}/{other}, median (min–max) over {len(c)} runs: "
                       f"time {spread(round_ratios([r['time_s'] for r in c], [r['time_s'] for r in o]))}× "
                       f"(cpu {spread(round_ratios([r['cpu_s'] for r in c], [r['cpu_s'] for r in o]))}×)  "
                       f"extra memory {spread(round_ratios([r['extra_mib'] for r in c], [r['extra_mib'] for r in o]))}×  "
@@ -137,7 +166,8 @@ def _run_child(v: str, n: int, args, previous: dict | None) -> dict | None:
                   f"(extrapolated from N={previous['n']}), {_mem_available_mib() / 1024:.1f} GiB available")
             return None
     cmd = [sys.executable, __file__, "--child", v, "--n", str(n), "--repeat", str(args.repeat),
-           "--chunk-size", str(args.chunk_size), "--vocab-chunk-size", str(args.vocab_chunk_size)]
+           "--chunk-size", str(args.chunk_size), "--vocab-chunk-size", str(args.vocab_chunk_size), "--dtype", args.dtype]
+    cmd += ["--autocast"] if args.autocast else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         print(f"N={n} ({v}) {VARIANTS[v]}: failed with exit code {proc.returncode}\n{proc.stderr[-2000:]}")

@@ -269,11 +269,14 @@ def ovr_tile(x, s, col, hit, flip, a, t, u, degenerate, want_grads, precise=Fals
         # small P_k (float32's ulp at 1 is 6e-8), which u keeps. One more transcendental per entry: only for
         # the tail term, where the tiny P_k are the whole loss.
         torch.atan2(one, torch.neg(x, out=u), out=u).mul_(1 / math.pi)
-        neg_log = torch.where(x < 0, torch.log1p(-u), torch.log(a)).sum(dtype=torch.float64)
+        log_p = torch.where(x < 0, torch.log1p(-u), torch.log(a))
     else:
         torch.sub(one, a, out=u)
-        neg_log = torch.log(a).sum(dtype=torch.float64)
-    u_rows = u.sum(1, dtype=torch.float64)
+        log_p = torch.log(a)
+    # Row sums in the tile's dtype (pairwise summation), rows in float64: a float64 sum of the tile would first copy
+    # it to float64, which costs more than the tile's transcendentals.
+    neg_log = log_p.sum(1).sum(dtype=torch.float64)
+    u_rows = u.sum(1).double()
     if want_grads:
         # π ∂ℓ/∂z = 1/(a + z·(z·a)): a product form, so z² never overflows into inf·0.
         # For z → +∞, z·a → 1/π and the gradient → 1/z; for z → −∞ the denominator → +∞
@@ -353,12 +356,13 @@ def topk_mse_loss(
     return loss.to(torch.float32), {k: v.to(torch.float32) for k, v in stats.items()}
 
 
-LOGITS_BUDGET_BYTES = 64 * 2**20  # one token chunk's float32 logits: 110 tokens at Qwen2's V = 151,936
+LOGITS_BUDGET_BYTES = 128 * 2**20  # one chunk's logits: 220 tokens of float32 (441 of bfloat16) at Qwen2's V = 151,936
 
 
-def chunk_tokens(vocab_size: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
-    """Tokens per chunk whose float32 [chunk × V] logits fit the budget (as Liger-Kernel sizes its chunks)."""
-    return max(1, budget_bytes // (4 * vocab_size))
+def chunk_tokens(vocab_size: int, itemsize: int = 4, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
+    """Tokens per chunk whose [chunk × V] logits of ``itemsize`` bytes fit the budget (as Liger-Kernel sizes its
+    chunks)."""
+    return max(1, budget_bytes // (itemsize * vocab_size))
 
 
 @torch.no_grad()

@@ -381,8 +381,11 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
         config = self.config
         n = len(targets)
         denom = max(n, 1) if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).clamp_min(1)
-        # Loss math in float32 whatever the autocast; the kernels upcast themselves.
-        with torch.autocast(z.device.type, enabled=False):
+        # Loss math in float32 whatever the autocast (the kernels upcast themselves); the products with W_A in
+        # autocast's dtype when it is on, as lm_head's F.linear would run.
+        device = z.device.type
+        matmul_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        with torch.autocast(device, enabled=False):
             weight = self.action.effective_weight()  # W_A as used: own, the base's frozen tensor, or base + B·A
             loc_U, scale_U = self.abduction(z.to(weight.dtype))
             count = torch.tensor(float(n), device=z.device)
@@ -397,7 +400,7 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
                 loc_U, scale_U if ovr else None, self._decision_head(weight), targets,
                 softmax_weight=config.softmax_loss_weight if ovr else 1.0,
                 ovr_trains_location=config.ovr_trains_location, relative_threshold=config.ovr_relative_threshold,
-                num_items_in_batch=denom, chunk_size=self.loss_chunk_size,
+                num_items_in_batch=denom, chunk_size=self.loss_chunk_size, matmul_dtype=matmul_dtype,
             )
             # means per target, kept as sums: softmax_nll (free: the pass computes it whatever its weight), P_y, Σ_k P_k
             metrics.update({name: _sum_count(stats[name] * n, count)

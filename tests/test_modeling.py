@@ -232,6 +232,24 @@ def test_loss_matches_float64_bce_reference(tied_base, input_ids, relative, thre
     assert again.loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
 
 
+def test_loss_under_autocast_multiplies_in_its_dtype(tied_base, input_ids):
+    """Under bfloat16 autocast (TRL's default on accelerators) the products with W_A run in bfloat16, as lm_head's
+    would, and the rest in float32: the loss and the gradients are the float32 ones at bfloat16's precision."""
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    out = model(input_ids, labels=input_ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(input_ids, labels=input_ids)
+    low.loss.backward()
+    assert low.loss.dtype == torch.float32 and low.loss.item() != out.loss.item()
+    assert low.loss.item() == pytest.approx(out.loss.item(), rel=4e-3)
+    for name, g in grads.items():
+        got = dict(model.named_parameters())[name].grad
+        torch.testing.assert_close(got, g, rtol=5e-2, atol=5e-2 * g.abs().max().item(), msg=name)
+
+
 def test_logits_to_keep_scores_only_kept_positions(tied_base, input_ids):
     model = CausalQwenForCausalLM.from_base(tied_base).eval()
     with torch.no_grad():
