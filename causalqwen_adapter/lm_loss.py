@@ -126,12 +126,27 @@ class _ChunkedLMLoss(torch.autograd.Function):
         scale_path_W = ovr_locates and need_W
 
         chunk, vblock = max(1, min(chunk, n_valid)), min(vblock, vocab)
+        chunk = -(-n_valid // -(-n_valid // chunk)) if n_valid else 1  # equal chunks: no small last one
         # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
         # tokens per chunk) and read in float32, plus b_A, one block at a time.
         logits_buf = torch.empty(chunk * vocab if n_valid else 0, dtype=logits_dtype(mm_dtype, dtype), device=dev)
         d_buf, s_buf, a_buf, t_buf, u_buf, x_buf = (
             torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(6))
         abs_buf = torch.empty(vblock, width, dtype=mm_dtype, device=dev)
+        # Every tile-sized tensor of the loop lives in a buffer allocated once: a fresh multi-MiB tensor per block
+        # costs its page faults each time, more than the elementwise work on it. With narrower products, their
+        # operands and results have buffers of their own.
+        low = mm_dtype != dtype
+        w_lo = torch.empty(vblock * width if weight.dtype != mm_dtype else 0, dtype=mm_dtype, device=dev)
+        xd_lo, prod_lo = (torch.empty(size if low else 0, dtype=mm_dtype, device=dev)
+                          for size in (chunk * vblock, max(chunk * vblock, vblock * width, chunk * width)))
+
+        def lowered(src, buf):
+            """src in the products' dtype: itself, or a copy into buf."""
+            return src if src.dtype == mm_dtype else buf[: src.numel()].view(src.shape).copy_(src)
+
+        def product(out, a, b, overwrite=False):
+            return _product(out, a, b, overwrite, prod_lo)
         tmp_W = torch.empty(vblock, width, dtype=dtype, device=dev) if scale_path_W else None
         nll_sum = torch.zeros((), dtype=torch.float64, device=dev)
         ovr_sum = torch.zeros((), dtype=torch.float64, device=dev)
@@ -152,23 +167,26 @@ class _ChunkedLMLoss(torch.autograd.Function):
             r1 = min(r0 + chunk, n_valid)
             r, first = r1 - r0, r0 == 0
             loc_r, tgt = loc[r0:r1], targets[r0:r1]
-            loc_mm = loc_r.to(mm_dtype)
+            loc_mm = loc_r.to(mm_dtype)  # [chunk × C]: small next to the tiles
             scale_mm = scale[r0:r1].to(mm_dtype) if ovr else None
             # Block b's logits are the contiguous [r, w] slice logits_buf[r·v0 : r·v1].
             logits = [logits_buf[r * v0 : r * v1].view(r, v1 - v0) for v0, v1 in blocks]
             block_lse = loc.new_empty(r, len(blocks))
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass A
-                _product(stored, loc_mm, weight[v0:v1].to(mm_dtype).T, overwrite=True)
+                product(stored, loc_mm, lowered(weight[v0:v1], w_lo).T, overwrite=True)
                 if bias is not None and stored.dtype == dtype:
                     stored.add_(bias[v0:v1])
-                block_lse[:, i] = torch.logsumexp(scores(stored, v0, v1), 1)
+                x = scores(stored, v0, v1)
+                top = x.amax(1, keepdim=True)  # logsumexp, with d_buf for its exponentials
+                exps = torch.sub(x, top, out=d_buf[: x.numel()].view_as(x)).exp_()
+                block_lse[:, i] = exps.sum(1).log_().add_(top.squeeze(1))
             lse = torch.logsumexp(block_lse, 1)
             nll_sum += lse.sum(dtype=torch.float64)
 
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass B
                 x = scores(stored, v0, v1)
                 w = v1 - v0
-                w_blk = weight[v0:v1].to(mm_dtype)
+                w_blk = lowered(weight[v0:v1], w_lo)
                 d, s, a, t, u = (buf[: r * w].view(r, w) for buf in (d_buf, s_buf, a_buf, t_buf, u_buf))
                 col, hit, flip = target_columns(tgt, v0, w, dtype)
                 nll_sum -= (x.gather(1, col).squeeze(1) * hit).sum(dtype=torch.float64)
@@ -183,7 +201,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     abs_w = torch.abs(w_blk, out=abs_buf[:w])
                     if first:
                         degenerate[i] = zero_rows(abs_w)
-                    _product(s, scale_mm, abs_w.T, overwrite=True)
+                    product(s, scale_mm, abs_w.T, overwrite=True)
                     x.sub_(thr[v0:v1] if thr_per_token else thr)  # the logits' last use: x becomes loc_S − C
                     if relative:
                         x.sub_(lse.unsqueeze(1))
@@ -194,11 +212,11 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     if ovr_grads:  # t = π ∂ℓ/∂loc_S, x = −π ∂ℓ/∂scale_S
                         if g_thr is not None:  # ∂ℓ/∂C = −∂ℓ/∂loc_S
                             g_thr[v0:v1] -= t.sum(0)
-                        x_mm = x.to(mm_dtype)
+                        x_mm = lowered(x, xd_lo)
                         if g_scale is not None:
-                            _product(g_scale[r0:r1], x_mm, abs_w)
+                            product(g_scale[r0:r1], x_mm, abs_w)
                         if scale_path_W:  # ∂/∂W of |W|·scale is sign(W)·(…), with the scale path's minus sign
-                            tmp = _product(tmp_W[:w], x_mm.T, scale_mm, overwrite=True)
+                            tmp = product(tmp_W[:w], x_mm.T, scale_mm, overwrite=True)
                             tmp.mul_(torch.sign(w_blk, out=abs_w)).mul_(-ovr_factor)  # abs_w's last use
                             if first:
                                 grad_W[v0:v1].copy_(tmp)
@@ -206,11 +224,11 @@ class _ChunkedLMLoss(torch.autograd.Function):
                                 grad_W[v0:v1] += tmp
                         if ovr_locates and need_D:
                             d.add_(t.mul_(ovr_factor))
-                d_mm = d.to(mm_dtype) if need_D else None
+                d_mm = lowered(d, xd_lo) if need_D else None  # x_mm's last use is behind
                 if need_D and need_loc:
-                    _product(g_loc[r0:r1], d_mm, w_blk)
+                    product(g_loc[r0:r1], d_mm, w_blk)
                 if need_D and need_W:
-                    _product(grad_W[v0:v1], d_mm.T, loc_mm, overwrite=first and not scale_path_W)
+                    product(grad_W[v0:v1], d_mm.T, loc_mm, overwrite=first and not scale_path_W)
                 if need_D and need_bias:
                     g_bias[v0:v1] += d.sum(0)
 
@@ -251,9 +269,11 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool, scratch: torch.Tensor):
     """out += a @ b, or out = a @ b with ``overwrite``. ``out`` is float32 (or wider); with operands of a narrower
-    dtype the product runs in theirs (CPU matmuls have no float32 output for bfloat16 operands) and is then added."""
+    dtype the product runs in theirs into ``scratch`` (CPU matmuls have no float32 output for bfloat16 operands) and
+    is then added."""
     if a.dtype == out.dtype:
         return torch.mm(a, b, out=out) if overwrite else out.addmm_(a, b)
-    return out.copy_(a @ b) if overwrite else out.add_(a @ b)
+    result = torch.mm(a, b, out=scratch[: out.numel()].view(out.shape))
+    return out.copy_(result) if overwrite else out.add_(result)

@@ -272,7 +272,7 @@ def ovr_tile(x, s, col, hit, flip, a, t, u, degenerate, want_grads, precise=Fals
         log_p = torch.where(x < 0, torch.log1p(-u), torch.log(a))
     else:
         torch.sub(one, a, out=u)
-        log_p = torch.log(a)
+        log_p = torch.log(a, out=t)  # t is free until the gradients
     # Row sums in the tile's dtype (pairwise summation), rows in float64: a float64 sum of the tile would first copy
     # it to float64, which costs more than the tile's transcendentals.
     neg_log = log_p.sum(1).sum(dtype=torch.float64)
