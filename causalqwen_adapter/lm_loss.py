@@ -1,10 +1,10 @@
 """The training loss of ``forward(labels=...)`` in one chunked pass: the softmax cross-entropy of loc_S and the OvR
 loss (docs/design.md, Training losses), fused with the action head.
 
-Run one after the other, the two losses read the output matrix seven times per step: the cross-entropy
-(checkpointed, as Liger-Kernel's fused linear cross-entropy keeps no [N × V] logits) computes the logits, recomputes
-them in backward and takes its two gradients; the OvR kernel computes loc_S again, scale_S and the scale gradient.
-Both need the same loc_S, so here one pass computes it once. Token chunks are the outer loop, as in Liger's kernel:
+Computed apart, the two losses would take seven products of N × V × C: the cross-entropy three (logits, and its two
+gradients) or four when its logits are recomputed in backward, as Liger-Kernel's fused linear cross-entropy avoids
+keeping them, and the OvR loss loc_S again, scale_S and the scale gradient. Both need the same loc_S, so here one
+pass computes it once. Token chunks are the outer loop, as in Liger's kernel:
 
     pass A  loc_S = W loc_U + b for the chunk, vocabulary block by block, into one [chunk × V] buffer; its logsumexp;
     pass B  block by block again: scale_S = |W| scale_U (|W| exists for one block), the OvR terms on loc_S − C
@@ -12,9 +12,9 @@ Both need the same loc_S, so here one pass computes it once. Token chunks are th
             D = w·(softmax − onehot)/denom (+ the OvR's ∂ℓ/∂loc_S when it trains the locations),
             so that ∂loc_U = D W and ∂W = Dᵀ loc_U take one product each.
 
-Five products of N × V × C with the OvR loss on the scale path (the cross-entropy alone takes three), against seven.
-Like `chunked_ovr_loss`, every gradient is computed in the forward and backward only rescales it. The chunk holds
-its logits, so its size comes from a memory budget (`chunk_tokens`), not from N: memory is flat in N.
+Five products with the OvR loss on the scale path, where lm_head + cross-entropy takes three. Like
+`chunked_ovr_loss`, every gradient is computed in the forward and backward only rescales it. The chunk holds its
+logits, so its size comes from a memory budget (`losses.chunk_tokens`), not from N: memory is flat in N.
 """
 
 import math
@@ -54,7 +54,8 @@ def chunked_lm_loss(
 
     Precision: the products with W_A run in ``matmul_dtype`` (default: W_A's dtype), as ``lm_head`` runs in the
     model's dtype or autocast's: bfloat16 products are twice as fast on CPUs with bfloat16 instructions. Everything
-    else (softmax, Cauchy CDFs, the sums and the gradients' accumulation across chunks) is float32 or wider.
+    else (softmax, Cauchy CDFs, sums, the gradients' accumulation across chunks) is float32 or wider, but W_A's own
+    gradient when the products run in W_A's dtype: it sums in that dtype, as autograd sums a bfloat16 ``.grad``.
 
     Returns (loss, stats) with detached means per target: ``softmax_nll`` (−log softmax(loc_S)_y), with the OvR loss
     ``target_prob`` (P_y) and ``ovr_prob_sum`` (Σ_k P_k); and ``num_tokens``.
@@ -65,6 +66,8 @@ def chunked_lm_loss(
     if chunk_size is not None and chunk_size < 1 or vocab_chunk_size < 1:
         raise ValueError(f"chunk_size and vocab_chunk_size must be positive, got {chunk_size}, {vocab_chunk_size}")
     matmul_dtype = matmul_dtype or head.weight.dtype
+    if not matmul_dtype.is_floating_point:
+        raise ValueError(f"matmul_dtype must be a floating-point dtype (e.g. torch.bfloat16), got {matmul_dtype}")
     if chunk_size is None:
         dtype = torch.promote_types(head.weight.dtype, torch.float32)
         chunk_size = chunk_tokens(head.weight.shape[0], logits_dtype(matmul_dtype, dtype).itemsize)
@@ -118,11 +121,14 @@ class _ChunkedLMLoss(torch.autograd.Function):
         g_scale = loc.new_zeros(n_valid, width) if ovr and (need_scale or need_noise) else None
         g_bias = loc.new_zeros(vocab) if need_bias else None
         g_thr = loc.new_zeros(vocab) if ovr and need_thr else None
-        # grad_W: float32 across chunks even for a bf16 W; written, not added to, by the first chunk when D exists
-        # (no pass to zero V × C floats first). tmp_W: one block of sign(W) ⊙ (…) for the scale path's share.
+        # grad_W: in W's dtype when the products run in it (a bfloat16 W sums its chunks' products in bfloat16, as
+        # autograd sums a bfloat16 .grad over micro-batches: a second V × C tensor in float32 would cost more memory
+        # than the logits), else float32. Written, not added to, by the first chunk when D exists (no pass to zero
+        # V × C floats first). tmp_W: one block of sign(W) ⊙ (…) for the scale path's share.
         grad_W = None
         if need_W:
-            grad_W = (torch.empty if need_D and n_valid else torch.zeros)(vocab, width, dtype=dtype, device=dev)
+            grad_dtype = weight.dtype if weight.dtype == mm_dtype else dtype
+            grad_W = (torch.empty if need_D and n_valid else torch.zeros)(vocab, width, dtype=grad_dtype, device=dev)
         scale_path_W = ovr_locates and need_W
 
         chunk, vblock = max(1, min(chunk, n_valid)), min(vblock, vocab)

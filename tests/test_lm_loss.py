@@ -116,9 +116,10 @@ def test_num_items_in_batch_divides_the_sums(num_items_in_batch):
           vocab_chunk_size=10)
 
 
-def test_bfloat16_inputs_multiply_in_bfloat16_and_sum_in_float32():
+def test_bfloat16_inputs_multiply_in_bfloat16():
     """bfloat16 products round each score to 8 bits (relative 2^-9), as lm_head does in a bfloat16 model; the
-    softmax, CDFs and sums stay float32, so the loss is off by about that rounding, not more."""
+    softmax, CDFs and sums stay float32 (W_A's gradient sums its 4 chunks in bfloat16, as a .grad over 4
+    micro-batches would), so the loss is off by about that rounding, not more."""
     tensors, labels = make_inputs(13, 8, 37, dtype=torch.bfloat16)
     check(tensors, labels, rtol=4e-3, grad_rtol=3e-2, ovr_trains_location=True, chunk_size=4, vocab_chunk_size=8)
     # asked for float32 products, the same inputs give float32 results
@@ -164,6 +165,8 @@ def test_bad_inputs_are_refused():
         lm_loss_of(tensors, labels, softmax_weight=float("nan"))
     with pytest.raises(ValueError, match="chunk_size"):
         lm_loss_of(tensors, labels, chunk_size=0)
+    with pytest.raises(ValueError, match="matmul_dtype must be a floating-point dtype"):
+        lm_loss_of(tensors, labels, matmul_dtype=torch.int32)
     with pytest.raises(ValueError, match="labels for"):
         lm_loss_of(tensors, labels[:5])
     bad = labels.clone()
