@@ -153,6 +153,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
         def product(out, a, b, overwrite=False):
             return _product(out, a, b, overwrite, prod_lo)
+
         tmp_W = torch.empty(vblock, width, dtype=dtype, device=dev) if scale_path_W else None
         nll_sum = torch.zeros((), dtype=torch.float64, device=dev)
         ovr_sum = torch.zeros((), dtype=torch.float64, device=dev)

@@ -80,7 +80,6 @@ def chunked_ovr_loss(
     return loss, {"target_prob": target_prob, "ovr_prob_sum": prob_sum, "num_tokens": num_tokens}
 
 
-
 def check_head_inputs(loc_U, scale_U, weight, labels) -> None:
     """loc_U (and scale_U, unless None) [N, C], weight [V, C] and one label per position, or a ValueError."""
     scale_shape = loc_U.shape if scale_U is None else scale_U.shape
@@ -91,6 +90,7 @@ def check_head_inputs(loc_U, scale_U, weight, labels) -> None:
         )
     if labels.numel() != loc_U.shape[0]:
         raise ValueError(f"{labels.numel()} labels for {loc_U.shape[0]} positions: pass one (shifted) label per position")
+
 
 class _ChunkedOvRLoss(torch.autograd.Function):
     @staticmethod
@@ -235,7 +235,6 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     return neg_log_sum, u_row_sum, p_target
 
 
-
 def zero_rows(abs_w: torch.Tensor) -> torch.Tensor:
     """Indices of the all-zero rows of a block of |W_A| (a padding embedding). There scale_S = 0 and P is a step in
     loc_S, whose derivative is 0 (a Dirac at the step itself, which no finite gradient can represent)."""
@@ -290,6 +289,7 @@ def ovr_tile(x, s, col, hit, flip, a, t, u, degenerate, want_grads, precise=Fals
         x.mul_(t)  # −π ∂ℓ/∂scale_S
         t.scatter_(1, col, t.gather(1, col) * flip)  # π ∂ℓ/∂loc_S
     return -neg_log, u_rows, p_y
+
 
 def topk_mse_loss(
     loc_U: torch.Tensor,
