@@ -74,31 +74,29 @@ def cauchy_linear_blocked(
     """`cauchy_linear` for inference (no gradient), over blocks of ``block_rows`` vocabulary rows.
 
     |W| exists for one block at a time (7 MiB for bf16 at C = 896, still in cache when the second product reads it),
-    never as a second [V × C] tensor, and each block of W comes from memory once for both products. The products
-    are computed as [V, N] (one contiguous output block per vocabulary block) and returned as [..., V]. Under
-    autocast the products run in its dtype, as ``F.linear`` would (each block cast on its own).
+    never as a second [V × C] tensor, and each block of W comes from memory once for both products, written straight
+    into its columns of the [N, V] results. Under autocast the products run in its dtype, as ``F.linear`` would (each
+    block cast on its own).
     """
     device = loc_U.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     shape = loc_U.shape
-    loc_t = loc_U.reshape(-1, shape[-1]).T.to(dtype)
-    scale_t = scale_U.reshape(-1, shape[-1]).T.to(dtype)
-    vocab, n = weight.shape[0], loc_t.shape[1]
-    loc_S = loc_t.new_empty(vocab, n)
-    scale_S = loc_t.new_empty(vocab, n)
-    abs_buf = loc_t.new_empty(min(block_rows, vocab), weight.shape[1])
+    loc_U = loc_U.reshape(-1, shape[-1]).to(dtype)
+    scale_U = scale_U.reshape(-1, shape[-1]).to(dtype)
+    vocab = weight.shape[0]
+    loc_S = loc_U.new_empty(loc_U.shape[0], vocab)
+    scale_S = loc_U.new_empty(loc_U.shape[0], vocab)
+    abs_buf = loc_U.new_empty(min(block_rows, vocab), weight.shape[1])
     with torch.autocast(device, enabled=False):  # the out= products take the dtypes set here
         for v0 in range(0, vocab, block_rows):
             w = weight[v0 : v0 + block_rows].to(dtype)
             v1 = v0 + len(w)
             if bias is None:
-                torch.mm(w, loc_t, out=loc_S[v0:v1])
+                torch.mm(loc_U, w.T, out=loc_S[:, v0:v1])
             else:
-                torch.addmm(bias[v0:v1].to(dtype).unsqueeze(1), w, loc_t, out=loc_S[v0:v1])
-            torch.mm(torch.abs(w, out=abs_buf[: len(w)]), scale_t, out=scale_S[v0:v1])
-    # Back to [N, V] rows: the scores' softmax and log-odds reduce over V, which a [V, N] layout makes strided (and
-    # slower than this one copy, measured in a decode step at batch 8).
-    return loc_S.T.contiguous().reshape(*shape[:-1], vocab), scale_S.T.contiguous().reshape(*shape[:-1], vocab)
+                torch.addmm(bias[v0:v1].to(dtype), loc_U, w.T, out=loc_S[:, v0:v1])
+            torch.mm(scale_U, torch.abs(w, out=abs_buf[: len(w)]).T, out=scale_S[:, v0:v1])
+    return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
 
 
 def cauchy_linear_rows(
@@ -122,7 +120,7 @@ def cauchy_linear_rows(
 
 
 def _loc_scale_matvec(loc_U, scale_U, weight):
-    # One pass over W for both products: decoding one row is bound by reading W, and a second
+    # One pass over W for both products: decoding a row or two is bound by reading W, and a second
     # matmul against |W| would read the vocabulary-sized matrix twice.
     w = weight.unsqueeze(0).float()
     loc = (w * loc_U.unsqueeze(1).float()).sum(-1)
@@ -130,36 +128,51 @@ def _loc_scale_matvec(loc_U, scale_U, weight):
     return loc.to(weight.dtype), scale.to(weight.dtype)
 
 
-_fused_matvec = None
+class CompiledKernel:
+    """``fn`` through `torch.compile`, compiled on first call; calling returns None where this platform cannot compile
+    or run it (no backend, no C++ toolchain), and the caller falls back to the eager code."""
 
+    def __init__(self, fn, **options):
+        self.fn, self.options, self.compiled = fn, options, None
 
-def cauchy_linear_single_row(loc_U, scale_U, weight, bias):
-    """`cauchy_linear` for one row (batch-1 decoding, no gradient) reading W once.
-
-    A `torch.compile`d kernel; where compilation is unavailable it falls back to two matmuls.
-    Returns None when the caller should use `cauchy_linear` instead.
-    """
-    global _fused_matvec
-    if _fused_matvec is None:
+    def __call__(self, *args):
+        if self.compiled is None:
+            try:
+                self.compiled = torch.compile(self.fn, **self.options)
+            except Exception:  # no compiler backend on this platform
+                self.compiled = False
+        if self.compiled is False:
+            return None
         try:
-            _fused_matvec = torch.compile(_loc_scale_matvec, dynamic=False)
-        except Exception:  # no compiler backend on this platform
-            _fused_matvec = False
-    if _fused_matvec is False:
-        return None
+            return self.compiled(*args)
+        except Exception:  # a backend that compiles but cannot run
+            self.compiled = False
+            return None
+
+
+_fused_matvec = CompiledKernel(_loc_scale_matvec, dynamic=False)
+
+
+FUSED_MAX_ROWS = 2  # beyond, the compiled kernel's vector code loses to two blocked matmuls (bf16, 2 CPU cores)
+
+
+def cauchy_linear_fused(loc_U, scale_U, weight, bias):
+    """`cauchy_linear` for up to `FUSED_MAX_ROWS` rows (decoding at batch 1 or 2, no gradient), reading W once.
+
+    A `torch.compile`d kernel. Returns None when the caller should use `cauchy_linear_blocked` instead (no compiler).
+    """
     shape = loc_U.shape
-    try:
-        loc_S, scale_S = _fused_matvec(loc_U.reshape(1, -1), scale_U.reshape(1, -1), weight)
-    except Exception:  # a backend that compiles but cannot run (missing C++ toolchain, ...)
-        _fused_matvec = False
+    fused = _fused_matvec(loc_U.reshape(-1, shape[-1]), scale_U.reshape(-1, shape[-1]), weight)
+    if fused is None:
         return None
+    loc_S, scale_S = fused
     if bias is not None:
         loc_S = loc_S + bias
     return loc_S.reshape(*shape[:-1], -1), scale_S.reshape(*shape[:-1], -1)
 
 
 def ovr_standardize(loc_S: torch.Tensor, scale_S: torch.Tensor, threshold) -> torch.Tensor:
-    """x_k = (loc_S_k − C_k) / scale_S_k.
+    """x_k = (loc_S_k − C_k) / scale_S_k (relative thresholds pass log softmax(loc_S) as ``loc_S``).
 
     A vocabulary row of W_A that is all zeros (a padding embedding) gives scale_S_k = 0, a
     degenerate law for which x is 0/0. The scale is floored at the smallest normal float, which
@@ -189,6 +202,27 @@ def ovr_log_prob(x: torch.Tensor) -> torch.Tensor:
 def ovr_probs(x: torch.Tensor) -> torch.Tensor:
     """P_k = ½ + atan(x_k)/π, as atan2(1, −x)/π."""
     return torch.atan2(torch.ones((), dtype=x.dtype, device=x.device), -x) / math.pi
+
+
+def ovr_decision_scores(loc_S, scale_S, threshold, relative: bool, distribution: str, log_P=None) -> torch.Tensor:
+    """The logits an OvR mode decodes with (docs/design.md, Inference modes), float32 [..., V]: the log of the
+    ``distribution`` up to a constant: loc_S + log P_k (``accept``), log P_k (``normalize``), or
+    log softmax(loc_S)_k + log(1 − A + P_k) (``accept_once``). ``log_P`` may be passed when the caller has it.
+
+    One function of whole rows, so that decoding runs it as one compiled kernel (`CompiledKernel`).
+    """
+    loc = loc_S.float()
+    log_r = torch.log_softmax(loc, -1) if relative or distribution == "accept_once" else None
+    if log_P is None:
+        log_P = ovr_log_prob(ovr_standardize(log_r if relative else loc, scale_S.float(), threshold.float()))
+    if distribution == "normalize":
+        return log_P
+    if distribution == "accept":
+        return loc + log_P
+    # accept_once: q_k = r_k (1 − A + P_k) with r = softmax(loc_S); 1 − A = Σ_j r_j (1 − P_j) summed in log space,
+    # so that it keeps its digits when A is near 1
+    log_rejected = torch.logsumexp(log_r + torch.log(-torch.expm1(log_P)), dim=-1, keepdim=True)
+    return log_r + torch.logaddexp(log_rejected, log_P)
 
 
 def ovr_token_losses(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

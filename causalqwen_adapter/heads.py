@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cauchy import (
+    FUSED_MAX_ROWS,
     cauchy_linear,
     cauchy_linear_blocked,
-    cauchy_linear_single_row,
+    cauchy_linear_fused,
     cauchy_nll,
     cauchy_regression,
     fuse_noise,
@@ -24,10 +25,17 @@ from .cauchy import (
     softplus_inverse,
 )
 
-# Batch-1 decoding reads W_A once for loc_S and scale_S (cauchy.cauchy_linear_single_row); set
-# CAUSALQWEN_FUSED_DECODE=0 to use two matmuls instead.
+# Decoding runs compiled kernels: at batch 1–2 one read of W_A for loc_S and scale_S (cauchy.cauchy_linear_fused),
+# and the OvR modes' scores in one pass (cauchy.ovr_decision_scores); CAUSALQWEN_FUSED_DECODE=0 runs them eager.
 _FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
 _FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
+
+
+def fused_decode_applies(weight_numel: int, *tensors: torch.Tensor) -> bool:
+    """Whether inference runs the compiled decode kernels: enabled, no gradient to compute, and a W_A large enough
+    to repay a compilation (tiny models run eager)."""
+    no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return _FUSED_DECODE and no_grad and weight_numel >= _FUSED_MIN_NUMEL
 
 
 class AbductionNetwork(nn.Module):
@@ -103,13 +111,12 @@ class ActionNetwork(nn.Module):
         weight = self.effective_weight()
         if mode == "compatible":
             return F.linear(loc_U, weight, self.bias), None
-        no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in (loc_U, scale_U, weight, self.bias)))
-        single_row = loc_U.numel() == loc_U.shape[-1]
-        if no_grad and single_row and _FUSED_DECODE and weight.numel() >= _FUSED_MIN_NUMEL:
-            fused = cauchy_linear_single_row(loc_U, scale_U, weight, self.bias)
+        tensors = (loc_U, scale_U, weight, self.bias)
+        if loc_U.numel() <= FUSED_MAX_ROWS * loc_U.shape[-1] and fused_decode_applies(weight.numel(), *tensors):
+            fused = cauchy_linear_fused(loc_U, scale_U, weight, self.bias)
             if fused is not None:
                 return fused
-        if no_grad:
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return cauchy_linear_blocked(loc_U, scale_U, weight, self.bias)  # no second [V × C] tensor
         return cauchy_linear(loc_U, scale_U, weight, self.bias)
 
@@ -147,9 +154,7 @@ class OvRClassifier(nn.Module):
 
     def forward(self, loc_S: torch.Tensor, scale_S: torch.Tensor) -> torch.Tensor:
         """Standardized scores x_k = (loc_S_k − C_k) / scale_S_k in float32 (loc_S: full rows [..., V])."""
-        loc_S = loc_S.float()
-        if self.relative:
-            loc_S = loc_S - torch.logsumexp(loc_S, -1, keepdim=True)
+        loc_S = torch.log_softmax(loc_S.float(), -1) if self.relative else loc_S.float()
         return ovr_standardize(loc_S, scale_S.float(), self.threshold.float())
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """generate() in every inference mode (docs/design.md, Inference modes): exactness, the cache, sampling noise, options."""
 
 import gc
+import math
 import subprocess
 import sys
 import warnings
@@ -11,8 +12,14 @@ import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from causalqwen_adapter import CausalQwenForCausalLM
-from causalqwen_adapter.cauchy import cauchy_linear, cauchy_linear_blocked, cauchy_linear_single_row
+from causalqwen_adapter import CausalQwenForCausalLM, heads
+from causalqwen_adapter.cauchy import (
+    CompiledKernel,
+    cauchy_linear,
+    cauchy_linear_blocked,
+    cauchy_linear_fused,
+    ovr_decision_scores,
+)
 
 from conftest import TINY_VOCAB
 
@@ -198,16 +205,64 @@ def test_blocked_kernel_matches_float64_reference():
     torch.testing.assert_close(scale_S.double(), want_scale, rtol=2e-2, atol=5e-2)
 
 
-def test_single_row_kernel_matches_two_matmuls():
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_kernel_matches_float64_reference(rows):
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 24), torch.randn(300)
-    loc_U, scale_U = torch.randn(1, 1, 24), torch.rand(1, 1, 24)
-    fused = cauchy_linear_single_row(loc_U, scale_U, weight, bias)
+    loc_U, scale_U = torch.randn(rows, 1, 24), torch.rand(rows, 1, 24)
+    fused = cauchy_linear_fused(loc_U, scale_U, weight, bias)
     assert fused is not None, "torch.compile is unavailable here"
     expected = cauchy_linear(loc_U.double(), scale_U.double(), weight.double(), bias.double())
     for got, want in zip(fused, expected):
-        assert got.shape == (1, 1, 300)
+        assert got.shape == (rows, 1, 300)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _decision_scores_float64(loc_S, scale_S, threshold, relative, distribution):
+    """The OvR modes' logits from docs/design.md's formulas, directly: P = ½ + atan(x)/π, q ∝ r·(1 − A + P)."""
+    loc, scale = loc_S.double(), scale_S.double()
+    log_r = loc - loc.exp().sum(-1, keepdim=True).log()
+    P = 0.5 + torch.atan(((log_r if relative else loc) - threshold.double()) / scale) / math.pi
+    if distribution == "normalize":
+        return P.log()
+    if distribution == "accept":
+        return loc + P.log()
+    r = log_r.exp()
+    accepted = (r * P).sum(-1, keepdim=True)
+    return log_r + (1 - accepted + P).log()
+
+
+@pytest.mark.parametrize("distribution, relative", [("accept_once", True), ("accept", True), ("normalize", True),
+                                                    ("accept_once", False)])
+def test_compiled_decision_scores_match_float64_reference(distribution, relative):
+    torch.manual_seed(0)
+    loc_S, scale_S = torch.randn(2, 3, 1000) * 3, torch.rand(2, 3, 1000) + 0.1
+    threshold = torch.randn(1000) - (8.0 if relative else 0.0)  # near log-probabilities under relative thresholds
+    want = _decision_scores_float64(loc_S, scale_S, threshold, relative, distribution)
+    eager = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution)
+    compiled = CompiledKernel(ovr_decision_scores)(loc_S, scale_S, threshold, relative, distribution)
+    assert compiled is not None, "torch.compile is unavailable here"
+    # the logits decide through their differences within a row: compare them up to a constant per row
+    for got in (eager, compiled):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close((got - got[..., :1]).double(), want - want[..., :1], rtol=1e-5, atol=1e-5)
+
+
+def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch, monkeypatch):
+    model = _trained_like(tied_base)
+    runs = {}
+    for compiled in (False, True):
+        monkeypatch.setattr(heads, "_FUSED_DECODE", compiled)
+        monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the compiled kernels too
+        for batch in (1, 3):  # the fused head at one row, the blocked one beside the compiled scores
+            inputs = {k: v[:batch] for k, v in padded_batch.items()}
+            runs[compiled, batch] = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True,
+                                                   return_dict_in_generate=True, inference_mode="standard")
+    for batch in (1, 3):
+        eager, compiled = runs[False, batch], runs[True, batch]
+        assert torch.equal(compiled.sequences, eager.sequences)
+        for got, want in zip(compiled.scores, eager.scores):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------------- recipes/generate.py
