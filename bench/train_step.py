@@ -66,19 +66,21 @@ class Stepper:
 
     def __init__(self, trainer, steps: int):
         self.trainer = trainer
+        # What Trainer.train does first: accelerate's prepare, which wraps forward in autocast under bf16=True.
+        self.model = trainer.accelerator.prepare_model(trainer.model)
         trainer.create_optimizer_and_scheduler(num_training_steps=steps)
         batch = next(iter(trainer.get_train_dataloader()))
         self.batch = trainer._prepare_inputs(batch)
         self.num_items = trainer._get_num_items_in_batch([self.batch], trainer.args.device)
         self.tokens = int(self.batch["attention_mask"].sum())
-        self.trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-        trainer.model.train()
+        self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.model.train()
 
     def step(self) -> tuple[float, float]:
         trainer = self.trainer
         wall, cpu = time.perf_counter(), time.process_time()
-        trainer.training_step(trainer.model, dict(self.batch), self.num_items)
-        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
+        trainer.training_step(self.model, dict(self.batch), self.num_items)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), trainer.args.max_grad_norm)
         trainer.optimizer.step()
         trainer.lr_scheduler.step()
         trainer.optimizer.zero_grad()
