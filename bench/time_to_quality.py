@@ -10,11 +10,14 @@ The target is the softmax baseline's top-1 at its last step. The baseline's own 
 at which it reaches it (at most --steps); the default recipe's is the first evaluation at which its top-1 — in the
 compatible mode, and in the OvR default mode (`standard`) — reaches the same value. Ratios are default / baseline,
 in steps and in training wall time; "not reached" when the default recipe never gets there within --steps.
+The heads are float32; --autocast runs their losses under bf16 autocast, as a Trainer with bf16=True (TRL's default)
+does.
 
-    python bench/time_to_quality.py --base build/demo-base --steps 200 --eval-every 25
+    python bench/time_to_quality.py --base build/demo-base --steps 200 --eval-every 25 [--autocast]
 """
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--train-windows", type=int, default=800)
     parser.add_argument("--held-out-windows", type=int, default=32)
     parser.add_argument("--cache", default="build/bench-heads")
+    parser.add_argument("--autocast", action="store_true", help="the losses under bf16 autocast (bf16=True)")
     args = parser.parse_args()
     if args.steps < 1 or args.eval_every < 1:
         parser.error("--steps and --eval-every must be positive")
@@ -82,7 +86,8 @@ def main() -> None:
         rows = order[(step * args.batch_tokens + torch.arange(args.batch_tokens)) % len(order)]
         for run in runs.values():  # same batch for both, steps alternating
             start = time.perf_counter()
-            loss = run["model"].heads_loss(train["z"][rows], train["targets"][rows]).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext():
+                loss = run["model"].heads_loss(train["z"][rows], train["targets"][rows]).loss
             run["optimizer"].zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in run["model"].parameters() if p.requires_grad], 1.0)

@@ -8,6 +8,7 @@ from datasets import Dataset
 from safetensors.torch import load_file, save_file
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.adapter_io import all_finite
 from causalqwen_adapter.numeric import NumericCollator, encode_with_numbers
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
@@ -59,6 +60,17 @@ def test_adapter_with_non_finite_tensors_does_not_load(tied_base, tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"\['action.b_noise'\] hold NaN or infinite values"):
         CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_agrees_with_isfinite(dtype):
+    tensor = torch.randn(37, 11).to(dtype)
+    assert all_finite(tensor) and all_finite(tensor[:0]) and all_finite(torch.arange(5))
+    for value in (math.nan, math.inf, -math.inf):
+        for index in ((0, 0), (36, 10), (20, 3)):
+            bad = tensor.clone()
+            bad[index] = value
+            assert all_finite(bad) == bool(torch.isfinite(bad).all()) is False
 
 
 def test_a_batch_with_nothing_to_learn_contributes_nothing(tied_base, input_ids):
