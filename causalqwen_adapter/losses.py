@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_log_probs, ovr_probs, ovr_standardize
 
+OVR_CHUNK_TOKENS = 1024  # tokens per tile of `chunked_ovr_loss`, whose tiles are [tokens × 2,048 vocabulary rows]
+
 
 class DecisionHead(NamedTuple):
     """The action network as the losses read it: loc_S = ``weight`` loc_U + ``bias``, scale_S = |``weight``|
@@ -50,7 +52,7 @@ def chunked_ovr_loss(
     *,
     num_items_in_batch=None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     vocab_chunk_size: int = 2048,
     ignore_index: int = -100,
     negatives_only: bool = False,
@@ -67,10 +69,11 @@ def chunked_ovr_loss(
     relative thresholds (``log_partition``); a reference point, no gradient flows into it.
 
     Returns (loss, stats) with detached ``target_prob`` (mean P_y), ``ovr_prob_sum``
-    (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` × ``vocab_chunk_size``
-    is the tile size; it changes speed and memory, not the result.
+    (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` (default `OVR_CHUNK_TOKENS`) ×
+    ``vocab_chunk_size`` is the tile size; it changes speed and memory, not the result.
     """
     check_head_inputs(loc_U, scale_U, head.weight, labels)
+    chunk_size = chunk_size or OVR_CHUNK_TOKENS
     if threshold_offset is not None and threshold_offset.shape != (loc_U.shape[0],):
         raise ValueError(f"threshold_offset must be [N] = [{loc_U.shape[0]}], got {tuple(threshold_offset.shape)}")
     loss, target_prob, prob_sum, num_tokens = _ChunkedOvRLoss.apply(
@@ -300,7 +303,7 @@ def topk_mse_loss(
     *,
     temperature: float = 1.0,
     tail_weight: float = 0.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     threshold_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Distillation loss of docs/design.md, Offline distillation: Σ_{k∈K} (P_k − p_teacher,k)² (summed over K, mean

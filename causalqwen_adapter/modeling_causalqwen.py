@@ -439,8 +439,7 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             lse = log_partition(loc_U, inputs[2], self.loss_chunk_size) if self.config.ovr_relative_threshold else None
             loss, stats = topk_mse_loss(
                 *inputs, topk_ids.reshape(len(z), -1), topk_probs.reshape(len(z), -1),
-                tail_weight=self.config.distill_tail_weight, threshold_offset=lse,
-                **({"chunk_size": self.loss_chunk_size} if self.loss_chunk_size else {}),  # None: the loss's own tiles
+                tail_weight=self.config.distill_tail_weight, threshold_offset=lse, chunk_size=self.loss_chunk_size,
             )
         count = torch.tensor(float(len(z)), device=z.device)
         return CausalQwenCausalLMOutput(loss=loss, metrics={k: _sum_count(v * len(z), count) for k, v in stats.items()})
