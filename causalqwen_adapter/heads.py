@@ -25,7 +25,7 @@ from .cauchy import (
     softplus_inverse,
 )
 
-# Decoding runs compiled kernels: at batch 1–2 one read of W_A for loc_S and scale_S (cauchy.cauchy_linear_fused),
+# Decoding runs compiled kernels: at batch 1–4 one read of W_A for loc_S and scale_S (cauchy.cauchy_linear_fused),
 # and the OvR modes' scores in one pass (cauchy.ovr_decision_scores); CAUSALQWEN_FUSED_DECODE=0 runs them eager.
 _FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
 _FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation

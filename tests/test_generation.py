@@ -205,7 +205,7 @@ def test_blocked_kernel_matches_float64_reference():
     torch.testing.assert_close(scale_S.double(), want_scale, rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 4])
 def test_fused_kernel_matches_float64_reference(rows):
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 24), torch.randn(300)
@@ -251,14 +251,15 @@ def test_compiled_decision_scores_match_float64_reference(distribution, relative
 def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch, monkeypatch):
     model = _trained_like(tied_base)
     runs = {}
+    monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the compiled kernels too
+    monkeypatch.setattr(heads, "FUSED_MAX_ROWS", 2)  # batch 3: the blocked head beside the compiled scores
     for compiled in (False, True):
         monkeypatch.setattr(heads, "_FUSED_DECODE", compiled)
-        monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the compiled kernels too
-        for batch in (1, 3):  # the fused head at one row, the blocked one beside the compiled scores
+        for batch in (1, 2, 3):  # the fused head at one and two rows, then the blocked one
             inputs = {k: v[:batch] for k, v in padded_batch.items()}
             runs[compiled, batch] = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True,
                                                    return_dict_in_generate=True, inference_mode="standard")
-    for batch in (1, 3):
+    for batch in (1, 2, 3):
         eager, compiled = runs[False, batch], runs[True, batch]
         assert torch.equal(compiled.sequences, eager.sequences)
         for got, want in zip(compiled.scores, eager.scores):
