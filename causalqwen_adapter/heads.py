@@ -31,11 +31,15 @@ _FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
 _FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
 
 
+def no_gradient(*tensors: torch.Tensor) -> bool:
+    """Nothing to differentiate: grad mode off, or none of the tensors requires a gradient (inference)."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def fused_decode_applies(weight_numel: int, *tensors: torch.Tensor) -> bool:
     """Whether inference runs the compiled decode kernels: enabled, no gradient to compute, and a W_A large enough
     to repay a compilation (tiny models run eager)."""
-    no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-    return _FUSED_DECODE and no_grad and weight_numel >= _FUSED_MIN_NUMEL
+    return _FUSED_DECODE and no_gradient(*tensors) and weight_numel >= _FUSED_MIN_NUMEL
 
 
 class AbductionNetwork(nn.Module):
@@ -116,7 +120,7 @@ class ActionNetwork(nn.Module):
             fused = cauchy_linear_fused(loc_U, scale_U, weight, self.bias)
             if fused is not None:
                 return fused
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        if no_gradient(*tensors):
             return cauchy_linear_blocked(loc_U, scale_U, weight, self.bias)  # no second [V × C] tensor
         return cauchy_linear(loc_U, scale_U, weight, self.bias)
 
