@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from causalqwen_adapter import CausalQwenForCausalLM, heads
+from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernel, heads
 from causalqwen_adapter.cauchy import (
     CompiledKernel,
     cauchy_linear,
@@ -264,6 +264,35 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
         assert torch.equal(compiled.sequences, eager.sequences)
         for got, want in zip(compiled.scores, eager.scores):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason="needs an x86-64 CPU with AVX512-BF16 and cc")
+def test_bf16_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_batch, monkeypatch):
+    """A bf16 model decodes through cpu_kernel.cauchy_linear_cpu at 1 to 3 rows; the tokens are those of the two
+    blocked matmuls (CAUSALQWEN_FUSED_DECODE=0), the scores within bf16 rounding."""
+    model = _trained_like(tied_base).to(torch.bfloat16)
+    calls = []
+
+    def counted(*args):
+        out = cpu_kernel.cauchy_linear_cpu(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)
+    monkeypatch.setattr(heads, "cauchy_linear_cpu", counted)
+    runs = {}
+    for kernel in (False, True):
+        monkeypatch.setattr(heads, "_FUSED_DECODE", kernel)
+        for batch in (1, 3):
+            inputs = {k: v[:batch] for k, v in padded_batch.items()}
+            runs[kernel, batch] = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True,
+                                                 return_dict_in_generate=True, inference_mode="causal")
+    assert calls and all(calls)  # every step of the kernel runs went through it, none of the others
+    for batch in (1, 3):
+        matmuls, kernel = runs[False, batch], runs[True, batch]
+        assert torch.equal(kernel.sequences, matmuls.sequences)
+        for got, want in zip(kernel.scores, matmuls.scores):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 # --------------------------------------------------------------------------------------- recipes/generate.py

@@ -1,0 +1,87 @@
+"""The bf16 decode kernel (cpu_kernel.py): one read of W_A for loc_S and scale_S, against float64 references."""
+
+import pytest
+import torch
+
+from causalqwen_adapter import cpu_kernel
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="needs an x86-64 CPU with AVX512-BF16 and cc")
+
+
+def _reference(loc_U, scale_U, weight, bias):
+    """docs/design.md's linear law in float64 on the same bf16 inputs: W x + b and |W| s."""
+    w = weight.double()
+    loc = loc_U.double() @ w.T + (0 if bias is None else bias.double())
+    return loc, scale_U.double() @ w.abs().T
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab, size", [(1031, 64), (4099, 100), (517, 33), (96, 7)])  # C = 2·32, 3·32 + 4, 32 + 1, < 32
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16])  # one W row per step up to 4, pairs × groups of 4 beyond
+def test_kernel_matches_float64_reference(vocab, size, rows):
+    generator = torch.Generator().manual_seed(rows * 1000 + size)
+    weight = torch.randn(vocab, size, generator=generator).bfloat16()
+    bias = torch.randn(vocab, generator=generator).bfloat16()
+    loc_U = torch.randn(rows, 1, size, generator=generator).bfloat16()
+    scale_U = torch.rand(rows, 1, size, generator=generator).bfloat16()
+    for b in (bias, None):
+        got = cpu_kernel.cauchy_linear_cpu(loc_U, scale_U, weight, b)
+        assert got is not None
+        for value, want in zip(got, _reference(loc_U, scale_U, weight, b)):
+            assert value.dtype == torch.bfloat16 and value.shape == (rows, 1, vocab)
+            # float32 sums rounded once to bf16 (relative step 2⁻⁸): within one bf16 rounding of the exact value
+            err = (value.double() - want).abs()
+            assert (err <= want.abs() * 2**-8 + 1e-3).all(), f"max error {err.max().item()}"
+
+
+@needs_kernel
+def test_kernel_reads_the_sign_off_for_the_scale():
+    """scale_S uses |W|: a weight and its negation give the same scale_S and opposite loc_S."""
+    weight = torch.randn(200, 40).bfloat16()
+    loc_U, scale_U = torch.randn(3, 40).bfloat16(), torch.rand(3, 40).bfloat16()
+    loc, scale = cpu_kernel.cauchy_linear_cpu(loc_U, scale_U, weight, None)
+    neg_loc, neg_scale = cpu_kernel.cauchy_linear_cpu(loc_U, scale_U, -weight, None)
+    assert torch.equal(neg_scale, scale) and torch.equal(neg_loc, -loc)
+    assert (scale > 0).all()
+
+
+@needs_kernel
+def test_kernel_declines_what_it_does_not_compute():
+    """None (the caller's other paths run) for float32 weights, views, too many rows, other autocast dtypes."""
+    weight = torch.randn(300, 64).bfloat16()
+    x = torch.randn(2, 64).bfloat16()
+    assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight.float(), None) is None
+    assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight.T.contiguous().T, None) is None
+    many = torch.randn(cpu_kernel.MAX_ROWS + 1, 64).bfloat16()
+    assert cpu_kernel.cauchy_linear_cpu(many, many.abs(), weight, None) is None
+    assert cpu_kernel.cauchy_linear_cpu(x[:0], x[:0], weight, None) is None
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight, None) is None
+    assert cpu_kernel.cauchy_linear_cpu(x.float(), x.abs().float(), weight, None) is not None  # rows are cast
+
+
+def test_kernel_compiles_into_its_cache_atomically(tmp_path, monkeypatch):
+    """A fresh cache folder gets the one library and nothing half-written; a second process state reuses it."""
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("CAUSALQWEN_KERNEL_CACHE", str(cache))
+    monkeypatch.setattr(cpu_kernel, "_state", {"lib": None, "tried": False})
+    loaded = cpu_kernel.available()
+    if not loaded and not cache.exists():
+        pytest.skip("no C compiler or not x86-64 here")
+    files = sorted(p.name for p in cache.iterdir())
+    assert len(files) == 1 and files[0].startswith("cauchy_linear_") and files[0].endswith(".so"), files
+    built = (cache / files[0]).stat().st_mtime_ns
+    monkeypatch.setattr(cpu_kernel, "_state", {"lib": None, "tried": False})
+    assert cpu_kernel.available() == loaded
+    assert (cache / files[0]).stat().st_mtime_ns == built  # read from the cache, not compiled again
+
+
+def test_without_a_compiler_decoding_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CAUSALQWEN_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # nor cc, gcc or clang
+    monkeypatch.setattr(cpu_kernel, "_state", {"lib": None, "tried": False})
+    weight = torch.randn(300, 64).bfloat16()
+    x = torch.randn(2, 64).bfloat16()
+    assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight, None) is None
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
