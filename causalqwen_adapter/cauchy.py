@@ -215,16 +215,15 @@ def ovr_decision_scores(loc_S, scale_S, threshold, relative: bool, distribution:
     """
     loc = loc_S.float()
     log_r = torch.log_softmax(loc, -1) if relative or distribution == "accept_once" else None
-    if log_P is None:
-        log_P = ovr_log_prob(ovr_standardize(log_r if relative else loc, scale_S.float(), threshold.float()))
-    if distribution == "normalize":
-        return log_P
-    if distribution == "accept":
-        return loc + log_P
-    # accept_once: q_k = r_k (1 − A + P_k) with r = softmax(loc_S); 1 − A = Σ_j r_j (1 − P_j) summed in log space,
-    # so that it keeps its digits when A is near 1
-    log_rejected = torch.logsumexp(log_r + torch.log(-torch.expm1(log_P)), dim=-1, keepdim=True)
-    return log_r + torch.logaddexp(log_rejected, log_P)
+    x = None if log_P is not None else ovr_standardize(log_r if relative else loc, scale_S.float(), threshold.float())
+    if distribution in ("normalize", "accept"):
+        log_P = ovr_log_prob(x) if log_P is None else log_P
+        return log_P if distribution == "normalize" else loc + log_P
+    # accept_once: q_k = r_k (1 − A + P_k) with r = softmax(loc_S). 1 − A = Σ_j r_j (1 − P_j) is a sum of non-negative
+    # terms, each 1 − P_j = P(−x_j) taken directly (its digits kept when P_j is near 1); r stays in log space.
+    P, rejected_each = (ovr_probs(x), ovr_probs(-x)) if x is not None else (log_P.exp(), -torch.expm1(log_P))
+    rejected = (log_r.exp() * rejected_each).sum(-1, keepdim=True)
+    return log_r + torch.log(rejected + P)
 
 
 def ovr_token_losses(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from causalqwen_adapter.cauchy import (
     cauchy_linear_blocked,
     cauchy_linear_fused,
     ovr_decision_scores,
+    ovr_log_prob,
+    ovr_standardize,
 )
 
 from conftest import TINY_VOCAB
@@ -242,8 +244,11 @@ def test_compiled_decision_scores_match_float64_reference(distribution, relative
     eager = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution)
     compiled = CompiledKernel(ovr_decision_scores)(loc_S, scale_S, threshold, relative, distribution)
     assert compiled is not None, "torch.compile is unavailable here"
+    log_r = torch.log_softmax(loc_S, -1)  # the evaluation passes log P_k it already has
+    log_P = ovr_log_prob(ovr_standardize(log_r if relative else loc_S, scale_S, threshold))
+    given = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution, log_P=log_P)
     # the logits decide through their differences within a row: compare them up to a constant per row
-    for got in (eager, compiled):
+    for got in (eager, compiled, given):
         assert got.dtype == torch.float32 and got.shape == want.shape
         torch.testing.assert_close((got - got[..., :1]).double(), want - want[..., :1], rtol=1e-5, atol=1e-5)
 
