@@ -177,14 +177,14 @@ _lock = threading.Lock()
 def _cache_dir() -> Path:
     if os.environ.get("CAUSALQWEN_KERNEL_CACHE"):
         return Path(os.environ["CAUSALQWEN_KERNEL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "causalqwen_adapter" / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "causalqwen" / "kernels"
 
 
 def _compile(compiler: str) -> Path:
     """The shared library for this source, compiler and flags: from the cache, or compiled into it atomically (a
     temporary folder beside it, then a rename), so that concurrent processes never load a half-written file."""
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "causalqwen_adapter_kernels"):
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "causalqwen-kernels"):
         target = folder / f"cauchy_linear_{key}.so"
         if target.exists():
             return target
