@@ -87,3 +87,30 @@ def test_extracted_features_are_the_base_hidden_states(real, tmp_path):
     rows = stored[: ids.shape[1]]
     torch.testing.assert_close(rows["hidden_state"], z, rtol=1e-4, atol=1e-4)
     assert torch.equal(rows["topk_ids"].long(), top.indices)
+
+
+def test_bf16_decoding_through_the_cpu_kernel(demo_base, monkeypatch):
+    """The real W_A (151936 × 896, bf16) through cpu_kernel: loc_S, scale_S within one bf16 rounding of float64, and
+    the same greedy tokens as the two blocked matmuls."""
+    from causalqwen_adapter import cpu_kernel, heads
+
+    if not cpu_kernel.available():
+        pytest.skip("needs an x86-64 CPU with AVX512-BF16 and cc")
+    tokenizer = AutoTokenizer.from_pretrained(demo_base)
+    tokenizer.padding_side = "left"
+    model = CausalQwenForCausalLM.from_base(demo_base, dtype=torch.bfloat16).eval()
+    torch.manual_seed(0)
+    loc_U, scale_U = torch.randn(5, 896).bfloat16(), torch.rand(5, 896).bfloat16()
+    weight, bias = model.action.effective_weight(), model.action.bias
+    loc_S, scale_S = cpu_kernel.cauchy_linear_cpu(loc_U, scale_U, weight, bias)
+    want_loc = loc_U.double() @ weight.double().T + bias.double()
+    want_scale = scale_U.double() @ weight.double().abs().T
+    for got, want in ((loc_S, want_loc), (scale_S, want_scale)):
+        assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
+
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    runs = {}
+    for kernel in (False, True):
+        monkeypatch.setattr(heads, "_FUSED_DECODE", kernel)
+        runs[kernel] = model.generate(**batch, max_new_tokens=16, do_sample=False, inference_mode="causal")
+    assert torch.equal(runs[True], runs[False])
