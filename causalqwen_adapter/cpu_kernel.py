@@ -5,7 +5,8 @@ A decode step of an OvR mode is bound by reading W_A (V × C, 272 MB for the dem
 or once and a |W_A| block from cache; `torch.compile` reaches one read but with float32 vector code. This kernel
 takes every vocabulary row of W_A once into registers, masks the sign bits for |W| (bf16 |w| is `w & 0x7fff`) and
 feeds both to the `vdpbf16ps` dot-product instruction, accumulating in float32; the next rows are prefetched while
-the current ones are used. Its rows are split across threads (ctypes releases the GIL), one contiguous block each.
+the current ones are used. The vocabulary is split into one contiguous block per thread of PyTorch's OpenMP pool
+(ctypes releases the GIL for the call).
 
 The C source is compiled once per machine on first use (about half a second, with the system's C compiler, as
 `torch.compile` needs one too) into a cache folder, written atomically. `cauchy_linear_cpu` returns None — and the
@@ -84,7 +85,7 @@ static inline __m512 reduce16(const __m512 *v) {
         __m512bh w[R], wa[R];                                                                                         \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                         \
             __m512i x = LOAD_W(W + (v + r) * C + k);                                                                  \
-            _mm_prefetch((const char *)(W + (v + r + PREFETCH_ROWS) * C + k), _MM_HINT_T0);                           \
+            _mm_prefetch((const char *)(W + (v + r + ahead) * C + k), _MM_HINT_T0);                                   \
             w[r] = (__m512bh)x;                                                                                       \
             wa[r] = (__m512bh)_mm512_and_si512(x, sign_off);                                                          \
         }                                                                                                             \
@@ -106,6 +107,7 @@ static inline __m512 reduce16(const __m512 *v) {
                                  const uint16_t *bias, uint16_t *loc, uint16_t *scale, int64_t v, int64_t g) {      \
         enum { R = R_, G = G_ };                                                                                      \
         const __m512i sign_off = _mm512_set1_epi16(0x7fff);                                                           \
+        const int64_t ahead = v + PREFETCH_ROWS + R <= V ? PREFETCH_ROWS : 0; /* never past the end of W */          \
         __m512 al[R][G], as[R][G];                                                                                    \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                           \
             _Pragma("GCC unroll 8") for (int i = 0; i < G; i++) al[r][i] = as[r][i] = _mm512_setzero_ps();            \
