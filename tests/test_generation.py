@@ -272,10 +272,19 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
 
 
 @pytest.mark.skipif(not cpu_kernel.available(), reason="needs an x86-64 CPU with AVX512-BF16 and cc")
-def test_bf16_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_batch, monkeypatch):
-    """A bf16 model decodes through cpu_kernel.cauchy_linear_cpu at 1 to 3 rows; the tokens are those of the two
-    blocked matmuls (CAUSALQWEN_FUSED_DECODE=0), the scores within bf16 rounding."""
-    model = _trained_like(tied_base).to(torch.bfloat16)
+@pytest.mark.parametrize("action_weight", ["full", "tied", "lora"])
+def test_bf16_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_batch, monkeypatch, action_weight):
+    """A bf16 model decodes through cpu_kernel.cauchy_linear_cpu at 1 to 3 rows, whichever tensor holds W_A (its own,
+    the base's, the base's + B·A); the tokens are those of the two blocked matmuls (CAUSALQWEN_FUSED_DECODE=0), the
+    scores within bf16 rounding."""
+    model = CausalQwenForCausalLM.from_base(tied_base, action_weight=action_weight, action_lora_rank=4).eval()
+    torch.manual_seed(5)
+    with torch.no_grad():  # heads away from init, and B ≠ 0 for "lora"
+        model.abduction.scale.weight.normal_(std=0.2)
+        model.action.b_noise.uniform_(0.0, 2.0)
+        if action_weight == "lora":
+            model.action.lora_B.normal_(std=0.02)
+    model = model.to(torch.bfloat16)
     calls = []
 
     def counted(*args):
