@@ -11,7 +11,7 @@ the current ones are used. The vocabulary is split into one contiguous block per
 The C source is compiled once per machine on first use (about half a second, with the system's C compiler, as
 `torch.compile` needs one too) into a cache folder, written atomically. `cauchy_linear_cpu` returns None — and the
 caller takes its other path — when it does not apply: no compiler, no AVX512-BF16, a weight that is not a
-contiguous bf16 CPU matrix, or more rows than `MAX_ROWS` (beyond 16 rows two matmuls are faster: the kernel is then
+contiguous bf16 CPU matrix, or more rows than `MAX_ROWS` (beyond 24 rows two matmuls are faster: the kernel is then
 bound by the dot products, two per weight where a matmul does one).
 
 Shipped as remote code: imports only the standard library and torch.
@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # beyond, two bf16 matmuls (oneDNN) beat the kernel: it is bound by its two dot products per weight
+MAX_ROWS = 24  # beyond, two bf16 matmuls (oneDNN) beat the kernel: it is bound by its two dot products per weight
 
 _SOURCE = r"""
 #include <stdint.h>
