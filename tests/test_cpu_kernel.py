@@ -16,8 +16,8 @@ def _reference(loc_U, scale_U, weight, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("vocab, size", [(1031, 64), (4099, 100), (517, 33), (96, 7)])  # C = 2·32, 3·32 + 4, 32 + 1, < 32
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16, 23, 24])  # one W row per step up to 4, pairs × groups of 4 beyond
+@pytest.mark.parametrize("vocab, size", [(1031, 64), (4099, 100), (517, 33), (96, 7)])  # C: 2·32, 3·32 + 4, 33, < 32
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16, 23, 24])  # ≤ 4: one W row a step; then pairs × 4 rows
 def test_kernel_matches_float64_reference(vocab, size, rows):
     generator = torch.Generator().manual_seed(rows * 1000 + size)
     weight = torch.randn(vocab, size, generator=generator).bfloat16()
