@@ -36,13 +36,13 @@ demo: $(DEMO_BASE)/config.json
 test-real: $(DEMO_BASE)/config.json
 	$(PY) -m pytest -q -m real
 
-# The speed and memory figures of BENCHMARKS.md, each an interleaved comparison repeated 3 times (about 12 minutes on
+# The speed and memory figures of BENCHMARKS.md, each an interleaved comparison repeated 3 times (about 11 minutes on
 # 2 cores). The quality benches (heads_recipe, time_to_quality, sampling, distill, numeric) train heads and take longer: run them alone.
 bench: $(DEMO_BASE)/config.json
 	$(PY) bench/load.py --base $(DEMO_BASE) --repeats 3
 	$(PY) bench/loss.py --n 1024 --variants a d --runs 3 --repeat 2
 	$(PY) bench/loss.py --n 1024 --variants a d --runs 3 --repeat 2 --autocast
-	$(PY) bench/decode.py --base $(DEMO_BASE) --batch 1 2 8 --new-tokens 32 --repeats 3
+	$(PY) bench/decode.py --base $(DEMO_BASE) --batch 1 2 4 8 --new-tokens 32 --repeats 3
 	$(PY) bench/train_step.py --base $(DEMO_BASE) --rounds 7
 	$(PY) bench/train_step.py --base $(DEMO_BASE) --rounds 7 --dtype float32 --autocast
 
