@@ -1,4 +1,5 @@
-"""Benchmark: decoding tokens/s of every inference mode vs the base model, on the demo base in bf16.
+"""Benchmark: decoding tokens/s of every inference mode vs the base model, on the demo base in bf16 (--dtype float32:
+in float32).
 
 Same prompts, greedy (sampling mode draws its ε but picks argmax), exactly --new-tokens new tokens
 (min_new_tokens), KV cache on, one untimed warm-up per variant (it also triggers the one-off
@@ -45,12 +46,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="base and heads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     tokenizer.padding_side = "left"
-    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).eval()
+    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=getattr(torch, args.dtype)).eval()
     model = CausalQwenForCausalLM.from_base(base).eval()
 
     def run(variant, batch, new_tokens):
@@ -62,7 +64,7 @@ def main() -> None:
         return model.generate(**generate_kwargs, inference_mode=mode)
 
     variants = ["base", "compatible", "standard", "standard (eager)", "causal", "sampling"]
-    print(f"demo base bf16, {args.new_tokens} new tokens, {args.threads} threads, {args.repeats} interleaved rounds: "
+    print(f"demo base {args.dtype}, {args.new_tokens} new tokens, {args.threads} threads, {args.repeats} interleaved rounds: "
           "median tokens/s, and the speed as a multiple of the base's, median (min–max) of the rounds")
     print(f"{'batch':>5}  {'variant':<24}{'end-to-end tok/s':>17}  {'× base':<17}{'decode tok/s':>12}  {'× base':<17}")
     for batch_size in args.batch:

@@ -26,8 +26,8 @@ from .cauchy import (
 )
 from .cpu_kernel import cauchy_linear_cpu
 
-# Decoding runs compiled kernels: one read of W_A for loc_S and scale_S (cpu_kernel.cauchy_linear_cpu for a bf16 W_A on
-# AVX512-BF16 CPUs up to 24 rows, else cauchy.cauchy_linear_fused up to 4), and the OvR modes' scores in one pass
+# Decoding runs compiled kernels: one read of W_A for loc_S and scale_S (cpu_kernel.cauchy_linear_cpu for a bf16 or
+# float32 W_A on AVX-512 CPUs, else cauchy.cauchy_linear_fused up to 4 rows), and the OvR modes' scores in one pass
 # (cauchy.ovr_decision_scores); CAUSALQWEN_FUSED_DECODE=0 runs them eager.
 _FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
 _FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
@@ -119,7 +119,7 @@ class ActionNetwork(nn.Module):
             return F.linear(loc_U, weight, self.bias), None
         tensors = (loc_U, scale_U, weight, self.bias)
         if fused_decode_applies(weight.numel(), *tensors):
-            fused = cauchy_linear_cpu(loc_U, scale_U, weight, self.bias)  # bf16 W_A, AVX512-BF16, up to 24 rows
+            fused = cauchy_linear_cpu(loc_U, scale_U, weight, self.bias)  # bf16/float32 W_A, AVX-512, 1 to 24/64 rows
             if fused is None and loc_U.numel() <= FUSED_MAX_ROWS * loc_U.shape[-1]:
                 fused = cauchy_linear_fused(loc_U, scale_U, weight, self.bias)
             if fused is not None:

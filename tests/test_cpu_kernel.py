@@ -1,63 +1,72 @@
-"""The bf16 decode kernel (cpu_kernel.py): one read of W_A for loc_S and scale_S, against float64 references."""
+"""The decode kernel (cpu_kernel.py): one read of W_A for loc_S and scale_S, against float64 references."""
 
 import pytest
 import torch
 
 from causalqwen_adapter import cpu_kernel
 
-needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="needs an x86-64 CPU with AVX512-BF16 and cc")
+DTYPES = [
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not cpu_kernel.available(torch.bfloat16),
+                                                          reason="needs an x86-64 CPU with AVX512-BF16 and cc")),
+    pytest.param(torch.float32, marks=pytest.mark.skipif(not cpu_kernel.available(torch.float32),
+                                                         reason="needs an x86-64 CPU with AVX-512 and cc")),
+]
+# one rounding to bf16 (relative step 2⁻⁸) / float32 sums of up to 100 products
+TOLERANCE = {torch.bfloat16: (2**-8, 1e-3), torch.float32: (1e-6, 1e-4)}
 
 
 def _reference(loc_U, scale_U, weight, bias):
-    """docs/design.md's linear law in float64 on the same bf16 inputs: W x + b and |W| s."""
+    """docs/design.md's linear law in float64 on the same inputs: W x + b and |W| s."""
     w = weight.double()
     loc = loc_U.double() @ w.T + (0 if bias is None else bias.double())
     return loc, scale_U.double() @ w.abs().T
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab, size", [(1031, 64), (4099, 100), (517, 33), (96, 7)])  # C: 2·32, 3·32 + 4, 33, < 32
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16, 23, 24])  # ≤ 4: one W row a step; then pairs × 4 rows
-def test_kernel_matches_float64_reference(vocab, size, rows):
+def test_kernel_matches_float64_reference(dtype, vocab, size, rows):
     generator = torch.Generator().manual_seed(rows * 1000 + size)
-    weight = torch.randn(vocab, size, generator=generator).bfloat16()
-    bias = torch.randn(vocab, generator=generator).bfloat16()
-    loc_U = torch.randn(rows, 1, size, generator=generator).bfloat16()
-    scale_U = torch.rand(rows, 1, size, generator=generator).bfloat16()
+    weight = torch.randn(vocab, size, generator=generator).to(dtype)
+    bias = torch.randn(vocab, generator=generator).to(dtype)
+    loc_U = torch.randn(rows, 1, size, generator=generator).to(dtype)
+    scale_U = torch.rand(rows, 1, size, generator=generator).to(dtype)
+    relative, absolute = TOLERANCE[dtype]
     for b in (bias, None):
         got = cpu_kernel.cauchy_linear_cpu(loc_U, scale_U, weight, b)
         assert got is not None
         for value, want in zip(got, _reference(loc_U, scale_U, weight, b)):
-            assert value.dtype == torch.bfloat16 and value.shape == (rows, 1, vocab)
-            # float32 sums rounded once to bf16 (relative step 2⁻⁸): within one bf16 rounding of the exact value
+            assert value.dtype == dtype and value.shape == (rows, 1, vocab)
             err = (value.double() - want).abs()
-            assert (err <= want.abs() * 2**-8 + 1e-3).all(), f"max error {err.max().item()}"
+            assert (err <= want.abs() * relative + absolute).all(), f"max error {err.max().item()}"
 
 
-@needs_kernel
-def test_kernel_reads_the_sign_off_for_the_scale():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_takes_the_sign_off_for_the_scale(dtype):
     """scale_S uses |W|: a weight and its negation give the same scale_S and opposite loc_S."""
-    weight = torch.randn(200, 40).bfloat16()
-    loc_U, scale_U = torch.randn(3, 40).bfloat16(), torch.rand(3, 40).bfloat16()
+    weight = torch.randn(200, 40).to(dtype)
+    loc_U, scale_U = torch.randn(3, 40).to(dtype), torch.rand(3, 40).to(dtype)
     loc, scale = cpu_kernel.cauchy_linear_cpu(loc_U, scale_U, weight, None)
     neg_loc, neg_scale = cpu_kernel.cauchy_linear_cpu(loc_U, scale_U, -weight, None)
     assert torch.equal(neg_scale, scale) and torch.equal(neg_loc, -loc)
     assert (scale > 0).all()
 
 
-@needs_kernel
-def test_kernel_declines_what_it_does_not_compute():
-    """None (the caller's other paths run) for float32 weights, views, too many rows, other autocast dtypes."""
-    weight = torch.randn(300, 64).bfloat16()
-    x = torch.randn(2, 64).bfloat16()
-    assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight.float(), None) is None
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_declines_what_it_does_not_compute(dtype):
+    """None (the caller's other paths run) for other dtypes, views, too many rows, other autocast dtypes."""
+    weight = torch.randn(300, 64).to(dtype)
+    x = torch.randn(2, 64).to(dtype)
+    for other in (torch.float16, torch.float64):
+        assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight.to(other), None) is None
     assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight.T.contiguous().T, None) is None
-    many = torch.randn(cpu_kernel.MAX_ROWS + 1, 64).bfloat16()
+    many = torch.randn(cpu_kernel.MAX_ROWS[dtype] + 1, 64).to(dtype)
     assert cpu_kernel.cauchy_linear_cpu(many, many.abs(), weight, None) is None
     assert cpu_kernel.cauchy_linear_cpu(x[:0], x[:0], weight, None) is None
     with torch.autocast("cpu", dtype=torch.float16):
         assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight, None) is None
-    assert cpu_kernel.cauchy_linear_cpu(x.float(), x.abs().float(), weight, None) is not None  # rows are cast
+    rows = x.double()  # rows of another dtype are cast to the weight's
+    assert cpu_kernel.cauchy_linear_cpu(rows, rows.abs(), weight, None)[0].dtype == dtype
 
 
 def test_kernel_compiles_into_its_cache_atomically(tmp_path, monkeypatch):

@@ -258,6 +258,7 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
     runs = {}
     monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the compiled kernels too
     monkeypatch.setattr(heads, "FUSED_MAX_ROWS", 2)  # batch 3: the blocked head beside the compiled scores
+    monkeypatch.setattr(heads, "cauchy_linear_cpu", lambda *args: None)  # the torch.compile path (the C kernel's below)
     for compiled in (False, True):
         monkeypatch.setattr(heads, "_FUSED_DECODE", compiled)
         for batch in (1, 2, 3):  # the fused head at one and two rows, then the blocked one
@@ -271,12 +272,14 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not cpu_kernel.available(), reason="needs an x86-64 CPU with AVX512-BF16 and cc")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("action_weight", ["full", "tied", "lora"])
-def test_bf16_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_batch, monkeypatch, action_weight):
-    """A bf16 model decodes through cpu_kernel.cauchy_linear_cpu at 1 to 3 rows, whichever tensor holds W_A (its own,
-    the base's, the base's + B·A); the tokens are those of the two blocked matmuls (CAUSALQWEN_FUSED_DECODE=0), the
-    scores within bf16 rounding."""
+def test_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_batch, monkeypatch, action_weight, dtype):
+    """A bf16 or float32 model decodes through cpu_kernel.cauchy_linear_cpu at 1 to 3 rows, whichever tensor holds
+    W_A (its own, the base's, the base's + B·A); the tokens are those of the two blocked matmuls
+    (CAUSALQWEN_FUSED_DECODE=0), the scores within the dtype's rounding."""
+    if not cpu_kernel.available(dtype):
+        pytest.skip(f"no C kernel for {dtype} on this machine (x86-64 with AVX-512, AVX512-BF16 for bf16, and cc)")
     model = CausalQwenForCausalLM.from_base(tied_base, action_weight=action_weight, action_lora_rank=4).eval()
     torch.manual_seed(5)
     with torch.no_grad():  # heads away from init, and B ≠ 0 for "lora"
@@ -284,7 +287,7 @@ def test_bf16_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padde
         model.action.b_noise.uniform_(0.0, 2.0)
         if action_weight == "lora":
             model.action.lora_B.normal_(std=0.02)
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
     calls = []
 
     def counted(*args):
@@ -305,8 +308,9 @@ def test_bf16_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padde
     for batch in (1, 3):
         matmuls, kernel = runs[False, batch], runs[True, batch]
         assert torch.equal(kernel.sequences, matmuls.sequences)
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
         for got, want in zip(kernel.scores, matmuls.scores):
-            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 # --------------------------------------------------------------------------------------- recipes/generate.py

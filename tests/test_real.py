@@ -92,7 +92,7 @@ def test_extracted_features_are_the_base_hidden_states(real, tmp_path):
 def test_bf16_decoding_through_the_cpu_kernel(demo_base, monkeypatch):
     """The real W_A (151936 × 896, bf16) through cpu_kernel: loc_S, scale_S within one bf16 rounding of float64, and
     the same greedy tokens as the two blocked matmuls."""
-    if not cpu_kernel.available():
+    if not cpu_kernel.available(torch.bfloat16):
         pytest.skip("needs an x86-64 CPU with AVX512-BF16 and cc")
     tokenizer = AutoTokenizer.from_pretrained(demo_base)
     tokenizer.padding_side = "left"
