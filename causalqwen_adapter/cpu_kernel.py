@@ -204,7 +204,12 @@ _lock = threading.Lock()
 def _cache_dir() -> Path:
     if os.environ.get("CAUSALQWEN_KERNEL_CACHE"):
         return Path(os.environ["CAUSALQWEN_KERNEL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "causalqwen" / "kernels"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "causalqwen" / "kernels"
+    try:
+        return Path.home() / ".cache" / "causalqwen" / "kernels"
+    except RuntimeError:  # no home folder: the temporary one
+        return Path(tempfile.gettempdir()) / "causalqwen-kernels"
 
 
 def _compile(compiler: str) -> Path:
