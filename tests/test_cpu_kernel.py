@@ -94,3 +94,19 @@ def test_without_a_compiler_decoding_falls_back(monkeypatch, tmp_path):
     x = torch.randn(2, 64).bfloat16()
     assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight, None) is None
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+def test_an_unloadable_library_warns_and_decoding_falls_back(monkeypatch, tmp_path, caplog):
+    """A cached file that is not a loadable library (disk full mid-copy, another machine's): a warning that says what
+    happens, and decoding takes the matmuls."""
+    broken = tmp_path / "cauchy_linear_broken.so"
+    broken.write_bytes(b"not an ELF file")
+    monkeypatch.setattr(cpu_kernel, "_compile", lambda compiler: broken)
+    monkeypatch.setattr(cpu_kernel, "_state", {"lib": None, "tried": False})
+    if cpu_kernel.platform.machine().lower() not in ("x86_64", "amd64") or cpu_kernel.shutil.which("cc") is None:
+        pytest.skip("the kernel is not tried here")
+    weight = torch.randn(300, 64).bfloat16()
+    x = torch.randn(2, 64).bfloat16()
+    with caplog.at_level("WARNING", logger=cpu_kernel.__name__):
+        assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight, None) is None
+    assert "falls back to matmuls" in caplog.text and "cauchy_linear_broken.so" in caplog.text
