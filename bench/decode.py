@@ -64,8 +64,8 @@ def main() -> None:
         return model.generate(**generate_kwargs, inference_mode=mode)
 
     variants = ["base", "compatible", "standard", "standard (eager)", "causal", "sampling"]
-    print(f"demo base {args.dtype}, {args.new_tokens} new tokens, {args.threads} threads, {args.repeats} interleaved rounds: "
-          "median tokens/s, and the speed as a multiple of the base's, median (min–max) of the rounds")
+    print(f"demo base {args.dtype}, {args.new_tokens} new tokens, {args.threads} threads, {args.repeats} interleaved "
+          "rounds: median tokens/s, and the speed as a multiple of the base's, median (min–max) of the rounds")
     print(f"{'batch':>5}  {'variant':<24}{'end-to-end tok/s':>17}  {'× base':<17}{'decode tok/s':>12}  {'× base':<17}")
     for batch_size in args.batch:
         batch = tokenizer(PROMPTS[:batch_size], return_tensors="pt", padding=True)

@@ -238,7 +238,9 @@ def _compile(compiler: str) -> Path:
 
 
 def _load():
-    """The loaded library, or None where the kernel cannot run here (tried once per process)."""
+    """The kernels by weight dtype, or None where none can run here (tried once per process)."""
+    if _state["tried"]:  # every decode step: no lock once settled
+        return _state["lib"]
     with _lock:
         if _state["tried"]:
             return _state["lib"]

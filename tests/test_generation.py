@@ -39,13 +39,15 @@ def padded_batch():
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _trained_like(base_path):
-    """Heads away from init, so that OvR modes pick different tokens from the base."""
-    model = CausalQwenForCausalLM.from_base(base_path).eval()
+def _trained_like(base_path, **config):
+    """Heads away from init, so that OvR modes pick different tokens from the base (and B ≠ 0 for a "lora" W_A)."""
+    model = CausalQwenForCausalLM.from_base(base_path, **config).eval()
     torch.manual_seed(5)
     with torch.no_grad():
         model.abduction.scale.weight.normal_(std=0.2)
         model.action.b_noise.uniform_(0.0, 2.0)
+        if model.config.action_weight == "lora":
+            model.action.lora_B.normal_(std=0.02)
     return model
 
 
@@ -280,14 +282,7 @@ def test_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_bat
     (CAUSALQWEN_FUSED_DECODE=0), the scores within the dtype's rounding."""
     if not cpu_kernel.available(dtype):
         pytest.skip(f"no C kernel for {dtype} on this machine (x86-64 with AVX-512, AVX512-BF16 for bf16, and cc)")
-    model = CausalQwenForCausalLM.from_base(tied_base, action_weight=action_weight, action_lora_rank=4).eval()
-    torch.manual_seed(5)
-    with torch.no_grad():  # heads away from init, and B ≠ 0 for "lora"
-        model.abduction.scale.weight.normal_(std=0.2)
-        model.action.b_noise.uniform_(0.0, 2.0)
-        if action_weight == "lora":
-            model.action.lora_B.normal_(std=0.02)
-    model = model.to(dtype)
+    model = _trained_like(tied_base, action_weight=action_weight, action_lora_rank=4).to(dtype)
     calls = []
 
     def counted(*args):
