@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections import namedtuple
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ int cq_supported(void) {
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 
 static inline float bf16_to_float(uint16_t h) {
@@ -194,10 +196,133 @@ static inline __m512 reduce16(const __m512 *v) {
 
 DEFINE_KERNEL(BF16)
 DEFINE_KERNEL(F32)
+
+/* ---- The OvR modes' decision scores (cauchy.ovr_decision_scores) over [N, V] rows of loc_S and scale_S. ----
+   float32 math throughout, with vector exp, log and atan written here (range reduction and series, each within a
+   few float32 ulps: the tests compare with float64): no library call per element, no torch.compile. */
+
+static inline __m512 v_poly(__m512 x, const float *c, int n) { /* c[0] + x·(c[1] + x·(… c[n-1])) */
+    __m512 p = _mm512_set1_ps(c[n - 1]);
+    for (int i = n - 2; i >= 0; i--) p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(c[i]));
+    return p;
+}
+
+/* e^y: y = n·ln2 + r, |r| ≤ ln2/2, e^r by its series to r⁷, times 2ⁿ; 0 below −88 (under the smallest normal) */
+static inline __m512 v_exp(__m512 y) {
+    static const float c[8] = {1.0f, 1.0f, 1 / 2.0f, 1 / 6.0f, 1 / 24.0f, 1 / 120.0f, 1 / 720.0f, 1 / 5040.0f};
+    __m512 yc = _mm512_max_ps(_mm512_set1_ps(-88.0f), _mm512_min_ps(_mm512_set1_ps(88.7f), y)); /* NaN stays */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(yc, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), yc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 e = _mm512_scalef_ps(v_poly(r, c, 8), n);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-88.0f), _CMP_LT_OQ), e, _mm512_setzero_ps());
+}
+
+/* log(1 + f) for |f| ≤ ½: 2·atanh(s), s = f/(2 + f), |s| ≤ ⅓, by its series to s¹⁷ */
+static inline __m512 v_log1p_small(__m512 f) {
+    static const float c[9] = {1.0f, 1 / 3.0f, 1 / 5.0f, 1 / 7.0f, 1 / 9.0f, 1 / 11.0f, 1 / 13.0f, 1 / 15.0f, 1 / 17.0f};
+    __m512 s = _mm512_div_ps(f, _mm512_add_ps(_mm512_set1_ps(2.0f), f));
+    return _mm512_mul_ps(_mm512_add_ps(s, s), v_poly(_mm512_mul_ps(s, s), c, 9));
+}
+
+/* log y for y ≥ 0 (log 0 = −inf): y = m·2ᵉ with m in [√½, √2), log m = log(1 + (m − 1)) */
+static inline __m512 v_log(__m512 y) {
+    __m512 m = _mm512_getmant_ps(y, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src), e = _mm512_getexp_ps(y);
+    __mmask16 high = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
+    m = _mm512_mask_mul_ps(m, high, m, _mm512_set1_ps(0.5f));
+    e = _mm512_mask_add_ps(e, high, e, _mm512_set1_ps(1.0f));
+    __m512 l = _mm512_fmadd_ps(e, _mm512_set1_ps(1.428606765330187e-06f), v_log1p_small(_mm512_sub_ps(m, _mm512_set1_ps(1.0f))));
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693145751953125f), l); /* e = −inf at y = 0 */
+}
+
+/* atan2(1, t)/π for t ≥ 0 (t = +inf included), in [0, ½]: the smaller of P and 1 − P, computed directly. With
+   v = min(t, 1/t) ≤ 1, atan v by its series to v¹⁹ after atan v = π/4 + atan((v − 1)/(v + 1)) above tan(π/8). */
+static inline __m512 v_small_angle(__m512 t) {
+    static const float c[10] = {1.0f, -1 / 3.0f, 1 / 5.0f, -1 / 7.0f, 1 / 9.0f, -1 / 11.0f, 1 / 13.0f, -1 / 15.0f,
+                                1 / 17.0f, -1 / 19.0f};
+    const __m512 one = _mm512_set1_ps(1.0f), inv_pi = _mm512_set1_ps(0.318309886f);
+    __mmask16 big = _mm512_cmp_ps_mask(t, one, _CMP_GT_OQ);
+    __m512 v = _mm512_mask_div_ps(t, big, one, t);
+    __mmask16 red = _mm512_cmp_ps_mask(v, _mm512_set1_ps(0.414213562f), _CMP_GT_OQ);
+    __m512 w = _mm512_mask_div_ps(v, red, _mm512_sub_ps(v, one), _mm512_add_ps(v, one));
+    __m512 a = _mm512_mul_ps(w, v_poly(_mm512_mul_ps(w, w), c, 10));
+    a = _mm512_mask_add_ps(a, red, a, _mm512_set1_ps(0.785398163f)); /* atan v */
+    a = _mm512_mul_ps(a, inv_pi);
+    return _mm512_mask_sub_ps(a, ~big, _mm512_set1_ps(0.5f), a); /* t ≤ 1: ½ − atan(t)/π */
+}
+
+static inline __m512 bf16x16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+#define LOAD16_BF16(p, m, fill) _mm512_mask_blend_ps(m, _mm512_set1_ps(fill), bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, p)))
+#define LOAD16_F32(p, m, fill) _mm512_mask_loadu_ps(_mm512_set1_ps(fill), m, p)
+#define MASK16(j, V) ((j) + 16 <= (V) ? (__mmask16)0xffff : (__mmask16)((1u << ((V) - (j))) - 1))
+
+enum { SCORES_NORMALIZE = 0, SCORES_ACCEPT = 1, SCORES_ACCEPT_ONCE = 2 };
+
+/* Per row: the log-partition lse of loc (when relative thresholds or accept_once need it), x = (loc [− lse] − C) /
+   max(scale, tiny), P = ½ + atan(x)/π; then log P (normalize), loc + log P (accept), or log r + log(Σ_j r_j (1 − P_j)
+   + P) with r = softmax(loc) (accept_once). thr: one value (thr_per_token 0) or V. Vocabulary-parallel, each
+   reduction across the threads by OpenMP. */
+#define DEFINE_SCORES(E)                                                                                              \
+    void cq_scores_##E(const E##_T *loc, const E##_T *scale, int64_t N, int64_t V, const float *thr,                  \
+                       int thr_per_token, int relative, int distribution, float *out, int threads) {                 \
+        const __m512 tiny = _mm512_set1_ps(1.17549435e-38f), one = _mm512_set1_ps(1.0f);                              \
+        for (int64_t n = 0; n < N; n++) {                                                                             \
+            const E##_T *l = loc + n * V, *s = scale + n * V;                                                          \
+            float *o = out + n * V;                                                                                   \
+            float top = 0.0f, log_total = 0.0f, rejected = 0.0f;                                                      \
+            if (relative || distribution == SCORES_ACCEPT_ONCE) {                                                     \
+                float total = 0.0f;                                                                                   \
+                top = -__builtin_inff();                                                                              \
+                _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(max:top)")                 \
+                for (int64_t j = 0; j < V; j += 16)                                                                   \
+                    top = fmaxf(top, _mm512_reduce_max_ps(LOAD16_##E(l + j, MASK16(j, V), -__builtin_inff())));    \
+                const __m512 top_max = _mm512_set1_ps(top);                                                           \
+                _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(+:total)")                 \
+                for (int64_t j = 0; j < V; j += 16)                                                                   \
+                    total += _mm512_reduce_add_ps(v_exp(_mm512_sub_ps(LOAD16_##E(l + j, MASK16(j, V), -__builtin_inff()), top_max))); \
+                log_total = logf(total); /* lse = top + log_total, kept apart: their float sum would round */         \
+            }                                                                                                         \
+            const __m512 top_v = _mm512_set1_ps(top), log_total_v = _mm512_set1_ps(log_total);                      \
+            _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(+:rejected)")                  \
+            for (int64_t j = 0; j < V; j += 16) {                                                                     \
+                const __mmask16 m = MASK16(j, V);                                                                     \
+                __m512 lv = LOAD16_##E(l + j, m, 0.0f), sv = LOAD16_##E(s + j, m, 1.0f);                              \
+                __m512 c = thr_per_token ? _mm512_maskz_loadu_ps(m, thr + j) : _mm512_set1_ps(thr[0]);                \
+                __m512 log_r = _mm512_sub_ps(_mm512_sub_ps(lv, top_v), log_total_v);                                  \
+                __m512 x = _mm512_div_ps(_mm512_sub_ps(relative ? log_r : lv, c), _mm512_max_ps(sv, tiny));          \
+                __m512 small = v_small_angle(_mm512_abs_ps(x));                                                        \
+                __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);                                 \
+                __m512 big = _mm512_sub_ps(one, small);                                                               \
+                __m512 p = _mm512_mask_blend_ps(pos, small, big), q = _mm512_mask_blend_ps(pos, big, small);           \
+                if (distribution == SCORES_ACCEPT_ONCE) {                                                             \
+                    __m512 r = _mm512_maskz_mov_ps(m, v_exp(log_r));                                                  \
+                    rejected += _mm512_reduce_add_ps(_mm512_mul_ps(r, q));                                            \
+                    _mm512_mask_storeu_ps(o + j, m, p);                                                               \
+                } else {                                                                                              \
+                    __m512 lp = v_log(p);                                                                             \
+                    _mm512_mask_storeu_ps(o + j, m, distribution == SCORES_ACCEPT ? _mm512_add_ps(lv, lp) : lp);       \
+                }                                                                                                     \
+            }                                                                                                         \
+            if (distribution == SCORES_ACCEPT_ONCE) {                                                                 \
+                const __m512 rej_v = _mm512_set1_ps(rejected);                                                        \
+                _Pragma("omp parallel for num_threads(threads) schedule(static)")                                     \
+                for (int64_t j = 0; j < V; j += 16) {                                                                 \
+                    const __mmask16 m = MASK16(j, V);                                                                 \
+                    __m512 lv = LOAD16_##E(l + j, m, 0.0f), p = _mm512_maskz_loadu_ps(m, o + j);                     \
+                    __m512 log_r = _mm512_sub_ps(_mm512_sub_ps(lv, top_v), log_total_v);                              \
+                    _mm512_mask_storeu_ps(o + j, m, _mm512_add_ps(log_r, v_log(_mm512_add_ps(rej_v, p))));           \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+    }
+
+DEFINE_SCORES(BF16)
+DEFINE_SCORES(F32)
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 _state = {"lib": None, "tried": False}
+_Kernels = namedtuple("_Kernels", "loc_scale scores")  # the C functions for one element type
 _lock = threading.Lock()
 
 
@@ -228,7 +353,7 @@ def _compile(compiler: str) -> Path:
         try:
             source = work / "cauchy_linear.c"
             source.write_text(_SOURCE)
-            subprocess.run([compiler, *_FLAGS, "-o", str(work / target.name), str(source)], check=True,
+            subprocess.run([compiler, *_FLAGS, "-o", str(work / target.name), str(source), "-lm"], check=True,
                            capture_output=True, text=True, timeout=120)
             os.replace(work / target.name, target)
         finally:
@@ -262,13 +387,15 @@ def _load():
                            error)
             return None
         supported = lib.cq_supported()
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         kernels = {}
-        for bit, dtype, name in ((1, torch.float32, "cq_loc_scale_F32"), (2, torch.bfloat16, "cq_loc_scale_BF16")):
+        for bit, dtype, suffix in ((1, torch.float32, "F32"), (2, torch.bfloat16, "BF16")):
             if supported & bit:
-                kernels[dtype] = fn = getattr(lib, name)
-                fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
-                fn.restype = None
+                loc_scale, scores = getattr(lib, "cq_loc_scale_" + suffix), getattr(lib, "cq_scores_" + suffix)
+                loc_scale.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, c_int]
+                scores.argtypes = [ptr, ptr, i64, i64, ptr, c_int, c_int, c_int, ptr, c_int]
+                loc_scale.restype = scores.restype = None
+                kernels[dtype] = _Kernels(loc_scale, scores)
         _state["lib"] = kernels or None
         return _state["lib"]
 
@@ -292,8 +419,8 @@ def cauchy_linear_cpu(loc_U, scale_U, weight, bias):
         or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") != dtype)
     ):
         return None
-    kernel = (_load() or {}).get(dtype)
-    if kernel is None:
+    kernels = (_load() or {}).get(dtype)
+    if kernels is None:
         return None
     shape = loc_U.shape
     vocab, size = weight.shape
@@ -302,7 +429,38 @@ def cauchy_linear_cpu(loc_U, scale_U, weight, bias):
     bias = None if bias is None else bias.detach().to(dtype).contiguous()
     loc_S = torch.empty(rows, vocab, dtype=dtype)
     scale_S = torch.empty(rows, vocab, dtype=dtype)
-    kernel(weight.data_ptr(), vocab, size, x_loc.data_ptr(), x_scale.data_ptr(), rows,
+    kernels.loc_scale(weight.data_ptr(), vocab, size, x_loc.data_ptr(), x_scale.data_ptr(), rows,
            None if bias is None else bias.data_ptr(), loc_S.data_ptr(), scale_S.data_ptr(),
            max(1, min(torch.get_num_threads(), vocab // 1024)))
     return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
+
+
+# cauchy.ovr_decision_scores' distributions, as the C source numbers them
+_DISTRIBUTIONS = {"normalize": 0, "accept": 1, "accept_once": 2}
+
+
+def ovr_scores_cpu(loc_S, scale_S, threshold, relative: bool, distribution: str):
+    """`cauchy.ovr_decision_scores` (no gradient) of bf16 or float32 loc_S, scale_S [..., V]: float32 scores, or None
+    where the kernel does not apply (the caller compiles them instead). ``threshold``: a number, one value or V."""
+    vocab = loc_S.shape[-1] if loc_S.dim() else 0
+    threshold = threshold.detach().reshape(-1) if torch.is_tensor(threshold) else torch.tensor([float(threshold)])
+    if (
+        distribution not in _DISTRIBUTIONS
+        or loc_S.numel() == 0
+        or scale_S.shape != loc_S.shape
+        or scale_S.dtype != loc_S.dtype
+        or threshold.numel() not in (1, vocab)
+        or not loc_S.device.type == scale_S.device.type == threshold.device.type == "cpu"
+    ):
+        return None
+    kernels = (_load() or {}).get(loc_S.dtype)
+    if kernels is None:
+        return None
+    loc = loc_S.detach().reshape(-1, vocab).contiguous()
+    scale = scale_S.detach().reshape(-1, vocab).contiguous()
+    threshold = threshold.float().contiguous()
+    scores = torch.empty(loc.shape, dtype=torch.float32)
+    kernels.scores(loc.data_ptr(), scale.data_ptr(), loc.shape[0], vocab, threshold.data_ptr(),
+                   int(threshold.numel() > 1), int(relative), _DISTRIBUTIONS[distribution], scores.data_ptr(),
+                   max(1, min(torch.get_num_threads(), vocab // 8192)))
+    return scores.reshape(loc_S.shape)

@@ -31,6 +31,7 @@ from .cauchy import (
     sample_standard_cauchy,
 )
 from .configuration_causalqwen import CausalQwenConfig
+from .cpu_kernel import ovr_scores_cpu
 from .generation import CausalGenerationMixin
 from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier, fused_decode_applies
 from .lm_loss import chunked_lm_loss
@@ -91,7 +92,8 @@ class CausalQwenCausalLMOutput(CausalQwenModelOutput, _LossOutput):
 # What the causal-LM output carries over from the model output (all but the hidden state the heads read).
 _LM_OUTPUT_FIELDS = tuple(f.name for f in fields(CausalQwenModelOutput) if f.name != "last_hidden_state")
 
-# The OvR modes' scores at decoding: one pass over the vocabulary instead of about ten elementwise ones.
+# The OvR modes' scores at decoding where the C kernel does not run: one pass over the vocabulary instead of about
+# ten elementwise ones.
 _compiled_decision_scores = CompiledKernel(ovr_decision_scores)
 
 
@@ -206,12 +208,15 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
     def mode_scores(self, loc_S, scale_S, inference_mode, log_P=None):
         """The logits a mode decodes with (docs/design.md, Inference modes): loc_S in `compatible`, in the OvR modes
         `cauchy.ovr_decision_scores` of the config's `ovr_distribution`. `log_P` may be passed when the caller
-        already has it. Without gradient, at a vocabulary that makes it worth a compilation, one compiled kernel."""
+        already has it. Without gradient, at a vocabulary that makes it worth a compilation, one kernel: the C one of
+        `cpu_kernel.ovr_scores_cpu` where it runs (nothing to compile at the first call), else a compiled one."""
         if inference_mode == "compatible":
             return loc_S
         args = (loc_S, scale_S, self.ovr.threshold, self.ovr.relative, self.config.ovr_distribution)
         if log_P is None and fused_decode_applies(self.config.vocab_size * self.config.causal_size, loc_S, scale_S):
-            scores = _compiled_decision_scores(*args)
+            scores = ovr_scores_cpu(*args)
+            if scores is None:
+                scores = _compiled_decision_scores(*args)
             if scores is not None:
                 return scores
         return ovr_decision_scores(*args, log_P=log_P)

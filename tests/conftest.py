@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Qwen2 checkpoints saved to disk, and the real demo base when built."""
 
+import math
 import os
 import signal
 import subprocess
@@ -15,6 +16,24 @@ DEMO_BASE = Path(os.environ.get("CAUSALQWEN_DEMO_BASE", REPO_ROOT / "build" / "d
 
 TINY_VOCAB = 128
 TINY_HIDDEN = 32
+
+
+def decision_scores_float64(loc_S, scale_S, threshold, relative, distribution):
+    """The OvR modes' logits from docs/design.md's formulas, directly, in float64: P = ½ + atan(x)/π, q ∝ r·(1 − A + P)
+    (a zero scale floored at float32's smallest normal, as cauchy.ovr_standardize does)."""
+    loc, scale = loc_S.double(), scale_S.double().clamp_min(torch.finfo(torch.float32).tiny)
+    log_r = torch.log_softmax(loc, -1)
+    # P = ½ + atan(x)/π written as atan2(1, −x)/π: the same number, but ½ + atan(x) would round the tail P < 1e-17
+    # to 0 even in float64
+    x = ((log_r if relative else loc) - threshold.double()) / scale
+    P = torch.atan2(torch.ones_like(x), -x) / math.pi
+    if distribution == "normalize":
+        return P.log()
+    if distribution == "accept":
+        return loc + P.log()
+    r = log_r.exp()
+    accepted = (r * P).sum(-1, keepdim=True)
+    return log_r + (1 - accepted + P).log()
 
 
 def tiny_qwen2_config(**overrides) -> Qwen2Config:

@@ -1,9 +1,13 @@
-"""The decode kernel (cpu_kernel.py): one read of W_A for loc_S and scale_S, against float64 references."""
+"""The decode kernels (cpu_kernel.py): one read of W_A for loc_S and scale_S, and the OvR modes' scores, against
+float64 references."""
 
 import pytest
 import torch
 
 from causalqwen_adapter import cpu_kernel
+from causalqwen_adapter.cauchy import ovr_decision_scores
+
+from conftest import decision_scores_float64
 
 DTYPES = [
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not cpu_kernel.available(torch.bfloat16),
@@ -110,3 +114,66 @@ def test_an_unloadable_library_warns_and_decoding_falls_back(monkeypatch, tmp_pa
     with caplog.at_level("WARNING", logger=cpu_kernel.__name__):
         assert cpu_kernel.cauchy_linear_cpu(x, x.abs(), weight, None) is None
     assert "falls back to matmuls" in caplog.text and "cauchy_linear_broken.so" in caplog.text
+
+
+# --------------------------------------------------------------------------------------- the decision scores
+
+SCORE_DISTRIBUTIONS = ["accept_once", "accept", "normalize"]
+
+
+def _score_inputs(dtype, rows, vocab, seed):
+    generator = torch.Generator().manual_seed(seed)
+    loc_S = (torch.randn(rows, 1, vocab, generator=generator) * 3).to(dtype)
+    scale_S = (torch.rand(rows, 1, vocab, generator=generator) + 0.05).to(dtype)
+    return loc_S, scale_S
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("distribution", SCORE_DISTRIBUTIONS)
+@pytest.mark.parametrize("relative", [True, False])
+@pytest.mark.parametrize("vocab", [4099, 16, 5])  # a masked last vector, exactly one, less than one
+def test_scores_match_float64_reference(dtype, distribution, relative, vocab):
+    """cauchy.ovr_decision_scores in C: each mode's logits within float32's rounding of docs/design.md's formulas,
+    with one threshold or one per token, at 1 and 3 rows."""
+    for rows in (1, 3):
+        loc_S, scale_S = _score_inputs(dtype, rows, vocab, seed=vocab + rows)
+        shift = -8.0 if relative else 0.0  # near log-probabilities under relative thresholds
+        for threshold in (torch.tensor(shift + 0.5), torch.randn(vocab) + shift):
+            got = cpu_kernel.ovr_scores_cpu(loc_S, scale_S, threshold, relative, distribution)
+            want = decision_scores_float64(loc_S, scale_S, threshold, relative, distribution)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("distribution", SCORE_DISTRIBUTIONS)
+def test_scores_in_the_tails(dtype, distribution):
+    """|x| from 0 to 10³⁰: a P of 10⁻³¹ keeps its digits. And the zero rows of W_A (scale 0, floored at float32's
+    smallest normal by ovr_standardize, so x may overflow to ±inf and P be exactly 0): the same as the float32 torch
+    code, −inf where it gives −inf, never NaN."""
+    gaps = torch.tensor([0.0, 1e-3, -1e-3, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0, 1e3, -1e3, 1e6, -1e6])
+    scales = torch.tensor([1.0, 1e-3, 1e-24, 0.0])
+    loc_S = (gaps.repeat(len(scales)) + 7.0).to(dtype)  # x = gap / scale against a threshold of 7
+    scale_S = scales.repeat_interleave(len(gaps)).to(dtype)
+    threshold = torch.tensor(7.0)
+    got = cpu_kernel.ovr_scores_cpu(loc_S, scale_S, threshold, False, distribution).double()
+    assert not got.isnan().any()
+    want = decision_scores_float64(loc_S, scale_S, threshold, False, distribution)
+    finite_scale = scale_S > 0
+    torch.testing.assert_close(got[finite_scale], want[finite_scale], rtol=1e-5, atol=1e-5)
+    torch_code = ovr_decision_scores(loc_S, scale_S, threshold, False, distribution).double()
+    torch.testing.assert_close(got[~finite_scale], torch_code[~finite_scale], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scores_decline_what_they_do_not_compute(dtype):
+    loc_S, scale_S = _score_inputs(dtype, 2, 300, seed=0)
+    threshold = torch.tensor(0.5)
+    assert cpu_kernel.ovr_scores_cpu(loc_S.half(), scale_S.half(), threshold, True, "accept_once") is None
+    assert cpu_kernel.ovr_scores_cpu(loc_S, scale_S.float() if dtype != torch.float32 else scale_S.bfloat16(),
+                                     threshold, True, "accept_once") is None
+    assert cpu_kernel.ovr_scores_cpu(loc_S, scale_S[:1], threshold, True, "accept_once") is None
+    assert cpu_kernel.ovr_scores_cpu(loc_S, scale_S, torch.zeros(3), True, "accept_once") is None
+    assert cpu_kernel.ovr_scores_cpu(loc_S, scale_S, threshold, True, "no-such-distribution") is None
+    assert cpu_kernel.ovr_scores_cpu(loc_S[:0], scale_S[:0], threshold, True, "accept_once") is None
+    assert cpu_kernel.ovr_scores_cpu(loc_S, scale_S, threshold, True, "accept_once") is not None

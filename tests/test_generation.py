@@ -1,7 +1,6 @@
 """generate() in every inference mode (docs/design.md, Inference modes): exactness, the cache, sampling noise, options."""
 
 import gc
-import math
 import subprocess
 import sys
 import warnings
@@ -12,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernel, heads
+from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernel, heads, modeling_causalqwen
 from causalqwen_adapter.cauchy import (
     CompiledKernel,
     cauchy_linear,
@@ -23,7 +22,7 @@ from causalqwen_adapter.cauchy import (
     ovr_standardize,
 )
 
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, decision_scores_float64
 
 DETERMINISTIC = ["compatible", "standard", "causal"]
 
@@ -222,27 +221,13 @@ def test_fused_kernel_matches_float64_reference(rows):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def _decision_scores_float64(loc_S, scale_S, threshold, relative, distribution):
-    """The OvR modes' logits from docs/design.md's formulas, directly: P = ½ + atan(x)/π, q ∝ r·(1 − A + P)."""
-    loc, scale = loc_S.double(), scale_S.double()
-    log_r = loc - loc.exp().sum(-1, keepdim=True).log()
-    P = 0.5 + torch.atan(((log_r if relative else loc) - threshold.double()) / scale) / math.pi
-    if distribution == "normalize":
-        return P.log()
-    if distribution == "accept":
-        return loc + P.log()
-    r = log_r.exp()
-    accepted = (r * P).sum(-1, keepdim=True)
-    return log_r + (1 - accepted + P).log()
-
-
 @pytest.mark.parametrize("distribution, relative", [("accept_once", True), ("accept", True), ("normalize", True),
                                                     ("accept_once", False)])
 def test_compiled_decision_scores_match_float64_reference(distribution, relative):
     torch.manual_seed(0)
     loc_S, scale_S = torch.randn(2, 3, 1000) * 3, torch.rand(2, 3, 1000) + 0.1
     threshold = torch.randn(1000) - (8.0 if relative else 0.0)  # near log-probabilities under relative thresholds
-    want = _decision_scores_float64(loc_S, scale_S, threshold, relative, distribution)
+    want = decision_scores_float64(loc_S, scale_S, threshold, relative, distribution)
     eager = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution)
     compiled = CompiledKernel(ovr_decision_scores)(loc_S, scale_S, threshold, relative, distribution)
     assert compiled is not None, "torch.compile is unavailable here"
@@ -261,6 +246,7 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
     monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the compiled kernels too
     monkeypatch.setattr(heads, "FUSED_MAX_ROWS", 2)  # batch 3: the blocked head beside the compiled scores
     monkeypatch.setattr(heads, "cauchy_linear_cpu", lambda *args: None)  # the torch.compile path (the C kernel's below)
+    monkeypatch.setattr(modeling_causalqwen, "ovr_scores_cpu", lambda *args: None)
     for compiled in (False, True):
         monkeypatch.setattr(heads, "_FUSED_DECODE", compiled)
         for batch in (1, 2, 3):  # the fused head at one and two rows, then the blocked one
@@ -278,20 +264,24 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
 @pytest.mark.parametrize("action_weight", ["full", "tied", "lora"])
 def test_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_batch, monkeypatch, action_weight, dtype):
     """A bf16 or float32 model decodes through cpu_kernel.cauchy_linear_cpu at 1 to 3 rows, whichever tensor holds
-    W_A (its own, the base's, the base's + B·A); the tokens are those of the two blocked matmuls
-    (CAUSALQWEN_FUSED_DECODE=0), the scores within the dtype's rounding."""
+    W_A (its own, the base's, the base's + B·A), and scores through cpu_kernel.ovr_scores_cpu; the tokens are those
+    of the two blocked matmuls and the eager scores (CAUSALQWEN_FUSED_DECODE=0), the scores within the dtype's
+    rounding."""
     if not cpu_kernel.available(dtype):
         pytest.skip(f"no C kernel for {dtype} on this machine (x86-64 with AVX-512, AVX512-BF16 for bf16, and cc)")
     model = _trained_like(tied_base, action_weight=action_weight, action_lora_rank=4).to(dtype)
-    calls = []
+    calls = {"cauchy_linear_cpu": [], "ovr_scores_cpu": []}
 
-    def counted(*args):
-        out = cpu_kernel.cauchy_linear_cpu(*args)
-        calls.append(out is not None)
-        return out
+    def counted(name):
+        def kernel(*args):
+            out = getattr(cpu_kernel, name)(*args)
+            calls[name].append(out is not None)
+            return out
+        return kernel
 
     monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)
-    monkeypatch.setattr(heads, "cauchy_linear_cpu", counted)
+    monkeypatch.setattr(heads, "cauchy_linear_cpu", counted("cauchy_linear_cpu"))
+    monkeypatch.setattr(modeling_causalqwen, "ovr_scores_cpu", counted("ovr_scores_cpu"))
     runs = {}
     for kernel in (False, True):
         monkeypatch.setattr(heads, "_FUSED_DECODE", kernel)
@@ -299,7 +289,8 @@ def test_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_bat
             inputs = {k: v[:batch] for k, v in padded_batch.items()}
             runs[kernel, batch] = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True,
                                                  return_dict_in_generate=True, inference_mode="causal")
-    assert calls and all(calls)  # every step of the kernel runs went through it, none of the others
+    for ran in calls.values():  # every step of the kernel runs went through both, none of the others
+        assert ran and all(ran)
     for batch in (1, 3):
         matmuls, kernel = runs[False, batch], runs[True, batch]
         assert torch.equal(kernel.sequences, matmuls.sequences)
