@@ -43,6 +43,7 @@ bench: $(DEMO_BASE)/config.json
 	$(PY) bench/loss.py --n 1024 --variants a d --runs 3 --repeat 2
 	$(PY) bench/loss.py --n 1024 --variants a d --runs 3 --repeat 2 --autocast
 	$(PY) bench/decode.py --base $(DEMO_BASE) --batch 1 2 4 8 --new-tokens 32 --repeats 3
+	$(PY) bench/first_generate.py --base $(DEMO_BASE) --repeats 3
 	$(PY) bench/train_step.py --base $(DEMO_BASE) --rounds 7
 	$(PY) bench/train_step.py --base $(DEMO_BASE) --rounds 7 --dtype float32 --autocast
 
