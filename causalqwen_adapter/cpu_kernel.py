@@ -318,11 +318,94 @@ enum { SCORES_NORMALIZE = 0, SCORES_ACCEPT = 1, SCORES_ACCEPT_ONCE = 2 };
 
 DEFINE_SCORES(BF16)
 DEFINE_SCORES(F32)
+
+/* ---- One (token × vocabulary) tile of the training loss (lm_loss.chunked_lm_loss, pass B), in one pass. ----
+   In: the tile's products loc (= W loc_U, + b when bias is NULL) and, with the OvR loss, scale (= |W| scale_U), [r, w];
+   b [w] (float32, or NULL), the rows' log-partition lse [r], thresholds (one, or w), col [r] (the target's column
+   in this block or −1), degenerate [w] (zero rows of W_A, or NULL). Out, as lm_loss's torch code computes them:
+   d = ce·(softmax − onehot) (+ of·π ∂ℓ/∂loc_S when the OvR loss trains the locations) and g = −π ∂ℓ/∂scale_S, [r, w];
+   per row (rows_out, 4 × r): the target's logit, Σ log a (a = 1 − P off target, P_y on it), Σ (1 − a), P_y; per
+   column (one [w] row per thread, summed by the caller): Σ d and Σ −π ∂ℓ/∂loc_S. Rows are split across threads. */
+enum { TILE_OVR = 1, TILE_D = 2, TILE_OVR_GRADS = 4, TILE_OVR_LOCATES = 8, TILE_COL_D = 16, TILE_COL_T = 32 };
+
+#define STORE16_BF16(p, m, v) _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v))
+#define STORE16_F32(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+
+#define DEFINE_TILE_LOSS(E)                                                                                           \
+    void cq_loss_tile_##E(const E##_T *loc, const float *bias, const float *lse, const float *thr, int thr_per_token, \
+                          int relative, const E##_T *scale, const int64_t *col, const uint8_t *degenerate, int64_t r,  \
+                          int64_t w, float ce, float of, int flags, E##_T *d, E##_T *g, float *rows_out,              \
+                          float *col_d, float *col_t, int threads) {                                                  \
+        const __m512 tiny = _mm512_set1_ps(1.17549435e-38f), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();  \
+        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);                  \
+        _Pragma("omp parallel num_threads(threads)") {                                                                \
+            const int T = omp_get_num_threads(), id = omp_get_thread_num();                                           \
+            float *cd = col_d + (int64_t)id * w, *ct = col_t + (int64_t)id * w;                                       \
+            for (int64_t i = r * id / T; i < r * (id + 1) / T; i++) {                                                 \
+                const E##_T *l = loc + i * w, *s = scale + i * w;                                                      \
+                const __m512 lse_v = _mm512_set1_ps(lse[i]), shift = _mm512_set1_ps(relative ? lse[i] : 0.0f);        \
+                const __m512i target = _mm512_set1_epi32((int)col[i]);                                                \
+                __m512 acc_t = zero, acc_log = zero, acc_u = zero, acc_p = zero;                                      \
+                for (int64_t j = 0; j < w; j += 16) {                                                                 \
+                    const __mmask16 m = MASK16(j, w);                                                                 \
+                    const __mmask16 hit = _mm512_mask_cmpeq_epi32_mask(m, _mm512_add_epi32(iota, _mm512_set1_epi32((int)j)), target); \
+                    __m512 x = LOAD16_##E(l + j, m, 0.0f);                                                            \
+                    if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));                              \
+                    acc_t = _mm512_mask_add_ps(acc_t, hit, acc_t, x);                                                 \
+                    __m512 dv = zero;                                                                                 \
+                    if ((flags & TILE_D) && ce != 0.0f) {                                                            \
+                        __m512 e = v_exp(_mm512_sub_ps(x, lse_v)); /* softmax − onehot, times ce */                   \
+                        dv = _mm512_mul_ps(_mm512_mask_sub_ps(e, hit, e, one), _mm512_set1_ps(ce));                   \
+                    }                                                                                                 \
+                    if (flags & TILE_OVR) {                                                                           \
+                        __m512 sv = _mm512_max_ps(LOAD16_##E(s + j, m, 1.0f), tiny);                                   \
+                        __m512 c = thr_per_token ? _mm512_maskz_loadu_ps(m, thr + j) : _mm512_set1_ps(thr[0]);        \
+                        __m512 z = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(x, c), shift), sv);                      \
+                        z = _mm512_mask_sub_ps(z, hit, zero, z); /* the target's term is on the other side */       \
+                        __m512 small = v_small_angle(_mm512_abs_ps(z));                                                \
+                        __mmask16 pos = _mm512_cmp_ps_mask(z, zero, _CMP_GE_OQ);                                      \
+                        __m512 a = _mm512_mask_blend_ps(pos, _mm512_sub_ps(one, small), small); /* atan2(1, z)/π */  \
+                        a = _mm512_mask_mov_ps(one, m, a); /* lanes past the end: log 1 = 0, 1 − 1 = 0 */             \
+                        acc_p = _mm512_mask_add_ps(acc_p, hit, acc_p, a);                                             \
+                        acc_u = _mm512_add_ps(acc_u, _mm512_sub_ps(one, a));                                          \
+                        acc_log = _mm512_add_ps(acc_log, v_log(a));                                                    \
+                        if (flags & TILE_OVR_GRADS) {                                                                 \
+                            /* π ∂ℓ/∂z = 1/(a + z·(z·a)): the product form of cauchy's ovr_tile */                   \
+                            __m512 t = _mm512_div_ps(_mm512_div_ps(one, _mm512_fmadd_ps(_mm512_mul_ps(z, a), z, a)), sv); \
+                            if (degenerate) {                                                                         \
+                                __m128i dg = _mm_maskz_loadu_epi8(m, degenerate + j);                                 \
+                                __mmask16 zr = _mm_test_epi8_mask(dg, dg);                                            \
+                                t = _mm512_mask_mov_ps(t, zr, zero);                                                  \
+                                z = _mm512_mask_mov_ps(z, zr, zero);                                                  \
+                            }                                                                                         \
+                            STORE16_##E(g + i * w + j, m, _mm512_mul_ps(z, t));                                       \
+                            t = _mm512_mask_sub_ps(t, hit, zero, t); /* π ∂ℓ/∂loc_S */                               \
+                            if (flags & TILE_COL_T)                                                                   \
+                                _mm512_mask_storeu_ps(ct + j, m, _mm512_sub_ps(_mm512_maskz_loadu_ps(m, ct + j), t)); \
+                            if (flags & TILE_OVR_LOCATES) dv = _mm512_fmadd_ps(t, _mm512_set1_ps(of), dv);            \
+                        }                                                                                             \
+                    }                                                                                                 \
+                    if (flags & TILE_D) {                                                                             \
+                        STORE16_##E(d + i * w + j, m, dv);                                                            \
+                        if (flags & TILE_COL_D)                                                                       \
+                            _mm512_mask_storeu_ps(cd + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, cd + j), dv));    \
+                    }                                                                                                 \
+                }                                                                                                     \
+                rows_out[i] = _mm512_reduce_add_ps(acc_t);                                                            \
+                rows_out[r + i] = _mm512_reduce_add_ps(acc_log);                                                      \
+                rows_out[2 * r + i] = _mm512_reduce_add_ps(acc_u);                                                    \
+                rows_out[3 * r + i] = _mm512_reduce_add_ps(acc_p);                                                    \
+            }                                                                                                         \
+        }                                                                                                             \
+    }
+
+DEFINE_TILE_LOSS(BF16)
+DEFINE_TILE_LOSS(F32)
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 _state = {"lib": None, "tried": False}
-_Kernels = namedtuple("_Kernels", "loc_scale scores")  # the C functions for one element type
+_Kernels = namedtuple("_Kernels", "loc_scale scores loss_tile")  # the C functions for one element type
 _lock = threading.Lock()
 
 
@@ -395,7 +478,11 @@ def _load():
                 loc_scale.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, c_int]
                 scores.argtypes = [ptr, ptr, i64, i64, ptr, c_int, c_int, c_int, ptr, c_int]
                 loc_scale.restype = scores.restype = None
-                kernels[dtype] = _Kernels(loc_scale, scores)
+                loss_tile = getattr(lib, "cq_loss_tile_" + suffix)
+                loss_tile.argtypes = [ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, i64, ctypes.c_float,
+                                      ctypes.c_float, c_int, ptr, ptr, ptr, ptr, ptr, c_int]
+                loss_tile.restype = None
+                kernels[dtype] = _Kernels(loc_scale, scores, loss_tile)
         _state["lib"] = kernels or None
         return _state["lib"]
 
@@ -464,3 +551,27 @@ def ovr_scores_cpu(loc_S, scale_S, threshold, relative: bool, distribution: str)
                    int(threshold.numel() > 1), int(relative), _DISTRIBUTIONS[distribution], scores.data_ptr(),
                    max(1, min(torch.get_num_threads(), vocab // 8192)))
     return scores.reshape(loc_S.shape)
+
+
+# the flags of cq_loss_tile, as the C source numbers them
+TILE_OVR, TILE_D, TILE_OVR_GRADS, TILE_OVR_LOCATES, TILE_COL_D, TILE_COL_T = 1, 2, 4, 8, 16, 32
+
+
+def loss_tile_kernel(dtype: torch.dtype):
+    """The C function of one tile of `lm_loss.chunked_lm_loss` (pass B) for products in ``dtype``, or None where it
+    does not run (the caller runs its torch code). Called through `loss_tile`."""
+    kernels = (_load() or {}).get(dtype)
+    return None if kernels is None else kernels.loss_tile
+
+
+def loss_tile(kernel, loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d, g, rows_out, col_d,
+              col_t, threads):
+    """Runs ``kernel`` (`loss_tile_kernel`) on one tile: every tensor contiguous, on the CPU, those of [r, w] in the
+    kernel's dtype, the others float32 (col int64, degenerate bool); None for what the flags leave out."""
+    r, w = loc.shape
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    kernel(ptr(loc), ptr(bias), ptr(lse), ptr(thr), int(thr.numel() > 1), int(relative), ptr(scale), ptr(col),
+           ptr(degenerate), r, w, ce, of, flags, ptr(d), ptr(g), ptr(rows_out), ptr(col_d), ptr(col_t), threads)

@@ -22,6 +22,16 @@ import math
 import torch
 
 from .cauchy import check_labels, fuse_noise
+from .cpu_kernel import (
+    TILE_COL_D,
+    TILE_COL_T,
+    TILE_D,
+    TILE_OVR,
+    TILE_OVR_GRADS,
+    TILE_OVR_LOCATES,
+    loss_tile,
+    loss_tile_kernel,
+)
 from .losses import DecisionHead, check_head_inputs, chunk_tokens, ovr_tile, target_columns, zero_rows
 
 
@@ -162,6 +172,27 @@ class _ChunkedLMLoss(torch.autograd.Function):
         blocks = [(v0, min(v0 + vblock, vocab)) for v0 in range(0, vocab, vblock)]
         degenerate = [None] * len(blocks)  # `zero_rows` of each block, found in the first chunk
 
+        # Pass B's elementwise work in one pass of C where it runs (cpu_kernel.loss_tile): the torch code makes about
+        # twenty passes over each tile. Its operands and results stay in the products' dtype.
+        tile_kernel = None
+        if dev.type == "cpu" and dtype == torch.float32 and logits_dtype(mm_dtype, dtype) == mm_dtype:
+            tile_kernel = loss_tile_kernel(mm_dtype)
+        g_lo = torch.empty(chunk * vblock if low and tile_kernel is None else 0, dtype=mm_dtype, device=dev)
+        if tile_kernel is not None:
+            tile_flags = (TILE_OVR * ovr | TILE_D * need_D | TILE_OVR_GRADS * ovr_grads
+                          | TILE_OVR_LOCATES * (ovr_locates and need_D) | TILE_COL_D * (need_D and need_bias)
+                          | TILE_COL_T * (g_thr is not None and ovr_grads))
+            s_tile, d_tile, g_tile = (s_buf, d_buf, a_buf) if mm_dtype == dtype else (
+                torch.empty(chunk * vblock, dtype=mm_dtype, device=dev) for _ in range(3))
+            tile_threads = torch.get_num_threads()
+            rows_out = torch.empty(4 * chunk, dtype=dtype, device=dev)
+            col_sums = torch.empty(2, tile_threads * vblock, dtype=dtype, device=dev)
+            # stored float32 logits have b_A already (pass A); bf16 ones get it on reading
+            tile_bias = None if bias is None or mm_dtype == dtype else bias.to(dtype).contiguous()
+            thr_tile = (thr.contiguous() if thr_per_token else
+                        torch.as_tensor(thr, dtype=dtype, device=dev).reshape(1).contiguous())
+            ce_tile, of_tile = float(ce_factor) if softmax_weight > 0 else 0.0, float(ovr_factor)
+
         def scores(stored, v0, v1):
             """A block's float32 loc_S from its stored product: in place when it is float32 (b_A added once, in
             pass A), else into x_buf with b_A."""
@@ -169,6 +200,68 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 return stored
             x = x_buf[: stored.numel()].view_as(stored).copy_(stored)
             return x if bias is None else x.add_(bias[v0:v1])
+
+        def tile_torch(i, v0, v1, stored, abs_w, r, r0, r1, tgt, scale_mm):
+            """Pass B on one tile with torch ops on float32 buffers: the sums and the location and scale gradients
+            (x_mm, d_mm in the products' dtype, and Σ_rows d for b_A)."""
+            nonlocal nll_sum, ovr_sum
+            x = scores(stored, v0, v1)
+            w = v1 - v0
+            d, s, a, t, u = (buf[: r * w].view(r, w) for buf in (d_buf, s_buf, a_buf, t_buf, u_buf))
+            col, hit, flip = target_columns(tgt, v0, w, dtype)
+            nll_sum -= (x.gather(1, col).squeeze(1) * hit).sum(dtype=torch.float64)
+            if need_D:
+                if softmax_weight > 0:  # softmax − onehot, times w/denom
+                    torch.sub(x, lse.unsqueeze(1), out=d).exp_()
+                    d.scatter_add_(1, col, -hit.to(dtype).unsqueeze(1))
+                    d.mul_(ce_factor)
+                else:  # the OvR's share alone
+                    d.zero_()
+            x_mm = None
+            if ovr:
+                product(s, scale_mm, abs_w.T, overwrite=True)
+                x.sub_(thr[v0:v1] if thr_per_token else thr)  # the logits' last use: x becomes loc_S − C
+                if relative:
+                    x.sub_(lse.unsqueeze(1))
+                neg_log, u_rows, p_y = ovr_tile(x, s, col, hit, flip, a, t, u, degenerate[i], ovr_grads)
+                ovr_sum += neg_log
+                u_row_sum[r0:r1] += u_rows
+                p_target[r0:r1] += p_y
+                if ovr_grads:  # t = π ∂ℓ/∂loc_S, x = −π ∂ℓ/∂scale_S
+                    if g_thr is not None:  # ∂ℓ/∂C = −∂ℓ/∂loc_S
+                        g_thr[v0:v1] -= t.sum(0)
+                    x_mm = lowered(x, g_lo)
+                    if ovr_locates and need_D:
+                        d.add_(t.mul_(ovr_factor))
+            d_mm = lowered(d, xd_lo) if need_D else None
+            return x_mm, d_mm, d.sum(0) if need_D and need_bias else None
+
+        def tile_c(i, v0, v1, stored, abs_w, r, r0, r1, tgt, scale_mm):
+            """`tile_torch` in one pass of cpu_kernel's C (products in bf16 or float32, the math float32)."""
+            nonlocal nll_sum, ovr_sum
+            w = v1 - v0
+            s = torch.mm(scale_mm, abs_w.T, out=s_tile[: r * w].view(r, w)) if ovr else None
+            col = tgt - v0
+            col = torch.where((col >= 0) & (col < w), col, -1)
+            zero = degenerate[i] if ovr else None
+            zero = torch.zeros(w, dtype=torch.bool, device=dev).index_fill_(0, zero, True) if ovr and zero.numel() else None
+            d = d_tile[: r * w].view(r, w) if need_D else None
+            g = g_tile[: r * w].view(r, w) if ovr_grads else None
+            cols = col_sums[:, : tile_threads * w].view(2, tile_threads, w)  # [sum, thread, column], each contiguous
+            if tile_flags & (TILE_COL_D | TILE_COL_T):
+                cols.zero_()
+            loss_tile(tile_kernel, stored, None if tile_bias is None else tile_bias[v0:v1], lse,
+                      thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, col, zero, ce_tile, of_tile,
+                      tile_flags, d, g, rows_out[: 4 * r], cols[0], cols[1], tile_threads)
+            sums = rows_out[: 4 * r].view(4, r)
+            nll_sum -= sums[0].sum(dtype=torch.float64)
+            if ovr:
+                ovr_sum -= sums[1].sum(dtype=torch.float64)
+                u_row_sum[r0:r1] += sums[2]
+                p_target[r0:r1] += sums[3]
+            if g_thr is not None and ovr_grads:
+                g_thr[v0:v1] += cols[1].sum(0)
+            return g, d, cols[0].sum(0) if need_D and need_bias else None
 
         for r0 in range(0, n_valid, chunk):
             r1 = min(r0 + chunk, n_valid)
@@ -191,53 +284,28 @@ class _ChunkedLMLoss(torch.autograd.Function):
             nll_sum += lse.sum(dtype=torch.float64)
 
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass B
-                x = scores(stored, v0, v1)
                 w = v1 - v0
                 w_blk = lowered(weight[v0:v1], w_lo)
-                d, s, a, t, u = (buf[: r * w].view(r, w) for buf in (d_buf, s_buf, a_buf, t_buf, u_buf))
-                col, hit, flip = target_columns(tgt, v0, w, dtype)
-                nll_sum -= (x.gather(1, col).squeeze(1) * hit).sum(dtype=torch.float64)
-                if need_D:
-                    if softmax_weight > 0:  # softmax − onehot, times w/denom
-                        torch.sub(x, lse.unsqueeze(1), out=d).exp_()
-                        d.scatter_add_(1, col, -hit.to(dtype).unsqueeze(1))
-                        d.mul_(ce_factor)
-                    else:  # the OvR's share alone
-                        d.zero_()
-                if ovr:
-                    abs_w = torch.abs(w_blk, out=abs_buf[:w])
+                abs_w = torch.abs(w_blk, out=abs_buf[:w]) if ovr else None
+                if ovr and first:
+                    degenerate[i] = zero_rows(abs_w)
+                tile = tile_c if tile_kernel is not None else tile_torch
+                x_mm, d_mm, d_cols = tile(i, v0, v1, stored, abs_w, r, r0, r1, tgt, scale_mm)
+                if ovr_grads and g_scale is not None:
+                    product(g_scale[r0:r1], x_mm, abs_w)
+                if ovr_grads and scale_path_W:  # ∂/∂W of |W|·scale is sign(W)·(…), with the scale path's minus sign
+                    tmp = product(tmp_W[:w], x_mm.T, scale_mm, overwrite=True)
+                    tmp.mul_(torch.sign(w_blk, out=abs_w)).mul_(-ovr_factor)  # abs_w's last use
                     if first:
-                        degenerate[i] = zero_rows(abs_w)
-                    product(s, scale_mm, abs_w.T, overwrite=True)
-                    x.sub_(thr[v0:v1] if thr_per_token else thr)  # the logits' last use: x becomes loc_S − C
-                    if relative:
-                        x.sub_(lse.unsqueeze(1))
-                    neg_log, u_rows, p_y = ovr_tile(x, s, col, hit, flip, a, t, u, degenerate[i], ovr_grads)
-                    ovr_sum += neg_log
-                    u_row_sum[r0:r1] += u_rows
-                    p_target[r0:r1] += p_y
-                    if ovr_grads:  # t = π ∂ℓ/∂loc_S, x = −π ∂ℓ/∂scale_S
-                        if g_thr is not None:  # ∂ℓ/∂C = −∂ℓ/∂loc_S
-                            g_thr[v0:v1] -= t.sum(0)
-                        x_mm = lowered(x, xd_lo)
-                        if g_scale is not None:
-                            product(g_scale[r0:r1], x_mm, abs_w)
-                        if scale_path_W:  # ∂/∂W of |W|·scale is sign(W)·(…), with the scale path's minus sign
-                            tmp = product(tmp_W[:w], x_mm.T, scale_mm, overwrite=True)
-                            tmp.mul_(torch.sign(w_blk, out=abs_w)).mul_(-ovr_factor)  # abs_w's last use
-                            if first:
-                                grad_W[v0:v1].copy_(tmp)
-                            else:
-                                grad_W[v0:v1] += tmp
-                        if ovr_locates and need_D:
-                            d.add_(t.mul_(ovr_factor))
-                d_mm = lowered(d, xd_lo) if need_D else None  # x_mm's last use is behind
+                        grad_W[v0:v1].copy_(tmp)
+                    else:
+                        grad_W[v0:v1] += tmp
                 if need_D and need_loc:
                     product(g_loc[r0:r1], d_mm, w_blk)
                 if need_D and need_W:
                     product(grad_W[v0:v1], d_mm.T, loc_mm, overwrite=first and not scale_path_W)
                 if need_D and need_bias:
-                    g_bias[v0:v1] += d.sum(0)
+                    g_bias[v0:v1] += d_cols
 
         n_tok = max(n_valid, 1)
         loss = ((softmax_weight * nll_sum + ovr_sum) / denom).to(torch.float32)

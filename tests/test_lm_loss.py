@@ -7,8 +7,19 @@ import torch
 import torch.nn.functional as F
 from test_losses import NAMES, as_float64, assert_rel_close, grads_of, make_inputs
 
+from causalqwen_adapter import cpu_kernel, lm_loss
 from causalqwen_adapter.lm_loss import chunked_lm_loss
 from causalqwen_adapter.losses import LOGITS_BUDGET_BYTES, DecisionHead, chunk_tokens, chunked_ovr_loss
+
+
+@pytest.fixture(autouse=True, params=["C tile", "torch tile"])
+def tile_code(request, monkeypatch):
+    """Every test runs with both codes of pass B's tile: cpu_kernel's C (where this CPU runs it) and the torch ops."""
+    if request.param == "torch tile":
+        monkeypatch.setattr(lm_loss, "loss_tile_kernel", lambda dtype: None)
+    elif not cpu_kernel.available(torch.float32):
+        pytest.skip("no C kernel on this machine (x86-64 with AVX-512 and cc)")
+    return request.param
 
 
 def lm_loss_of(tensors, labels, ovr=True, **kwargs):
@@ -179,3 +190,28 @@ def test_chunk_size_follows_the_memory_budget():
     budget = LOGITS_BUDGET_BYTES
     assert chunk_tokens(151936) * 4 * 151936 <= budget < (chunk_tokens(151936) + 1) * 4 * 151936
     assert chunk_tokens(10**9) == 1
+
+
+def test_zero_row_of_W_gives_finite_loss_and_gradients():
+    """A padding row of W_A (scale_S = 0, floored as cauchy.ovr_standardize does) far below a positive threshold:
+    the loss is the model's naive loss, every gradient finite, and the row's own OvR gradients 0 (a step's)."""
+    from causalqwen_adapter.cauchy import ovr_loss
+
+    g = torch.Generator().manual_seed(0)
+    loc_U, scale_U = torch.randn(5, 4, generator=g), torch.rand(5, 4, generator=g) * 1e-5 + 1e-6
+    weight = torch.randn(7, 4, generator=g)
+    weight[0] = 0.0
+    bias, b_noise, threshold = torch.zeros(7), torch.full((4,), 1e-6), torch.full((7,), 16.0)
+    tensors = (loc_U, scale_U, weight, bias, b_noise, threshold)
+    for t in tensors:
+        t.requires_grad_(True)
+    labels = torch.tensor([1, 2, 3, 4, 5])
+    loss, _ = chunked_lm_loss(loc_U, scale_U, DecisionHead(weight, bias, b_noise, threshold), labels, softmax_weight=0.0,
+                              relative_threshold=False, ovr_trains_location=True, chunk_size=2, vocab_chunk_size=3)
+    loss.backward()
+    with torch.no_grad():
+        expected = ovr_loss(loc_U @ weight.T + bias, (scale_U + b_noise.abs()) @ weight.abs().T, threshold, labels)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for t in tensors:
+        assert torch.isfinite(t.grad).all()
+    assert bias.grad[0] == 0 and threshold.grad[0] == 0
