@@ -1,18 +1,25 @@
-"""`cauchy.cauchy_linear` for decoding on x86 CPUs with AVX-512: loc_S = W x_loc + b and scale_S = |W| x_scale from
-one read of a bf16 (AVX512-BF16) or float32 W_A, for 1 to `MAX_ROWS` rows (docs/design.md, Decoding cost).
+"""C kernels for x86 CPUs with AVX-512, where PyTorch's ops make several passes or `torch.compile` would compile:
+
+- `cauchy_linear_cpu`: `cauchy.cauchy_linear` for decoding, loc_S = W x_loc + b and scale_S = |W| x_scale from one
+  read of a bf16 (AVX512-BF16) or float32 W_A, for 1 to `MAX_ROWS` rows (docs/design.md, Decoding cost);
+- `ovr_scores_cpu`: `cauchy.ovr_decision_scores`, the OvR modes' logits of a decode step, in a few passes over the
+  row with nothing to compile at the first call;
+- `loss_tile`: pass B of `lm_loss.chunked_lm_loss` on one (token × vocabulary) tile in one pass.
 
 A decode step of an OvR mode is bound by reading W_A (V × C, 272 MB in bf16 for the demo base). Two matmuls read it
-twice, or once and a |W_A| block from cache; `torch.compile` reaches one read but with float32 vector code. This
+twice, or once and a |W_A| block from cache; `torch.compile` reaches one read but with float32 vector code. The first
 kernel takes every vocabulary row of W_A once into registers, clears the sign bits for |W| and feeds both to the
 dot-product instruction (`vdpbf16ps` for bf16, `vfmadd` for float32), accumulating in float32; the next rows are
 prefetched while the current ones are used. The vocabulary is split into one contiguous block per thread of
-PyTorch's OpenMP pool (ctypes releases the GIL for the call).
+PyTorch's OpenMP pool (ctypes releases the GIL for the call). The other two evaluate exp, log and atan as vector code
+of their own (range reduction and series, within a few float32 ulps, tested against float64).
 
 The C source is compiled once per machine on first use (about half a second, with the system's C compiler, as
-`torch.compile` needs one too) into a cache folder, written atomically. `cauchy_linear_cpu` returns None — and the
-caller takes its other path — when it does not apply: no compiler, no AVX-512 (no AVX512-BF16 for bf16), a weight
-that is not a contiguous bf16 or float32 CPU matrix, or more rows than `MAX_ROWS` (beyond, two matmuls are faster:
-the kernel is then bound by its products, two per weight where a matmul does one).
+`torch.compile` needs one too) into a cache folder, written atomically. Each function returns None (or its
+`..._kernel` lookup does) — and the caller takes its other path — when it does not apply: no compiler, no AVX-512 (no
+AVX512-BF16 for bf16), tensors of another dtype or device, or for the decode head a weight that is not contiguous
+or more rows than `MAX_ROWS` (beyond, two matmuls are faster: the kernel is then bound by its products, two per
+weight where a matmul does one).
 
 Shipped as remote code: imports only the standard library and torch.
 """
