@@ -2,7 +2,7 @@
 (demo base, bf16, batch 1, greedy, --new-tokens tokens).
 
 The OvR modes' decode step runs kernels the base does not: where the C kernels of ``cpu_kernel.py`` run, nothing is
-compiled at the first call (the C source itself is compiled once per machine, 0.4 s, into a cache that this bench
+compiled at the first call (the C source itself is compiled once per machine, about a second, into a cache that this bench
 warms first); elsewhere the decision scores go through ``torch.compile``, whose first call compiles. The variant
 "standard (compiled scores)" forces that path to show its cost. Each variant runs in its own process with an empty
 TorchInductor cache (--warm-inductor: one shared cache, filled by an untimed first round), so the figure is what a

@@ -14,7 +14,7 @@ prefetched while the current ones are used. The vocabulary is split into one con
 PyTorch's OpenMP pool (ctypes releases the GIL for the call). The other two evaluate exp, log and atan as vector code
 of their own (range reduction and series, within a few float32 ulps, tested against float64).
 
-The C source is compiled once per machine on first use (about half a second, with the system's C compiler, as
+The C source is compiled once per machine on first use (about a second, with the system's C compiler, as
 `torch.compile` needs one too) into a cache folder, written atomically. Each function returns None (or its
 `..._kernel` lookup does) — and the caller takes its other path — when it does not apply: no compiler, no AVX-512 (no
 AVX512-BF16 for bf16), tensors of another dtype or device, or for the decode head a weight that is not contiguous
