@@ -331,8 +331,11 @@ DEFINE_SCORES(F32)
    b [w] (float32, or NULL), the rows' log-partition lse [r], thresholds (one, or w), col [r] (the target's column
    in this block or −1), degenerate [w] (zero rows of W_A, or NULL). Out, as lm_loss's torch code computes them:
    d = ce·(softmax − onehot) (+ of·π ∂ℓ/∂loc_S when the OvR loss trains the locations) and g = −π ∂ℓ/∂scale_S, [r, w];
-   per row (rows_out, 4 × r): the target's logit, Σ log a (a = 1 − P off target, P_y on it), Σ (1 − a), P_y; per
-   column (one [w] row per thread, summed by the caller): Σ d and Σ −π ∂ℓ/∂loc_S. Rows are split across threads. */
+   per row (rows_out, 4 × r): the target's logit, Σ log a (a = 1 − P off target, P_y on it), Σ (1 − a), P_y, each
+   term with the digits of a small P kept (losses.ovr_tile's `precise`); per column (one [w] row per thread, summed
+   by the caller): Σ d and Σ −π ∂ℓ/∂loc_S. Rows are split across threads. Also the OvR loss alone of
+   losses.chunked_ovr_loss: loc = W loc_U + b − C (− offset) already, no bias, threshold 0, absolute, ce = 0 and
+   of = 1 (so that d = π ∂ℓ/∂loc_S). */
 enum { TILE_OVR = 1, TILE_D = 2, TILE_OVR_GRADS = 4, TILE_OVR_LOCATES = 8, TILE_COL_D = 16, TILE_COL_T = 32 };
 
 #define STORE16_BF16(p, m, v) _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v))
@@ -369,13 +372,16 @@ enum { TILE_OVR = 1, TILE_D = 2, TILE_OVR_GRADS = 4, TILE_OVR_LOCATES = 8, TILE_
                         __m512 c = thr_per_token ? _mm512_maskz_loadu_ps(m, thr + j) : _mm512_set1_ps(thr[0]);        \
                         __m512 z = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(x, c), shift), sv);                      \
                         z = _mm512_mask_sub_ps(z, hit, zero, z); /* the target's term is on the other side */       \
+                        /* a = atan2(1, z)/π, u = 1 − a = atan2(1, −z)/π: one is `small`, the other 1 − small, */   \
+                        /* so the small one keeps its digits, and log a = log1p(−small) where a is near 1 */           \
                         __m512 small = v_small_angle(_mm512_abs_ps(z));                                                \
                         __mmask16 pos = _mm512_cmp_ps_mask(z, zero, _CMP_GE_OQ);                                      \
-                        __m512 a = _mm512_mask_blend_ps(pos, _mm512_sub_ps(one, small), small); /* atan2(1, z)/π */  \
-                        a = _mm512_mask_mov_ps(one, m, a); /* lanes past the end: log 1 = 0, 1 − 1 = 0 */             \
+                        __m512 big = _mm512_sub_ps(one, small);                                                       \
+                        __m512 a = _mm512_mask_blend_ps(pos, big, small), u = _mm512_mask_blend_ps(pos, small, big);   \
+                        __m512 log_a = _mm512_mask_blend_ps(pos, v_log1p_small(_mm512_sub_ps(zero, small)), v_log(small)); \
                         acc_p = _mm512_mask_add_ps(acc_p, hit, acc_p, a);                                             \
-                        acc_u = _mm512_add_ps(acc_u, _mm512_sub_ps(one, a));                                          \
-                        acc_log = _mm512_add_ps(acc_log, v_log(a));                                                    \
+                        acc_u = _mm512_mask_add_ps(acc_u, m, acc_u, u);                                               \
+                        acc_log = _mm512_mask_add_ps(acc_log, m, acc_log, log_a);                                     \
                         if (flags & TILE_OVR_GRADS) {                                                                 \
                             /* π ∂ℓ/∂z = 1/(a + z·(z·a)): the product form of cauchy's ovr_tile */                   \
                             __m512 t = _mm512_div_ps(_mm512_div_ps(one, _mm512_fmadd_ps(_mm512_mul_ps(z, a), z, a)), sv); \

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_log_probs, ovr_probs, ovr_standardize
+from .cpu_kernel import TILE_COL_D, TILE_D, TILE_OVR, TILE_OVR_GRADS, TILE_OVR_LOCATES, loss_tile, loss_tile_kernel
 
 OVR_CHUNK_TOKENS = 1024  # tokens per tile of `chunked_ovr_loss`, whose tiles are [tokens × 2,048 vocabulary rows]
 
@@ -200,6 +201,17 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     want_grads = any(g is not None for g in (g_loc, g_scale, g_shift, grad_W))
+    # The tile's elementwise work in one pass of C where it runs (cpu_kernel.loss_tile, always with the digits of
+    # `precise`) on x = loc_S − C (− offset): t gets π ∂ℓ/∂loc_S (ce = 0, of = 1), x is overwritten by
+    # −π ∂ℓ/∂scale_S, as ovr_tile leaves them.
+    tile_kernel = loss_tile_kernel(dtype) if dev.type == "cpu" and dtype == torch.float32 else None
+    if tile_kernel is not None:
+        threads = torch.get_num_threads()
+        flags = TILE_OVR | (TILE_D | TILE_OVR_GRADS | TILE_OVR_LOCATES) * want_grads | TILE_COL_D * (g_shift is not None)
+        rows_out = torch.empty(4 * chunk, dtype=dtype, device=dev)
+        col_sums = torch.empty(2, threads * vblock, dtype=dtype, device=dev)
+        no_threshold = torch.zeros(1, dtype=dtype, device=dev)
+        no_lse = torch.zeros(chunk, dtype=dtype, device=dev)  # read by the kernel, used only with ce > 0 or relative
 
     for v0 in range(0, vocab if n_valid else 0, vblock):  # no valid token: nothing to add
         v1 = min(v0 + vblock, vocab)
@@ -216,11 +228,26 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             if offset is not None:
                 x.sub_(offset[r0:r1])
             torch.mm(scale[r0:r1], abs_w.T, out=s)
-            col, hit, flip = target_columns(targets[r0:r1], v0, w, dtype)
-            neg_log, u_rows, p_y = ovr_tile(x, s, col, hit, flip, a, t, u, degenerate, want_grads, precise)
-            neg_log_sum += neg_log
-            u_row_sum[r0:r1] += u_rows
-            p_target[r0:r1] += p_y
+            if tile_kernel is not None:
+                r = r1 - r0
+                col = targets[r0:r1] - v0
+                col = torch.where((col >= 0) & (col < w), col, -1)
+                zero = torch.zeros(w, dtype=torch.bool, device=dev).index_fill_(0, degenerate, True) if degenerate.numel() else None
+                cols = col_sums[:, : threads * w].view(2, threads, w)
+                if g_shift is not None:
+                    cols.zero_()
+                loss_tile(tile_kernel, x, None, no_lse, no_threshold, False, s, col, zero, 0.0, 1.0, flags, t, x,
+                          rows_out[: 4 * r], cols[0], cols[1], threads)
+                sums = rows_out[: 4 * r].view(4, r)
+                neg_log_sum -= sums[1].sum(dtype=torch.float64)
+                u_row_sum[r0:r1] += sums[2]
+                p_target[r0:r1] += sums[3]
+            else:
+                col, hit, flip = target_columns(targets[r0:r1], v0, w, dtype)
+                neg_log, u_rows, p_y = ovr_tile(x, s, col, hit, flip, a, t, u, degenerate, want_grads, precise)
+                neg_log_sum += neg_log
+                u_row_sum[r0:r1] += u_rows
+                p_target[r0:r1] += p_y
             if want_grads:
                 if grad_W is not None:
                     acc_l.addmm_(t.T, loc[r0:r1])
@@ -230,7 +257,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
                 if g_scale is not None:
                     g_scale[r0:r1].addmm_(x, abs_w)
                 if g_shift is not None:
-                    g_shift[v0:v1] += t.sum(0)
+                    g_shift[v0:v1] += t.sum(0) if tile_kernel is None else cols[0].sum(0)
         if grad_W is not None:
             # ∂/∂W of |W|·scale is sign(W)·(…); the scale path carries a minus sign (see above).
             acc_l.sub_(acc_s.mul_(torch.sign(w_blk, out=abs_w)))
