@@ -4,7 +4,8 @@
   read of a bf16 (AVX512-BF16) or float32 W_A, for 1 to `MAX_ROWS` rows (docs/design.md, Decoding cost);
 - `ovr_scores_cpu`: `cauchy.ovr_decision_scores`, the OvR modes' logits of a decode step, in a few passes over the
   row with nothing to compile at the first call;
-- `loss_tile`: pass B of `lm_loss.chunked_lm_loss` on one (token × vocabulary) tile in one pass.
+- `loss_tile`: pass B of `lm_loss.chunked_lm_loss` on one (token × vocabulary) tile in one pass (and the tiles of
+  `losses.chunked_ovr_loss`, the OvR loss alone).
 
 A decode step of an OvR mode is bound by reading W_A (V × C, 272 MB in bf16 for the demo base). Two matmuls read it
 twice, or once and a |W_A| block from cache; `torch.compile` reaches one read but with float32 vector code. The first
