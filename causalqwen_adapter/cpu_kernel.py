@@ -415,11 +415,44 @@ enum { TILE_OVR = 1, TILE_D = 2, TILE_OVR_GRADS = 4, TILE_OVR_LOCATES = 8, TILE_
 
 DEFINE_TILE_LOSS(BF16)
 DEFINE_TILE_LOSS(F32)
+
+/* Pass A's logsumexp of one block of the training loss: lse[i·stride] = log Σ_j exp(loc[i, j] + b[j]) over a [r, w]
+   block (b NULL: none). With store_bias, b is added into loc in place (float32 logits keep it for pass B). */
+#define DEFINE_BLOCK_LSE(E)                                                                                           \
+    void cq_block_lse_##E(E##_T *loc, const float *bias, int store_bias, int64_t r, int64_t w, float *lse,           \
+                          int64_t stride, int threads) {                                                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                             \
+        for (int64_t i = 0; i < r; i++) {                                                                             \
+            E##_T *l = loc + i * w;                                                                                   \
+            __m512 top = _mm512_set1_ps(-__builtin_inff()), total = _mm512_setzero_ps();                              \
+            for (int64_t j = 0; j < w; j += 16) {                                                                     \
+                const __mmask16 m = MASK16(j, w);                                                                     \
+                __m512 x = LOAD16_##E(l + j, m, -__builtin_inff());                                                   \
+                if (bias) x = _mm512_mask_add_ps(x, m, x, _mm512_maskz_loadu_ps(m, bias + j));                       \
+                if (bias && store_bias) STORE16_##E(l + j, m, x);                                                     \
+                top = _mm512_max_ps(top, x);                                                                          \
+            }                                                                                                         \
+            const float t = _mm512_reduce_max_ps(top);                                                                \
+            const __m512 t_v = _mm512_set1_ps(t);                                                                     \
+            const float *b = bias && !store_bias ? bias : 0;                                                          \
+            for (int64_t j = 0; j < w; j += 16) {                                                                     \
+                const __mmask16 m = MASK16(j, w);                                                                     \
+                __m512 x = LOAD16_##E(l + j, m, -__builtin_inff());                                                   \
+                if (b) x = _mm512_mask_add_ps(x, m, x, _mm512_maskz_loadu_ps(m, b + j));                             \
+                total = _mm512_add_ps(total, v_exp(_mm512_sub_ps(x, t_v)));                                           \
+            }                                                                                                         \
+            lse[i * stride] = t + logf(_mm512_reduce_add_ps(total));                                                  \
+        }                                                                                                             \
+    }
+
+DEFINE_BLOCK_LSE(BF16)
+DEFINE_BLOCK_LSE(F32)
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 _state = {"lib": None, "tried": False}
-_Kernels = namedtuple("_Kernels", "loc_scale scores loss_tile")  # the C functions for one element type
+_Kernels = namedtuple("_Kernels", "loc_scale scores loss")  # the C functions for one element type
+_LossKernels = namedtuple("_LossKernels", "tile block_lse")
 _lock = threading.Lock()
 
 
@@ -496,7 +529,10 @@ def _load():
                 loss_tile.argtypes = [ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, i64, ctypes.c_float,
                                       ctypes.c_float, c_int, ptr, ptr, ptr, ptr, ptr, c_int]
                 loss_tile.restype = None
-                kernels[dtype] = _Kernels(loc_scale, scores, loss_tile)
+                block_lse = getattr(lib, "cq_block_lse_" + suffix)
+                block_lse.argtypes = [ptr, ptr, c_int, i64, i64, ptr, i64, c_int]
+                block_lse.restype = None
+                kernels[dtype] = _Kernels(loc_scale, scores, _LossKernels(loss_tile, block_lse))
         _state["lib"] = kernels or None
         return _state["lib"]
 
@@ -572,10 +608,14 @@ TILE_OVR, TILE_D, TILE_OVR_GRADS, TILE_OVR_LOCATES, TILE_COL_D, TILE_COL_T = 1, 
 
 
 def loss_tile_kernel(dtype: torch.dtype):
-    """The C function of one tile of `lm_loss.chunked_lm_loss` (pass B) for products in ``dtype``, or None where it
-    does not run (the caller runs its torch code). Called through `loss_tile`."""
+    """The C functions of the training loss's tiles (`loss_tile`, `block_logsumexp`) for products in ``dtype``, or
+    None where they do not run (the caller runs its torch code)."""
     kernels = (_load() or {}).get(dtype)
-    return None if kernels is None else kernels.loss_tile
+    return None if kernels is None else kernels.loss
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
 
 
 def loss_tile(kernel, loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d, g, rows_out, col_d,
@@ -583,9 +623,13 @@ def loss_tile(kernel, loc, bias, lse, thr, relative, scale, col, degenerate, ce,
     """Runs ``kernel`` (`loss_tile_kernel`) on one tile: every tensor contiguous, on the CPU, those of [r, w] in the
     kernel's dtype, the others float32 (col int64, degenerate bool); None for what the flags leave out."""
     r, w = loc.shape
+    kernel.tile(_ptr(loc), _ptr(bias), _ptr(lse), _ptr(thr), int(thr.numel() > 1), int(relative), _ptr(scale),
+                _ptr(col), _ptr(degenerate), r, w, ce, of, flags, _ptr(d), _ptr(g), _ptr(rows_out), _ptr(col_d),
+                _ptr(col_t), threads)
 
-    def ptr(t):
-        return None if t is None else t.data_ptr()
 
-    kernel(ptr(loc), ptr(bias), ptr(lse), ptr(thr), int(thr.numel() > 1), int(relative), ptr(scale), ptr(col),
-           ptr(degenerate), r, w, ce, of, flags, ptr(d), ptr(g), ptr(rows_out), ptr(col_d), ptr(col_t), threads)
+def block_logsumexp(kernel, loc, bias, store_bias: bool, lse_column, threads):
+    """Pass A's logsumexp of a contiguous [r, w] block ``loc`` (+ ``bias`` [w] float32, added into ``loc`` in place
+    with ``store_bias``) into ``lse_column``, a float32 [r] column view (any row stride)."""
+    r, w = loc.shape
+    kernel.block_lse(_ptr(loc), _ptr(bias), int(store_bias), r, w, _ptr(lse_column), lse_column.stride(0), threads)

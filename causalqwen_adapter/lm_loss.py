@@ -29,6 +29,7 @@ from .cpu_kernel import (
     TILE_OVR,
     TILE_OVR_GRADS,
     TILE_OVR_LOCATES,
+    block_logsumexp,
     loss_tile,
     loss_tile_kernel,
 )
@@ -187,8 +188,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
             tile_threads = torch.get_num_threads()
             rows_out = torch.empty(4 * chunk, dtype=dtype, device=dev)
             col_sums = torch.empty(2, tile_threads * vblock, dtype=dtype, device=dev)
-            # stored float32 logits have b_A already (pass A); bf16 ones get it on reading
-            tile_bias = None if bias is None or mm_dtype == dtype else bias.to(dtype).contiguous()
+            bias_f = None if bias is None else bias.to(dtype).contiguous()
+            tile_bias = None if mm_dtype == dtype else bias_f  # stored float32 logits have b_A already (pass A)
             thr_tile = (thr.contiguous() if thr_per_token else
                         torch.as_tensor(thr, dtype=dtype, device=dev).reshape(1).contiguous())
             ce_tile, of_tile = float(ce_factor) if softmax_weight > 0 else 0.0, float(ovr_factor)
@@ -274,6 +275,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
             block_lse = loc.new_empty(r, len(blocks))
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass A
                 product(stored, loc_mm, lowered(weight[v0:v1], w_lo).T, overwrite=True)
+                if tile_kernel is not None:  # float32 logits keep b_A from here on, bf16 ones get it on reading
+                    block_logsumexp(tile_kernel, stored, None if bias_f is None else bias_f[v0:v1],
+                                    stored.dtype == dtype, block_lse[:, i], tile_threads)
+                    continue
                 if bias is not None and stored.dtype == dtype:
                     stored.add_(bias[v0:v1])
                 x = scores(stored, v0, v1)
