@@ -537,6 +537,11 @@ def _load():
         return _state["lib"]
 
 
+def _ptr(t):
+    """A tensor's address for ctypes, NULL for None."""
+    return None if t is None else t.data_ptr()
+
+
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this machine runs the kernel for weights of ``dtype``: x86-64 with a C compiler, and AVX-512 (float32)
     or AVX512-BF16 (bfloat16)."""
@@ -566,9 +571,8 @@ def cauchy_linear_cpu(loc_U, scale_U, weight, bias):
     bias = None if bias is None else bias.detach().to(dtype).contiguous()
     loc_S = torch.empty(rows, vocab, dtype=dtype)
     scale_S = torch.empty(rows, vocab, dtype=dtype)
-    kernels.loc_scale(weight.data_ptr(), vocab, size, x_loc.data_ptr(), x_scale.data_ptr(), rows,
-           None if bias is None else bias.data_ptr(), loc_S.data_ptr(), scale_S.data_ptr(),
-           max(1, min(torch.get_num_threads(), vocab // 1024)))
+    kernels.loc_scale(_ptr(weight), vocab, size, _ptr(x_loc), _ptr(x_scale), rows, _ptr(bias), _ptr(loc_S),
+                      _ptr(scale_S), max(1, min(torch.get_num_threads(), vocab // 1024)))
     return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
 
 
@@ -612,10 +616,6 @@ def loss_tile_kernel(dtype: torch.dtype):
     None where they do not run (the caller runs its torch code)."""
     kernels = (_load() or {}).get(dtype)
     return None if kernels is None else kernels.loss
-
-
-def _ptr(t):
-    return None if t is None else t.data_ptr()
 
 
 def loss_tile(kernel, loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d, g, rows_out, col_d,

@@ -28,7 +28,7 @@ from .cpu_kernel import cauchy_linear_cpu
 
 # Decoding runs compiled kernels: one read of W_A for loc_S and scale_S (cpu_kernel.cauchy_linear_cpu for a bf16 or
 # float32 W_A on AVX-512 CPUs, else cauchy.cauchy_linear_fused up to 4 rows), and the OvR modes' scores in one pass
-# (cauchy.ovr_decision_scores); CAUSALQWEN_FUSED_DECODE=0 runs them eager.
+# (cpu_kernel.ovr_scores_cpu, else cauchy.ovr_decision_scores compiled); CAUSALQWEN_FUSED_DECODE=0 runs them eager.
 _FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
 _FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
 

@@ -33,7 +33,16 @@ from .cpu_kernel import (
     loss_tile,
     loss_tile_kernel,
 )
-from .losses import DecisionHead, check_head_inputs, chunk_tokens, ovr_tile, target_columns, zero_rows
+from .losses import (
+    DecisionHead,
+    check_head_inputs,
+    chunk_tokens,
+    kernel_target_columns,
+    ovr_tile,
+    target_columns,
+    zero_row_mask,
+    zero_rows,
+)
 
 
 def chunked_lm_loss(
@@ -147,8 +156,17 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
         # tokens per chunk) and read in float32, plus b_A, one block at a time.
         logits_buf = torch.empty(chunk * vocab if n_valid else 0, dtype=logits_dtype(mm_dtype, dtype), device=dev)
-        d_buf, s_buf, a_buf, t_buf, u_buf, x_buf = (
-            torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(6))
+        # Pass B's elementwise work (and pass A's logsumexp) in one pass of C where it runs (cpu_kernel.loss_tile):
+        # the torch code makes about twenty passes over each tile. Its operands and results stay in the products'
+        # dtype.
+        tile_kernel = None
+        if dev.type == "cpu" and dtype == torch.float32 and logits_dtype(mm_dtype, dtype) == mm_dtype:
+            tile_kernel = loss_tile_kernel(mm_dtype)
+        # float32 tiles: every one for the torch code, three for the C one when its products are float32
+        torch_tile = chunk * vblock if tile_kernel is None else 0
+        c_tile = chunk * vblock if tile_kernel is not None and mm_dtype == dtype else 0
+        d_buf, s_buf, a_buf = (torch.empty(torch_tile or c_tile, dtype=dtype, device=dev) for _ in range(3))
+        t_buf, u_buf, x_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(3))
         abs_buf = torch.empty(vblock, width, dtype=mm_dtype, device=dev)
         # Every tile-sized tensor of the loop lives in a buffer allocated once: a fresh multi-MiB tensor per block
         # costs its page faults each time, more than the elementwise work on it. With narrower products, their
@@ -171,13 +189,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
         p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
         blocks = [(v0, min(v0 + vblock, vocab)) for v0 in range(0, vocab, vblock)]
-        degenerate = [None] * len(blocks)  # `zero_rows` of each block, found in the first chunk
-
-        # Pass B's elementwise work in one pass of C where it runs (cpu_kernel.loss_tile): the torch code makes about
-        # twenty passes over each tile. Its operands and results stay in the products' dtype.
-        tile_kernel = None
-        if dev.type == "cpu" and dtype == torch.float32 and logits_dtype(mm_dtype, dtype) == mm_dtype:
-            tile_kernel = loss_tile_kernel(mm_dtype)
+        # `zero_rows` of each block (as the C tile's mask there), found in the first chunk
+        degenerate = [None] * len(blocks)
         g_lo = torch.empty(chunk * vblock if low and tile_kernel is None else 0, dtype=mm_dtype, device=dev)
         if tile_kernel is not None:
             tile_flags = (TILE_OVR * ovr | TILE_D * need_D | TILE_OVR_GRADS * ovr_grads
@@ -242,17 +255,14 @@ class _ChunkedLMLoss(torch.autograd.Function):
             nonlocal nll_sum, ovr_sum
             w = v1 - v0
             s = torch.mm(scale_mm, abs_w.T, out=s_tile[: r * w].view(r, w)) if ovr else None
-            col = tgt - v0
-            col = torch.where((col >= 0) & (col < w), col, -1)
-            zero = degenerate[i] if ovr else None
-            zero = torch.zeros(w, dtype=torch.bool, device=dev).index_fill_(0, zero, True) if ovr and zero.numel() else None
             d = d_tile[: r * w].view(r, w) if need_D else None
             g = g_tile[: r * w].view(r, w) if ovr_grads else None
             cols = col_sums[:, : tile_threads * w].view(2, tile_threads, w)  # [sum, thread, column], each contiguous
             if tile_flags & (TILE_COL_D | TILE_COL_T):
                 cols.zero_()
             loss_tile(tile_kernel, stored, None if tile_bias is None else tile_bias[v0:v1], lse,
-                      thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, col, zero, ce_tile, of_tile,
+                      thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, kernel_target_columns(tgt, v0, w),
+                      degenerate[i], ce_tile, of_tile,
                       tile_flags, d, g, rows_out[: 4 * r], cols[0], cols[1], tile_threads)
             sums = rows_out[: 4 * r].view(4, r)
             nll_sum -= sums[0].sum(dtype=torch.float64)
@@ -293,7 +303,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 w_blk = lowered(weight[v0:v1], w_lo)
                 abs_w = torch.abs(w_blk, out=abs_buf[:w]) if ovr else None
                 if ovr and first:
-                    degenerate[i] = zero_rows(abs_w)
+                    zero = zero_rows(abs_w)
+                    degenerate[i] = zero if tile_kernel is None else zero_row_mask(zero, w)
                 tile = tile_c if tile_kernel is not None else tile_torch
                 x_mm, d_mm, d_cols = tile(i, v0, v1, stored, abs_w, r, r0, r1, tgt, scale_mm)
                 if ovr_grads and g_scale is not None:

@@ -219,6 +219,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
         w_blk = weight[v0:v1].to(dtype)
         abs_w = torch.abs(w_blk, out=abs_buf[:w])
         degenerate = zero_rows(abs_w)
+        zero_mask = zero_row_mask(degenerate, w) if tile_kernel is not None else None
         if grad_W is not None:
             acc_l, acc_s = acc_loc[:w].zero_(), acc_scale[:w].zero_()
         for r0 in range(0, n_valid, chunk):
@@ -230,13 +231,11 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             torch.mm(scale[r0:r1], abs_w.T, out=s)
             if tile_kernel is not None:
                 r = r1 - r0
-                col = targets[r0:r1] - v0
-                col = torch.where((col >= 0) & (col < w), col, -1)
-                zero = torch.zeros(w, dtype=torch.bool, device=dev).index_fill_(0, degenerate, True) if degenerate.numel() else None
                 cols = col_sums[:, : threads * w].view(2, threads, w)
                 if g_shift is not None:
                     cols.zero_()
-                loss_tile(tile_kernel, x, None, no_lse, no_threshold, False, s, col, zero, 0.0, 1.0, flags, t, x,
+                loss_tile(tile_kernel, x, None, no_lse, no_threshold, False, s,
+                          kernel_target_columns(targets[r0:r1], v0, w), zero_mask, 0.0, 1.0, flags, t, x,
                           rows_out[: 4 * r], cols[0], cols[1], threads)
                 sums = rows_out[: 4 * r].view(4, r)
                 neg_log_sum -= sums[1].sum(dtype=torch.float64)
@@ -269,6 +268,18 @@ def zero_rows(abs_w: torch.Tensor) -> torch.Tensor:
     """Indices of the all-zero rows of a block of |W_A| (a padding embedding). There scale_S = 0 and P is a step in
     loc_S, whose derivative is 0 (a Dirac at the step itself, which no finite gradient can represent)."""
     return (abs_w.sum(1) == 0).nonzero().squeeze(1)
+
+
+def zero_row_mask(zero: torch.Tensor, width: int) -> torch.Tensor | None:
+    """`zero_rows`' indices as the [width] bool mask `cpu_kernel.loss_tile` reads, None when there are none."""
+    return torch.zeros(width, dtype=torch.bool, device=zero.device).index_fill_(0, zero, True) if zero.numel() else None
+
+
+def kernel_target_columns(targets: torch.Tensor, v0: int, width: int) -> torch.Tensor:
+    """`target_columns` as `cpu_kernel.loss_tile` reads them: the target's column in the block [v0, v0 + width) per
+    row, −1 where it lies outside."""
+    col = targets - v0
+    return torch.where((col >= 0) & (col < width), col, -1)
 
 
 def target_columns(targets: torch.Tensor, v0: int, width: int, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
