@@ -6,6 +6,11 @@ Forward + backward (float32 by default) on the real head shape (V = 151936, C = 
   (c) ``chunked_ovr_loss``: the OvR loss alone, every head tensor trained by it (distillation's kernel)
   (d) ``chunked_lm_loss`` as ``forward(labels=...)`` runs it with the config's defaults: cross-entropy of loc_S
       (weight ``softmax_loss_weight``) + the OvR loss on the scale path, relative thresholds, one fused pass
+  (p) the three N × V × C products of (a) alone (logits, ∂hidden, ∂W), operands in the products' dtype
+  (q) the five N × V × C products of (d) alone (loc_S, scale_S, ∂scale_U, ∂loc_U, ∂W) on the rows (d) scores (the
+      labelled 7/8), with (d)'s chunks, blocks, |W| block and accumulation (`lm_loss._product`), on random tiles:
+      q/a is the floor the design's math sets for d/a (its products alone against the reference's whole work),
+      q/p the two sides' products alone, d/q what (d) spends beyond its products
 
 ``--dtype bfloat16`` stores the weight and the activations in bfloat16 (a bfloat16 model: lm_head's product in
 bfloat16, the losses' own math in float32); ``--autocast`` keeps them float32 and runs every variant under bfloat16
@@ -36,7 +41,7 @@ from stats import round_ratios, spread
 
 V, C = 151936, 896
 VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss",
-            "d": "forward(labels) loss"}
+            "d": "forward(labels) loss", "p": "(a)'s 3 products alone", "q": "(d)'s 5 products alone"}
 
 
 def _peak_rss_mib() -> float:
@@ -52,8 +57,8 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
 
     from causalqwen_adapter.cauchy import cauchy_linear, fuse_noise, ovr_loss
     from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
-    from causalqwen_adapter.lm_loss import chunked_lm_loss
-    from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss
+    from causalqwen_adapter.lm_loss import _product, chunked_lm_loss, logits_dtype
+    from causalqwen_adapter.losses import DecisionHead, chunk_tokens, chunked_ovr_loss
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -63,7 +68,47 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
     weight = torch.randn(V, C).mul_(0.02).requires_grad_()
     labels = torch.randint(0, V, (n,))
     labels[: n // 8] = -100  # a prompt part, as in SFT
-    if variant == "a":
+    # the products' dtype: the weights', or bfloat16 under autocast (lm_head's and (d)'s both)
+    mm = torch.bfloat16 if autocast else weight.dtype
+    if variant in "pq":  # products only: operands cast before the clock starts, outputs as (a) and (d) keep them
+        w_mm = weight.detach().to(mm)
+        a_mm, b_mm = torch.randn(n, C, dtype=mm), torch.rand(n, C, dtype=mm)
+        params = ()
+    if variant == "p":
+        grad = torch.randn(n, V, dtype=mm)
+
+        def step():  # fresh outputs, as autograd's
+            logits, _, _ = a_mm @ w_mm.T, grad @ w_mm, grad.T @ a_mm
+            return logits[0, 0]
+    elif variant == "q":
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        rows = n - n // 8  # (d) drops the unlabelled positions before its products
+        chunk = min(rows, chunk_size or chunk_tokens(V, logits_dtype(mm, dtype).itemsize))
+        chunk = -(-rows // -(-rows // chunk))  # equal chunks, as chunked_lm_loss makes them
+        block = vocab_chunk_size or 4096
+        tile = torch.randn(chunk * block, dtype=mm)  # stands for the tile's ∂ℓ/∂scale_S and D
+        scratch = torch.empty(max(chunk * block, block * C), dtype=mm)
+        logits = torch.empty(chunk * V, dtype=logits_dtype(mm, dtype))
+        s_out, abs_w = torch.empty(chunk * block, dtype=dtype), torch.empty(block, C, dtype=mm)
+
+        def step():
+            g_loc, g_scale = torch.zeros(rows, C, dtype=dtype), torch.zeros(rows, C, dtype=dtype)
+            grad_W = torch.empty(V, C, dtype=weight.dtype if weight.dtype == mm else dtype)
+            for r0 in range(0, rows, chunk):
+                r1 = min(r0 + chunk, rows)
+                r = r1 - r0
+                for v0 in range(0, V, block):  # pass A
+                    v1 = min(v0 + block, V)
+                    _product(logits[r * v0 : r * v1].view(r, v1 - v0), a_mm[r0:r1], w_mm[v0:v1].T, True, scratch)
+                for v0 in range(0, V, block):  # pass B
+                    v1 = min(v0 + block, V)
+                    t, w_abs = tile[: r * (v1 - v0)].view(r, v1 - v0), torch.abs(w_mm[v0:v1], out=abs_w[: v1 - v0])
+                    _product(s_out[: r * (v1 - v0)].view(r, v1 - v0), b_mm[r0:r1], w_abs.T, True, scratch)
+                    _product(g_scale[r0:r1], t, w_abs, False, scratch)
+                    _product(g_loc[r0:r1], t, w_mm[v0:v1], False, scratch)
+                    _product(grad_W[v0:v1], t.T, a_mm[r0:r1], r0 == 0, scratch)
+            return g_loc[0, 0] + g_scale[0, 0] + grad_W[0, 0]
+    elif variant == "a":
         hidden = torch.randn(n, C).requires_grad_()
         params = (hidden, weight)
 
@@ -104,7 +149,8 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
         start, cpu_start = time.perf_counter(), time.process_time()
         with precision:
             loss = step()
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
     return {"variant": variant, "n": n, "time_s": min(times[1:]), "first_s": times[0], "cpu_s": min(cpu_times[1:]),
@@ -146,7 +192,7 @@ def main():
                 print(f"N={n} run {run + 1} ({v}) {VARIANTS[v]:<26} time {r['time_s']:7.2f} s (first {r['first_s']:.2f} s, "
                       f"cpu {r['cpu_s']:.2f} s)  extra peak {r['extra_mib']:8.0f} MiB  whole-process peak "
                       f"{r['peak_mib']:8.0f} MiB", flush=True)
-        for mine, other in (("c", "a"), ("c", "b"), ("d", "a")):
+        for mine, other in (("c", "a"), ("c", "b"), ("d", "a"), ("q", "p"), ("q", "a"), ("d", "q")):
             c, o = results.get(mine, []), results.get(other, [])
             if len(c) == len(o) and c:
                 print(f"N={n} {mine}/{other}, median (min–max) over {len(c)} runs: "
