@@ -57,7 +57,7 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
 
     from causalqwen_adapter.cauchy import cauchy_linear, fuse_noise, ovr_loss
     from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
-    from causalqwen_adapter.lm_loss import _product, chunked_lm_loss, logits_dtype
+    from causalqwen_adapter.lm_loss import _product, chunked_lm_loss, equal_chunk_size, logits_dtype
     from causalqwen_adapter.losses import DecisionHead, chunk_tokens, chunked_ovr_loss
 
     torch.set_num_threads(2)
@@ -72,7 +72,7 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
     mm = torch.bfloat16 if autocast else weight.dtype
     if variant in "pq":  # products only: operands cast before the clock starts, outputs as (a) and (d) keep them
         w_mm = weight.detach().to(mm)
-        a_mm, b_mm = torch.randn(n, C, dtype=mm), torch.rand(n, C, dtype=mm)
+        a_mm = torch.randn(n, C, dtype=mm)
         params = ()
     if variant == "p":
         grad = torch.randn(n, V, dtype=mm)
@@ -82,9 +82,9 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
             return logits[0, 0]
     elif variant == "q":
         dtype = torch.promote_types(weight.dtype, torch.float32)
-        rows = n - n // 8  # (d) drops the unlabelled positions before its products
-        chunk = min(rows, chunk_size or chunk_tokens(V, logits_dtype(mm, dtype).itemsize))
-        chunk = -(-rows // -(-rows // chunk))  # equal chunks, as chunked_lm_loss makes them
+        rows = int((labels != -100).sum())  # (d) drops the unlabelled positions before its products
+        chunk = equal_chunk_size(rows, chunk_size or chunk_tokens(V, logits_dtype(mm, dtype).itemsize))
+        b_mm = torch.rand(rows, C, dtype=mm)
         block = vocab_chunk_size or 4096
         tile = torch.randn(chunk * block, dtype=mm)  # stands for the tile's ∂ℓ/∂scale_S and D
         scratch = torch.empty(max(chunk * block, block * C), dtype=mm)

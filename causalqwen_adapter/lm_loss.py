@@ -98,6 +98,13 @@ def chunked_lm_loss(
     return loss, {k: v for k, v in zip(names, stats) if scale_U is not None or k not in ("target_prob", "ovr_prob_sum")}
 
 
+def equal_chunk_size(n: int, chunk: int) -> int:
+    """Tokens per chunk when ``n`` tokens are cut into as many equal chunks as ``chunk`` tokens each need (no small
+    last one); 1 when there are none."""
+    chunk = max(1, min(chunk, n))
+    return -(-n // -(-n // chunk)) if n else 1
+
+
 def logits_dtype(matmul_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     """The dtype a chunk's logits are kept in: the products' when narrower than the float32 math, else the math's."""
     return matmul_dtype if matmul_dtype.itemsize < dtype.itemsize else dtype
@@ -151,8 +158,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             grad_W = (torch.empty if need_D and n_valid else torch.zeros)(vocab, width, dtype=grad_dtype, device=dev)
         scale_path_W = ovr_locates and need_W
 
-        chunk, vblock = max(1, min(chunk, n_valid)), min(vblock, vocab)
-        chunk = -(-n_valid // -(-n_valid // chunk)) if n_valid else 1  # equal chunks: no small last one
+        chunk, vblock = equal_chunk_size(n_valid, chunk), min(vblock, vocab)
         # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
         # tokens per chunk) and read in float32, plus b_A, one block at a time.
         logits_buf = torch.empty(chunk * vocab if n_valid else 0, dtype=logits_dtype(mm_dtype, dtype), device=dev)
