@@ -25,6 +25,7 @@ from .cauchy import (
     softplus_inverse,
 )
 from .cpu_kernel import cauchy_linear_cpu
+from .sharding import HeadModule, full_tensor, gathered
 
 # Decoding runs compiled kernels: one read of W_A for loc_S and scale_S (cpu_kernel.cauchy_linear_cpu for a bf16 or
 # float32 W_A on AVX-512 CPUs, else cauchy.cauchy_linear_fused up to 4 rows), and the OvR modes' scores in one pass
@@ -69,14 +70,16 @@ class AbductionNetwork(nn.Module):
         self.scale.bias.fill_(softplus_inverse(gamma_init))
 
 
-class ActionNetwork(nn.Module):
+class ActionNetwork(HeadModule):
     """Cauchy linear law U ↦ S: loc_S = W_A loc_U' + b_A, scale_S = scale_U' |W_A|ᵀ, after noise fusion.
 
     `action_weight` says where W_A lives:
     - "full": a [V, C] parameter of its own (trained, saved);
     - "tied": the base's output-embedding tensor itself (shared, frozen, never saved);
     - "lora": W_base + B·A with A [r, C], B [V, r]; only A and B are trained and saved.
-    For "tied"/"lora" the model hands the module the base module holding W_base (`bind_base_weight`).
+    For "tied"/"lora" the model hands the module the base module holding W_base (`bind_base_weight`); under sharded
+    training W_base is gathered whole wherever the module reads it (it is frozen: no gradient to route back).
+    The losses read W_A, b_A and b_noise through `read` (`HeadModule`).
     """
 
     def __init__(self, causal_size: int, vocab_size: int, action_weight: str = "full", lora_rank: int = 16):
@@ -97,10 +100,11 @@ class ActionNetwork(nn.Module):
         self.__dict__["_base_owner"] = owner
 
     def effective_weight(self) -> torch.Tensor:
-        """W_A as used by the linear law (differentiable in its trainable parts)."""
+        """W_A as used by the linear law (differentiable in its trainable parts). Called inside the module's forward
+        (or `read`), where a sharded W_base is gathered."""
         if self.action_weight == "full":
             return self.weight
-        base = self._base_owner.weight
+        base = full_tensor(self._base_owner.weight)
         if self.action_weight == "tied":
             return base
         if torch.is_grad_enabled() and (self.lora_A.requires_grad or self.lora_B.requires_grad):
@@ -111,8 +115,16 @@ class ActionNetwork(nn.Module):
             self._merged_cache = (key, (base + self.lora_B @ self.lora_A).detach())
         return self._merged_cache[1]
 
-    def forward(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
-        """(loc_S, scale_S); `compatible` scores with loc_S alone, so its scale_S is None (not computed)."""
+    def forward(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None, read=None):
+        """(loc_S, scale_S); `compatible` scores with loc_S alone, so its scale_S is None (not computed). With `read`:
+        `read(self, loc_U, scale_U)` (`HeadModule.read`)."""
+        base = () if self._base_owner is None else (self._base_owner.weight,)
+        with gathered(*base):  # ZeRO-3: W_base whole for this call
+            if read is not None:
+                return read(self, loc_U, scale_U)
+            return self._linear_law(loc_U, scale_U, mode, temperature, noise)
+
+    def _linear_law(self, loc_U, scale_U, mode, temperature, noise):
         loc_U, scale_U = fuse_noise(loc_U, scale_U, self.b_noise, mode, temperature, noise)
         weight = self.effective_weight()
         if mode == "compatible":
@@ -147,9 +159,10 @@ class ActionNetwork(nn.Module):
         self.b_noise.fill_(b_noise_init)
 
 
-class OvRClassifier(nn.Module):
+class OvRClassifier(HeadModule):
     """One-vs-rest thresholds C_k: a scalar buffer, or one learnable value per vocabulary entry; `relative`
-    thresholds are compared with loc_S_k − logsumexp_j loc_S_j, the compatible model's log-probability."""
+    thresholds are compared with loc_S_k − logsumexp_j loc_S_j, the compatible model's log-probability. The losses
+    and the decision scores read the thresholds through `read` (`HeadModule`)."""
 
     def __init__(self, vocab_size: int, threshold_init: float, learnable: bool, relative: bool = False):
         super().__init__()
@@ -160,8 +173,11 @@ class OvRClassifier(nn.Module):
         else:
             self.register_buffer("threshold", torch.empty(()), persistent=False)
 
-    def forward(self, loc_S: torch.Tensor, scale_S: torch.Tensor) -> torch.Tensor:
-        """Standardized scores x_k = (loc_S_k − C_k) / scale_S_k in float32 (loc_S: full rows [..., V])."""
+    def forward(self, loc_S: torch.Tensor | None = None, scale_S: torch.Tensor | None = None, read=None):
+        """Standardized scores x_k = (loc_S_k − C_k) / scale_S_k in float32 (loc_S: full rows [..., V]). With `read`:
+        `read(self, *tensors)` for the tensors given (`HeadModule.read`)."""
+        if read is not None:
+            return read(self, *(t for t in (loc_S, scale_S) if t is not None))
         loc_S = torch.log_softmax(loc_S.float(), -1) if self.relative else loc_S.float()
         return ovr_standardize(loc_S, scale_S.float(), self.threshold.float())
 
@@ -170,7 +186,7 @@ class OvRClassifier(nn.Module):
         self.threshold.fill_(self.threshold_init)
 
 
-class NumericHead(nn.Module):
+class NumericHead(HeadModule):
     """Numbers in and out (docs/design.md, Numbers): the input direction d and the Cauchy regression head of `<NUM>` values.
 
     In: e = embed(token) + φ(v)·d, φ(v) = sign(v)·ln(1 + |v|), so v = 0 leaves the embedding exactly as it was.
@@ -185,7 +201,8 @@ class NumericHead(nn.Module):
         self.log_scale = nn.Parameter(torch.empty(()))
 
     def embed(self, inputs_embeds: torch.Tensor, numeric_values: torch.Tensor) -> torch.Tensor:
-        """e = embed(token) + φ(v)·d, for one value per token (checked: same shape, finite)."""
+        """e = embed(token) + φ(v)·d, for one value per token (checked: same shape, finite). Reads d: call it through
+        `read` under sharded training."""
         if numeric_values.shape != inputs_embeds.shape[:-1]:
             raise ValueError(
                 f"numeric_values has shape {tuple(numeric_values.shape)}, the input tokens "
@@ -195,8 +212,11 @@ class NumericHead(nn.Module):
         phi = signed_log1p(numeric_values.to(device=inputs_embeds.device, dtype=torch.float32)).unsqueeze(-1)
         return inputs_embeds + (phi * self.direction.float()).to(inputs_embeds.dtype)
 
-    def forward(self, loc_U: torch.Tensor, scale_U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loc_Y, scale_Y) in float32 from the fused individual (loc_U', scale_U')."""
+    def forward(self, loc_U: torch.Tensor, scale_U: torch.Tensor | None = None, read=None):
+        """(loc_Y, scale_Y) in float32 from the fused individual (loc_U', scale_U'). With `read`:
+        `read(self, *tensors)` for the tensors given (`HeadModule.read`)."""
+        if read is not None:
+            return read(self, *(t for t in (loc_U, scale_U) if t is not None))
         return cauchy_regression(loc_U.float(), scale_U.float(), self.weight.float(), self.bias.float(),
                                  self.log_scale.float())
 

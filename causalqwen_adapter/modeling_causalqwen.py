@@ -186,13 +186,15 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
                              "heads with numeric=True")
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
-        return None, self.numeric.embed(inputs_embeds, numeric_values)
+        return None, self.numeric.read(lambda numeric, embeds: numeric.embed(embeds, numeric_values), inputs_embeds)
 
     def numeric_prediction(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
         """(loc_Y, scale_Y) of numeric models, on U fused as the mode fuses it; (None, None) otherwise."""
         if not self.config.numeric:
             return None, None
-        return self.numeric.predict(loc_U, scale_U, self.action.b_noise, mode, temperature, noise)
+        return self.action.read(
+            lambda action, loc, scale: self.numeric.predict(loc, scale, action.b_noise, mode, temperature, noise),
+            loc_U, scale_U)
 
     def causal_heads(self, z, inference_mode="standard", causal_temperature=1.0, noise=None):
         """z ↦ (loc_U, scale_U, loc_S, scale_S): abduction, then the action network's noise fusion and linear law."""
@@ -212,7 +214,10 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         `cpu_kernel.ovr_scores_cpu` where it runs (nothing to compile at the first call), else a compiled one."""
         if inference_mode == "compatible":
             return loc_S
-        args = (loc_S, scale_S, self.ovr.threshold, self.ovr.relative, self.config.ovr_distribution)
+        return self.ovr.read(lambda ovr, loc, scale: self._decision_scores(loc, scale, ovr, log_P), loc_S, scale_S)
+
+    def _decision_scores(self, loc_S, scale_S, ovr, log_P):
+        args = (loc_S, scale_S, ovr.threshold, ovr.relative, self.config.ovr_distribution)
         if log_P is None and fused_decode_applies(self.config.vocab_size * self.config.causal_size, loc_S, scale_S):
             scores = ovr_scores_cpu(*args)
             if scores is None:
@@ -395,57 +400,72 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
         device = z.device.type
         matmul_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         with torch.autocast(device, enabled=False):
-            weight = self.action.effective_weight()  # W_A as used: own, the base's frozen tensor, or base + B·A
-            loc_U, scale_U = self.abduction(z.to(weight.dtype))
+            loc_U, scale_U = self.abduction(z.to(self.action.bias.dtype))
             count = torch.tensor(float(n), device=z.device)
             metrics = {
                 "units_mean_loc": _sum_count(loc_U.detach().float().mean(-1).sum(), count),
                 "units_mean_scale": _sum_count(scale_U.detach().float().mean(-1).sum(), count),
             }
-            # The cross-entropy of loc_S and the OvR loss in one chunked pass over W_A (lm_loss.py); the softmax
-            # objective is the same pass without the OvR term.
-            ovr = config.objective == "ovr"
-            loss, stats = chunked_lm_loss(
-                loc_U, scale_U if ovr else None, self._decision_head(weight), targets,
-                softmax_weight=config.softmax_loss_weight if ovr else 1.0,
-                ovr_trains_location=config.ovr_trains_location, relative_threshold=config.ovr_relative_threshold,
-                num_items_in_batch=denom, chunk_size=self.loss_chunk_size, matmul_dtype=matmul_dtype,
-            )
+
+            def loss_of(head: DecisionHead, b_noise, loc_U, scale_U):
+                # The cross-entropy of loc_S and the OvR loss in one chunked pass over W_A (lm_loss.py); the softmax
+                # objective is the same pass without the OvR term.
+                ovr = config.objective == "ovr"
+                loss, stats = chunked_lm_loss(
+                    loc_U, scale_U if ovr else None, head, targets,
+                    softmax_weight=config.softmax_loss_weight if ovr else 1.0,
+                    ovr_trains_location=config.ovr_trains_location, relative_threshold=config.ovr_relative_threshold,
+                    num_items_in_batch=denom, chunk_size=self.loss_chunk_size, matmul_dtype=matmul_dtype,
+                )
+                if config.numeric:  # λ · Σ NLL over the same denominator
+                    nll = self.numeric.nll(loc_U, scale_U, b_noise, targets, numeric_values, config.num_token_id)
+                    loss = loss + config.numeric_loss_weight * nll.sum() / denom
+                    stats["numeric_nll"] = nll.detach()
+                return loss, stats
+
+            loss, stats = self._with_decision_head(loss_of, loc_U, scale_U)
             # means per target, kept as sums: softmax_nll (free: the pass computes it whatever its weight), P_y, Σ_k P_k
             metrics.update({name: _sum_count(stats[name] * n, count)
                             for name in ("softmax_nll", "target_prob", "ovr_prob_sum") if name in stats})
-            if config.numeric:  # λ · Σ NLL over the same denominator
-                nll = self.numeric.nll(loc_U, scale_U, self.action.b_noise, targets, numeric_values,
-                                       config.num_token_id)
-                loss = loss + config.numeric_loss_weight * nll.sum() / denom
-                metrics["numeric_nll"] = _sum_count(nll.detach().sum(), torch.tensor(float(nll.numel()), device=z.device))
+            if "numeric_nll" in stats:
+                nll = stats["numeric_nll"]
+                metrics["numeric_nll"] = _sum_count(nll.sum(), torch.tensor(float(nll.numel()), device=z.device))
         return CausalQwenCausalLMOutput(loss=loss, metrics=metrics)
 
-    def _decision_head(self, weight, keep_location=True) -> DecisionHead:
-        """The action network's tensors as the losses read them; `weight` is W_A as used (own, tied or base + B·A)."""
+    def _with_decision_head(self, fn, loc_U, scale_U, keep_location=True):
+        """`fn(head, b_noise, loc_U, scale_U)` with the action network's tensors as the losses read them
+        (`losses.DecisionHead`: W_A as used — own, tied or base + B·A —, b_A, b_noise, the thresholds), computed
+        inside the forwards of the action network and the thresholds' module (`HeadModule.read`): where FSDP2 and
+        ZeRO-3 have gathered their parameters. Without `keep_location` W_A and b_A are detached."""
         location = (lambda t: t) if keep_location else (lambda t: None if t is None else t.detach())
-        return DecisionHead(location(weight), location(self.action.bias), self.action.b_noise, self.ovr.threshold)
 
-    def _ovr_loss_inputs(self, loc_U, scale_U, weight) -> tuple:
-        """(loc_U, scale_U, head) for the OvR-probability losses. Without `ovr_trains_location` they reach only the
-        scale path and the thresholds: the locations (W_loc, b_loc, W_A, b_A), which rank the tokens, learn from the
-        softmax term alone (or keep the teacher's ranking in distillation; loc_S is the base's logits at init)."""
-        keep = self.config.ovr_trains_location
-        return (loc_U if keep else loc_U.detach()), scale_U, self._decision_head(weight, keep_location=keep)
+        def with_action(action, loc, scale, threshold):
+            head = DecisionHead(location(action.effective_weight()), location(action.bias), action.b_noise, threshold)
+            return fn(head, action.b_noise, loc, scale)
+
+        return self.ovr.read(
+            lambda ovr: self.action.read(lambda action, loc, scale: with_action(action, loc, scale, ovr.threshold),
+                                         loc_U, scale_U))
 
     def _distillation_loss(self, hidden_state, topk_ids, topk_probs) -> CausalQwenCausalLMOutput:
         """Top-K MSE plus the tail term (docs/design.md, Offline distillation) on stored z [..., H], mean over
-        positions; the backbone does not run."""
+        positions; the backbone does not run. Without `ovr_trains_location` the losses reach only the scale path and
+        the thresholds: the locations (W_loc, b_loc, W_A, b_A), which rank the tokens, keep the teacher's ranking
+        (loc_S is the base's logits at init)."""
         z = hidden_state.reshape(-1, hidden_state.shape[-1])
-        with torch.autocast(z.device.type, enabled=False):
-            weight = self.action.effective_weight()
-            loc_U, scale_U = self.abduction(z.to(weight.dtype))
-            inputs = self._ovr_loss_inputs(loc_U, scale_U, weight)
-            lse = log_partition(loc_U, inputs[2], self.loss_chunk_size) if self.config.ovr_relative_threshold else None
-            loss, stats = topk_mse_loss(
-                *inputs, topk_ids.reshape(len(z), -1), topk_probs.reshape(len(z), -1),
-                tail_weight=self.config.distill_tail_weight, threshold_offset=lse, chunk_size=self.loss_chunk_size,
+        keep = self.config.ovr_trains_location
+
+        def loss_of(head: DecisionHead, b_noise, loc_U, scale_U):
+            lse = log_partition(loc_U, head, self.loss_chunk_size) if self.config.ovr_relative_threshold else None
+            return topk_mse_loss(
+                loc_U if keep else loc_U.detach(), scale_U, head, topk_ids.reshape(len(z), -1),
+                topk_probs.reshape(len(z), -1), tail_weight=self.config.distill_tail_weight, threshold_offset=lse,
+                chunk_size=self.loss_chunk_size,
             )
+
+        with torch.autocast(z.device.type, enabled=False):
+            loc_U, scale_U = self.abduction(z.to(self.action.bias.dtype))
+            loss, stats = self._with_decision_head(loss_of, loc_U, scale_U, keep_location=keep)
         count = torch.tensor(float(len(z)), device=z.device)
         return CausalQwenCausalLMOutput(loss=loss, metrics={k: _sum_count(v * len(z), count) for k, v in stats.items()})
 

@@ -1,0 +1,50 @@
+"""Reading parameters under sharded training (FSDP2, DeepSpeed ZeRO-3).
+
+Both engines hold each parameter as a shard and gather it only around its own module's forward. The heads therefore
+compute everything that reads their parameters inside a forward (`HeadModule.read`); these two helpers cover the one
+tensor that belongs to another module: the base's output embedding, frozen, that `tied` and `lora` action weights read.
+
+Shipped as remote code: imports only the standard library and torch (DeepSpeed is only reached when it is the engine
+that partitioned the parameter, so it is already imported).
+"""
+
+import contextlib
+import sys
+
+import torch
+from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support
+    DTensor = ()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 shard (a DTensor) is all-gathered (a collective: every rank must call it), anything
+    else is returned as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def gathered(*params: torch.Tensor):
+    """A context in which DeepSpeed ZeRO-3 partitioned parameters hold their whole value (read-only; every rank must
+    enter it); a no-op for any other tensor."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    return sys.modules["deepspeed"].zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
+class HeadModule(nn.Module):
+    """A head whose parameters are also read beyond its plain forward (the losses, the decision scores).
+
+    `module.read(fn, *tensors)` returns `fn(module, *tensors)` computed inside `module(...)`, so that FSDP2 and ZeRO-3
+    have gathered the module's parameters (and hook their gradients) exactly as for its forward. Every subclass starts
+    its `forward` with `if read is not None: return read(self, *args)`.
+    """
+
+    def read(self, fn, *tensors):
+        return self(*tensors, read=fn)
+
+
+__all__ = ["DTensor", "HeadModule", "full_tensor", "gathered"]
