@@ -1,16 +1,20 @@
-"""One rank of the 2-process FSDP2 check in test_fsdp.py (run as a script, not collected by pytest).
+"""One rank of the 2-process FSDP2 checks in test_fsdp.py (run as a script, not collected by pytest).
 
-    python tests/fsdp_worker.py <base folder> <work folder> <rank> <world size>
+    python tests/fsdp_worker.py <base folder> <work folder> <rank> <world size> <wrap> <heads options as JSON>
 
 The environment is what `accelerate launch --config_file recipes/configs/fsdp2.yaml` gives each process (test_fsdp.py
 builds it with accelerate's own launcher code). Accelerate switches FSDP on only on accelerators, so this worker
-calls the step that `Accelerator.prepare` runs for FSDP2, `fsdp2_prepare_model`, itself, with the plugin read from
-that environment: `fully_shard` on every decoder layer (the model's `_no_split_modules`), the input embedding, the
-tail, then the root, which holds the heads. On gloo it runs `forward(labels=...)` on this rank's half of the global
-batch, backward and one SGD step, and writes the loss summed over ranks and the gathered full adapter state dict
-(rank 0) to <work folder>/result.pt.
+shards the model itself, as <wrap> says:
+- `accelerate`: the step that `Accelerator.prepare` runs for FSDP2, `fsdp2_prepare_model`, with the plugin read from
+  that environment: `fully_shard` on every decoder layer (the model's `_no_split_modules`), the input embedding, the
+  tail, then the root, which holds the heads;
+- `heads`: `fully_shard` on every decoder layer, then on each head module (abduction, action, thresholds: a size-based
+  policy's choice, W_A being the largest tensor of the model), then on the root.
+On gloo it runs `forward(labels=...)` on this rank's half of the global batch, backward and one SGD step, and writes
+the loss summed over ranks and the gathered full adapter state dict (rank 0) to <work folder>/result.pt.
 """
 
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -20,14 +24,16 @@ import torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import BASE_PREFIXES
 
 
-def main(base: str, work: str, rank: int, world: int) -> None:
+def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{work}/store")
-    model = CausalQwenForCausalLM.from_base(base)  # deterministic: the same heads on every rank
+    torch.manual_seed(0)  # as the Trainer seeds before building the model: the same heads on every rank (LoRA's A)
+    model = CausalQwenForCausalLM.from_base(base, **options)
     model.model.requires_grad_(False)
     batch = torch.load(f"{work}/batch.pt")
     rows = len(batch) // world
@@ -35,13 +41,22 @@ def main(base: str, work: str, rank: int, world: int) -> None:
 
     plugin = FullyShardedDataParallelPlugin()  # from the launch environment (FSDP_VERSION=2, auto-wrap policy, ...)
     assert plugin.fsdp_version == 2, "run through test_fsdp.py: it sets the environment accelerate launch would"
-    # float32 here (gloo, compared with one process within float tolerance); the config's bf16 is for GPUs
-    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
-                                  mixed_precision="no", is_main_process=rank == 0, device=torch.device("cpu"))
-    model = fsdp2_prepare_model(accelerator, model)
+    if wrap == "accelerate":
+        # float32 here (gloo, compared with one process within float tolerance); the config's bf16 is for GPUs
+        accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                      mixed_precision="no", is_main_process=rank == 0, device=torch.device("cpu"))
+        model = fsdp2_prepare_model(accelerator, model)
+        # the case the tied and LoRA action weights must read through: W_base sharded in a unit of its own
+        assert isinstance(model.model.embed_tokens, FSDPModule)
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        for head in (model.abduction, model.action, model.ovr):
+            fully_shard(head)
+        fully_shard(model)
     # What the check is about: the vocabulary-sized W_A and the heads are sharded like any weight.
     sharded = {n: type(p).__name__ == "DTensor" for n, p in model.named_parameters()}
-    assert sharded["action.weight"] and sharded["abduction.loc.weight"] and all(sharded.values()), sharded
+    assert sharded["abduction.loc.weight"] and all(sharded.values()), sharded
 
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     # Every rank scores the same number of targets, so the mean of the ranks' means (what FSDP2's gradient
@@ -61,7 +76,7 @@ def main(base: str, work: str, rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], json.loads(sys.argv[6]))
     # Skip interpreter finalization: a gloo worker thread may still be freeing the barrier's work (which holds the
     # gathered tensors) and needs the GIL to do it; during finalization that thread is unwound and the process aborts
     # ("terminate called without an active exception", ~1 run in 10 on this machine). Everything is written by now.

@@ -4,6 +4,7 @@ loss and the same adapter tensors as one process on the same global batch, and t
 `AutoModelForCausalLM` with `trust_remote_code=True`. The launch configurations are checked against what the heads
 need."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -48,19 +49,37 @@ def test_launch_configurations_keep_what_the_heads_need():
     assert zero3.deepspeed_config["zero3_save_16bit_model"] is True
 
 
-def test_fsdp2_step_matches_one_process(tied_base, tmp_path):
+# (how the model is sharded, head options): accelerate's own FSDP2 wrap (layers, the input embedding as a unit of its
+# own, the root with the heads) with each action weight on a tied base, whose `tied` and `lora` W_A is the sharded
+# embedding; and each head module a unit of its own, learnable thresholds included.
+FSDP2_CASES = {
+    "accelerate-full": ("accelerate", {}),
+    "accelerate-tied": ("accelerate", {"action_weight": "tied"}),
+    "accelerate-lora": ("accelerate", {"action_weight": "lora", "action_lora_rank": 4}),
+    "heads-as-units": ("heads", {"learnable_threshold": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP2_CASES))
+def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
+    wrap, options = FSDP2_CASES[case]
     batch = torch.randint(1, TINY_VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
     torch.save(batch, tmp_path / "batch.pt")
     env = {**os.environ, **launch_environment(CONFIGS / "fsdp2.yaml"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO_ROOT)}
-    results = run_processes([([sys.executable, str(WORKER), str(tied_base), str(tmp_path), str(rank), "2"], env)
-                             for rank in range(2)], what="the FSDP2 workers")
+    argv = [sys.executable, str(WORKER), str(tied_base), str(tmp_path)]
+    results = run_processes([([*argv, str(rank), "2", wrap, json.dumps(options)], env) for rank in range(2)],
+                            what="the FSDP2 workers")
     for code, out, err in results:
         assert code == 0, out[-2000:] + err[-4000:]
     sharded = torch.load(tmp_path / "result.pt")
 
+    def fresh():  # seeded as in the worker (LoRA's A is random)
+        torch.manual_seed(0)
+        return CausalQwenForCausalLM.from_base(tied_base, **options)
+
     # One process, the whole batch, the same step.
-    model = CausalQwenForCausalLM.from_base(tied_base)
+    model = fresh()
     model.model.requires_grad_(False)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     loss = model(input_ids=batch, labels=batch).loss
@@ -73,11 +92,11 @@ def test_fsdp2_step_matches_one_process(tied_base, tmp_path):
     moved = 0
     for key, value in expected.items():
         torch.testing.assert_close(sharded["adapter"][key], value, rtol=1e-5, atol=1e-6, msg=key)
-        moved += not torch.equal(value, CausalQwenForCausalLM.from_base(tied_base).adapter_state_dict()[key])
+        moved += not torch.equal(value, fresh().adapter_state_dict()[key])
     assert moved > 0  # the step changed the heads
 
     # The gathered tensors are an adapter: saved as one, loaded as remote code.
-    gathered = CausalQwenForCausalLM.from_base(tied_base)
+    gathered = fresh()
     gathered.load_state_dict(sharded["adapter"], strict=False)
     gathered.save_pretrained(tmp_path / "adapter")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter", trust_remote_code=True)
