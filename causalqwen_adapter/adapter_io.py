@@ -22,6 +22,7 @@ from transformers.utils import cached_file
 
 from .configuration_causalqwen import CausalQwenConfig
 from .model_card import check_push, upload_adapter_folder, write_model_card
+from .sharding import gathered_tensors
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
 LORA_FOLDER = "lora"
@@ -294,6 +295,12 @@ class CausalAdapterMixin:
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors an adapter folder stores: every persistent tensor outside the backbone."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(BASE_PREFIXES)}
+
+    def gathered_adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """`adapter_state_dict` with whole tensors under sharded training (FSDP2, ZeRO-3): only the adapter's tensors are
+        gathered, never the frozen base. A collective: every rank calls it; any rank may then save what it returns."""
+        keys = self.adapter_keys()
+        return gathered_tensors({k: v for k, v in self.state_dict(keep_vars=True).items() if k in keys})
 
     def adapter_keys(self) -> set[str]:
         return {k for k in self.state_dict(keep_vars=True) if not k.startswith(BASE_PREFIXES)}

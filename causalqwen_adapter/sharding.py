@@ -35,6 +35,28 @@ def gathered(*params: torch.Tensor):
     return sys.modules["deepspeed"].zero.GatheredParameters(partitioned, modifier_rank=None)
 
 
+def gathered_tensors(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole, detached copies of the given tensors (FSDP2 shards all-gathered, ZeRO-3 partitions gathered), one at a
+    time: only these tensors are ever gathered, never the rest of the model. Every rank must call it with the same
+    names in the same order."""
+    whole = {}
+    for name, tensor in named.items():
+        with gathered(tensor):
+            whole[name] = full_tensor(tensor.detach()).clone()
+    return whole
+
+
+def distribute_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor every rank holds) laid out like ``param``: this rank's shard of it where ``param`` is
+    an FSDP2 DTensor, else ``value`` itself."""
+    if not isinstance(param, DTensor):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    value = value.to(device=param.device, dtype=param.dtype)
+    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)  # no communication
+
+
 class HeadModule(nn.Module):
     """A head whose parameters are also read beyond its plain forward (the losses, the decision scores).
 
@@ -47,4 +69,4 @@ class HeadModule(nn.Module):
         return self(*tensors, read=fn)
 
 
-__all__ = ["DTensor", "HeadModule", "full_tensor", "gathered"]
+__all__ = ["DTensor", "HeadModule", "distribute_like", "full_tensor", "gathered", "gathered_tensors"]

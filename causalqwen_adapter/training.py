@@ -24,6 +24,7 @@ from .adapter_io import LORA_FOLDER
 from .configuration_causalqwen import CONFIG_CHOICES, CausalQwenConfig
 from .model_card import write_model_card
 from .modeling_causalqwen import CausalQwenForCausalLM
+from .sharding import distribute_like
 
 logger = logging.get_logger(__name__)
 
@@ -171,6 +172,16 @@ class AdapterCheckpointMixin:
     """
 
     _card_metric_names: tuple[str, ...] = ()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under FSDP or DeepSpeed, every rank gathers the adapter's tensors alone (the Trainer's own gathers the whole
+        model, base included: a 70B base to save 1% of it), and the saving rank writes the adapter folder."""
+        if not (self.is_fsdp_enabled or self.is_deepspeed_enabled):
+            return super().save_model(output_dir, _internal_call)
+        state_dict = self.accelerator.unwrap_model(self.model).gathered_adapter_state_dict()
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """An adapter folder (docs/design.md, The adapter folder) plus `training_args.bin`; no tokenizer, the base provides it."""
@@ -391,7 +402,8 @@ def configure_backbone(model: CausalQwenForCausalLM, peft_config) -> None:
 def load_adapter_tensors(model: CausalQwenForCausalLM, weights_file: str) -> None:
     """Copy a checkpoint's adapter tensors into the model, strict on the adapter keys.
 
-    In place (not `assign`): the optimizer and the DDP wrapper keep references to these very parameters.
+    In place (not `assign`): the optimizer and the DDP wrapper keep references to these very parameters. Under FSDP2
+    each rank keeps its shard of every tensor (the file holds whole ones).
     """
     tensors = load_file(weights_file)
     expected = model.adapter_keys()
@@ -401,6 +413,12 @@ def load_adapter_tensors(model: CausalQwenForCausalLM, weights_file: str) -> Non
             f"unexpected {sorted(set(tensors) - expected)}. Resume with the heads configuration the checkpoint was "
             "trained with (causal_size, learnable_threshold)."
         )
+    params = model.state_dict(keep_vars=True)
+    for key, value in tensors.items():
+        if value.shape != params[key].shape:
+            raise ValueError(f"{weights_file} holds {key} of shape {tuple(value.shape)}, the model's is "
+                             f"{tuple(params[key].shape)}: resume with the heads configuration it was trained with")
+    tensors = {k: distribute_like(v, params[k]) for k, v in tensors.items()}
     model.load_state_dict(tensors, strict=False)  # raises on a shape mismatch
 
 

@@ -64,9 +64,10 @@ def numeric_data(dataset, model_args: ModelConfig, training_args: CausalSFTConfi
 
 
 def adapter_digest(model) -> str:
-    """sha256 of the adapter tensors: equal on every rank when data-parallel training kept the replicas in sync."""
+    """sha256 of the adapter tensors: equal on every rank when data-parallel training kept the replicas in sync, or
+    when sharded training (FSDP2, ZeRO-3) gathers the same whole tensors. A collective: every rank calls it."""
     digest = hashlib.sha256()
-    for key, tensor in sorted(model.adapter_state_dict().items()):
+    for key, tensor in sorted(model.gathered_adapter_state_dict().items()):
         digest.update(key.encode())
         digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
@@ -108,7 +109,8 @@ def main(script_args: ScriptArguments, training_args: CausalSFTConfig, model_arg
     trainer.accelerator.print(f"Adapter saved to {training_args.output_dir}.")
 
     state = trainer.accelerator.state
-    print(f"rank {state.process_index}/{state.num_processes}: adapter sha256 {adapter_digest(trainer.model)}", flush=True)
+    digest = adapter_digest(trainer.accelerator.unwrap_model(trainer.model))
+    print(f"rank {state.process_index}/{state.num_processes}: adapter sha256 {digest}", flush=True)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=data_name)
     # Rank 0 may still be writing while the others are done: tearing the group down on one side only can hang gloo.

@@ -10,8 +10,10 @@ shards the model itself, as <wrap> says:
   tail, then the root, which holds the heads;
 - `heads`: `fully_shard` on every decoder layer, then on each head module (abduction, action, thresholds: a size-based
   policy's choice, W_A being the largest tensor of the model), then on the root.
-On gloo it runs `forward(labels=...)` on this rank's half of the global batch, backward and one SGD step, and writes
-the loss summed over ranks and the gathered full adapter state dict (rank 0) to <work folder>/result.pt.
+On gloo it runs `forward(labels=...)` on this rank's half of the global batch, backward and one SGD step; gathers the
+adapter's tensors alone (checked against torch's full state dict); loads them into a freshly sharded model, as a resumed
+run does, and scores the batch again. It writes the mean loss over ranks, the gathered adapter and the resumed model's
+loss to <work folder>/result-<rank>.pt.
 """
 
 import json
@@ -23,25 +25,20 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import BASE_PREFIXES
+from causalqwen_adapter.training import load_adapter_tensors
 
 
-def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{work}/store")
-    torch.manual_seed(0)  # as the Trainer seeds before building the model: the same heads on every rank (LoRA's A)
-    model = CausalQwenForCausalLM.from_base(base, **options)
-    model.model.requires_grad_(False)
-    batch = torch.load(f"{work}/batch.pt")
-    rows = len(batch) // world
-    local = batch[rank * rows : (rank + 1) * rows]
-
-    plugin = FullyShardedDataParallelPlugin()  # from the launch environment (FSDP_VERSION=2, auto-wrap policy, ...)
-    assert plugin.fsdp_version == 2, "run through test_fsdp.py: it sets the environment accelerate launch would"
+def shard(model, wrap: str, rank: int):
+    """The model sharded as <wrap> says (module docstring)."""
     if wrap == "accelerate":
+        plugin = FullyShardedDataParallelPlugin()  # from the launch environment (FSDP_VERSION=2, auto-wrap policy, ...)
+        assert plugin.fsdp_version == 2, "run through test_fsdp.py: it sets the environment accelerate launch would"
         # float32 here (gloo, compared with one process within float tolerance); the config's bf16 is for GPUs
         accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
                                       mixed_precision="no", is_main_process=rank == 0, device=torch.device("cpu"))
@@ -57,7 +54,19 @@ def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) 
     # What the check is about: the vocabulary-sized W_A and the heads are sharded like any weight.
     sharded = {n: type(p).__name__ == "DTensor" for n, p in model.named_parameters()}
     assert sharded["abduction.loc.weight"] and all(sharded.values()), sharded
+    return model
 
+
+def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{work}/store")
+    torch.manual_seed(0)  # as the Trainer seeds before building the model: the same heads on every rank (LoRA's A)
+    model = CausalQwenForCausalLM.from_base(base, **options)
+    model.model.requires_grad_(False)
+    batch = torch.load(f"{work}/batch.pt")
+    rows = len(batch) // world
+    local = batch[rank * rows : (rank + 1) * rows]
+
+    model = shard(model, wrap, rank)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     # Every rank scores the same number of targets, so the mean of the ranks' means (what FSDP2's gradient
     # averaging computes) is the mean over the global batch.
@@ -67,10 +76,29 @@ def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) 
 
     total = loss.detach().clone()
     dist.all_reduce(total)
+    # The adapter alone, gathered on every rank (what the trainer saves and the recipe's digest reads), equals the
+    # adapter part of torch's own full state dict.
+    adapter = model.gathered_adapter_state_dict()
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        adapter = {k: v.clone() for k, v in state.items() if not k.startswith(BASE_PREFIXES)}
-        torch.save({"loss": (total / world).item(), "adapter": adapter}, f"{work}/result.pt")
+        assert set(adapter) == {k for k in state if not k.startswith(BASE_PREFIXES)}
+        for key, value in adapter.items():
+            assert torch.equal(value, state[key]), key
+        save_file(adapter, f"{work}/adapter.safetensors")
+    dist.barrier()
+
+    # Resuming: the saved whole tensors loaded into a fresh sharded model, each rank keeping its shard.
+    torch.manual_seed(0)
+    resumed = shard(CausalQwenForCausalLM.from_base(base, **options), wrap, rank)
+    load_adapter_tensors(resumed, f"{work}/adapter.safetensors")
+    reloaded = resumed.gathered_adapter_state_dict()
+    for key, value in adapter.items():
+        assert torch.equal(reloaded[key], value), key
+    again = resumed(input_ids=local, labels=local).loss.detach()
+    dist.all_reduce(again)
+
+    torch.save({"loss": (total / world).item(), "adapter": adapter, "resumed_loss": (again / world).item()},
+               f"{work}/result-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -48,7 +48,7 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert {p.name for p in folder.iterdir()} == {
         "config.json", "model.safetensors", "generation_config.json", "README.md",
         "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py", "heads.py",
-        "adapter_io.py", "generation.py", "lm_loss.py", "cpu_kernel.py",
+        "adapter_io.py", "generation.py", "lm_loss.py", "cpu_kernel.py", "sharding.py",
     }
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert set(f.keys()) == ADAPTER_KEYS
@@ -63,7 +63,7 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert config["text_config"]["model_type"] == "qwen2"
     # the remote code imports nothing of this package
     for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py",
-                 "heads.py", "adapter_io.py", "generation.py", "lm_loss.py", "cpu_kernel.py"):
+                 "heads.py", "adapter_io.py", "generation.py", "lm_loss.py", "cpu_kernel.py", "sharding.py"):
         assert "causalqwen_adapter" not in (folder / name).read_text()
 
 

@@ -72,7 +72,9 @@ def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
                             what="the FSDP2 workers")
     for code, out, err in results:
         assert code == 0, out[-2000:] + err[-4000:]
-    sharded = torch.load(tmp_path / "result.pt")
+    sharded, other_rank = (torch.load(tmp_path / f"result-{rank}.pt") for rank in range(2))
+    for key, value in sharded["adapter"].items():  # every rank gathers the same whole tensors (the recipe's digest)
+        assert torch.equal(other_rank["adapter"][key], value), key
 
     def fresh():  # seeded as in the worker (LoRA's A is random)
         torch.manual_seed(0)
@@ -87,6 +89,8 @@ def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
     optimizer.step()
 
     assert sharded["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    # the adapter loaded back into a sharded model scores as the trained one does on one process
+    assert sharded["resumed_loss"] == pytest.approx(model(input_ids=batch, labels=batch).loss.item(), rel=1e-5)
     expected = model.adapter_state_dict()
     assert set(sharded["adapter"]) == set(expected)
     moved = 0
