@@ -29,7 +29,9 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def gathered(*params: torch.Tensor):
     """A context in which DeepSpeed ZeRO-3 partitioned parameters hold their whole value (read-only; every rank must
     enter it); a no-op for any other tensor."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    # a parameter ZeRO-3 holds whole already (its module is running) is read as it is: gathering it again would
+    # release it under that module on exit
+    partitioned = [p for p in params if hasattr(p, "ds_id") and p.ds_status.name != "AVAILABLE"]
     if not partitioned:
         return contextlib.nullcontext()
     return sys.modules["deepspeed"].zero.GatheredParameters(partitioned, modifier_rank=None)
