@@ -113,14 +113,21 @@ def _store(ptrs, x, mask):
         tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
-@_jit
-def _add(a, b):
-    return a + b
+# Sums and maxima go through tl.reduce with triton.language's own combine functions (tl.sum and tl.max do the same):
+# tl.sum is itself a jit function, decorated when triton.language is imported, so that a kernel of a module
+# decorated later for the interpreter could not call it, while the interpreter runs tl.reduce with these combine
+# functions as numpy reductions.
+if triton is not None:
+    _add = getattr(tl.standard, "_sum_combine", None)
+    _max = getattr(tl.standard, "_elementwise_max", None)
+if triton is None or _add is None or _max is None:
+    @_jit
+    def _add(a, b):
+        return a + b
 
-
-@_jit
-def _max(a, b):
-    return tl.maximum(a, b)
+    @_jit
+    def _max(a, b):
+        return tl.maximum(a, b)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -368,9 +375,11 @@ def _accept_once_kernel(loc_ptr, part_ptr, out_ptr, rej_ptr, n_rows, V, seg, n_s
 def _cauchy_linear_kernel(xl_ptr, xs_ptr, w_ptr, b_ptr, loc_ptr, scale_ptr, M, V, K,
                           HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """loc = x_loc Wᵀ + b and scale = x_scale |W|ᵀ, [M, V], from one load of each W tile; float32 accumulation."""
-    pid_v = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """loc = x_loc Wᵀ + b and scale = x_scale |W|ᵀ, [M, V], from one load of each W tile; float32 accumulation.
+    Row blocks are the grid's fast axis: the programs that run together share their W tile (read from memory once,
+    then from L2)."""
+    pid_m = tl.program_id(0)
+    pid_v = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, BLOCK_K)
@@ -401,13 +410,15 @@ def _cauchy_linear_kernel(xl_ptr, xs_ptr, w_ptr, b_ptr, loc_ptr, scale_ptr, M, V
     _store(scale_ptr + out, acc_s, omask)
 
 
-@_jit(do_not_specialize=["M", "a_stride", "out_stride"])
-def _abs_matmul_kernel(a_ptr, a_stride, w_ptr, out_ptr, out_stride, M, V, K,
+@_jit(do_not_specialize=["M", "a_stride", "out_stride", "seg_v", "part_stride"])
+def _abs_matmul_kernel(a_ptr, a_stride, w_ptr, out_ptr, out_stride, part_stride, M, V, K, seg_v,
                        ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out (+)= a @ |W|: a [M, V], W [V, K], out float32 [M, K]."""
-    pid_k = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """a @ |W| over one segment of V (split-K: V is the long side): a [M, V], W [V, K]; the float32 [M, K] result
+    added into ``out`` (ACCUMULATE) or written into the segment's slice ``out + pid_s·part_stride``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_v = tl.arange(0, BLOCK_V)
@@ -415,9 +426,11 @@ def _abs_matmul_kernel(a_ptr, a_stride, w_ptr, out_ptr, out_stride, M, V, K,
     kmask = offs_k < K
     rows_m = offs_m.to(tl.int64)[:, None] * a_stride
     acc = tl.full([BLOCK_M, BLOCK_K], 0.0, tl.float32)
-    for v0 in range(0, V, BLOCK_V):
+    v_start = pid_s * seg_v
+    v_end = tl.minimum(v_start + seg_v, V)
+    for v0 in range(v_start, v_end, BLOCK_V):
         vs = v0 + offs_v
-        vmask = vs < V
+        vmask = vs < v_end
         at = tl.load(a_ptr + rows_m + vs[None, :], mask=mmask[:, None] & vmask[None, :], other=0.0)
         wt = tl.load(w_ptr + vs.to(tl.int64)[:, None] * K + offs_k[None, :], mask=vmask[:, None] & kmask[None, :],
                      other=0.0)
@@ -425,7 +438,7 @@ def _abs_matmul_kernel(a_ptr, a_stride, w_ptr, out_ptr, out_stride, M, V, K,
             at = at.to(tl.float32)
             wt = wt.to(tl.float32)
         acc = tl.dot(at, tl.abs(wt), acc, input_precision=PRECISION)
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * out_stride + offs_k[None, :]
+    out = out_ptr + pid_s.to(tl.int64) * part_stride + offs_m.to(tl.int64)[:, None] * out_stride + offs_k[None, :]
     omask = mmask[:, None] & kmask[None, :]
     if ACCUMULATE:
         acc += tl.load(out, mask=omask, other=0.0)
@@ -445,7 +458,8 @@ INTERPRETED = _interpreted()
 
 # Block sizes: the GPU's, or small ones under the interpreter, whose cost is per block step and whose tests then
 # cross several blocks and segments at small widths (the code paths are the same).
-_LOSS_BLOCK_R, _LOSS_BLOCK_N = (4, 32) if INTERPRETED else (8, 256)
+# loss tile: 4 × 256 with 8 warps compiles to 91 registers for sm_90 (8 × 256: 255, one block per SM)
+_LOSS_BLOCK_R, _LOSS_BLOCK_N = (4, 32) if INTERPRETED else (4, 256)
 _ROW_BLOCK_N = 64 if INTERPRETED else 1024
 _NUM_WARPS = 8
 
@@ -732,6 +746,8 @@ def cauchy_linear_triton(loc_U, scale_U, weight, bias):
     does not apply: other dtypes, a non-contiguous W, a bias or input of another shape, autocast to another dtype."""
     if weight.dim() != 2 or weight.dtype not in DTYPES or not available() or loc_U.dim() == 0:
         return None
+    if -(-weight.shape[0] // 64) > 65535:  # the grid's second axis
+        return None
     vocab, size = weight.shape
     dev_type = weight.device.type
     if (
@@ -755,17 +771,19 @@ def cauchy_linear_triton(loc_U, scale_U, weight, bias):
     if rows and vocab:
         bm, bv, bk = _matmul_blocks(rows)
         b = None if bias is None else bias.detach().to(dtype).contiguous()
-        _cauchy_linear_kernel[(-(-vocab // bv), -(-rows // bm))](
+        _cauchy_linear_kernel[(-(-rows // bm), -(-vocab // bv))](
             x_loc, x_scale, weight.detach(), loc_S if b is None else b, loc_S, scale_S, rows, vocab, size,
             HAS_BIAS=b is not None, PRECISION=_precision(dtype), UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, num_warps=4,
         )
     return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
 
 
-def abs_matmul_triton(a, weight, out=None):
+def abs_matmul_triton(a, weight, out=None, *, segments=None):
     """a @ |W| on the GPU without a |W| tensor: ``a`` [M, V] and ``weight`` [V, K] of one dtype (bf16 or float32;
     a's rows of unit column stride), float32 accumulation. Returns a float32 [M, K]; with ``out`` (float32 [M, K],
     unit column stride) the product is ADDED to it and ``out`` returned (`lm_loss._product`'s out += a @ |W|).
+    V, the reduced side, is split into ``segments`` (default: enough programs to fill the device) whose float32
+    partial products are summed after the kernel (no atomics: the same result whatever the scheduling).
     None where it does not apply."""
     if (
         a.dim() != 2
@@ -789,10 +807,20 @@ def abs_matmul_triton(a, weight, out=None):
         return out
     if vocab == 0:
         return out if accumulate else out.zero_()
-    bm, _, bk = _matmul_blocks(rows)
-    bv = 64
-    _abs_matmul_kernel[(-(-size // bk), -(-rows // bm))](
-        a, a.stride(0), weight, out, out.stride(0), rows, vocab, size,
-        ACCUMULATE=accumulate, PRECISION=_precision(a.dtype), UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, num_warps=4,
+    bm, bv, bk = _matmul_blocks(rows)
+    grid_mk = -(-rows // bm) * -(-size // bk)
+    seg_v, n_seg = _segments(vocab, grid_mk, bv, a.device, segments)
+    if n_seg == 1:
+        target, stride, part_stride = out, out.stride(0), 0
+    else:
+        target = torch.empty(n_seg, rows, size, dtype=torch.float32, device=a.device)
+        stride, part_stride = size, rows * size
+    _abs_matmul_kernel[(-(-rows // bm), -(-size // bk), n_seg)](
+        a, a.stride(0), weight, target, stride, part_stride, rows, vocab, size, seg_v,
+        ACCUMULATE=accumulate and n_seg == 1, PRECISION=_precision(a.dtype), UPCAST=INTERPRETED,
+        BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, num_warps=4,
     )
+    if n_seg > 1:
+        total = target.sum(0)
+        out.add_(total) if accumulate else out.copy_(total)
     return out
