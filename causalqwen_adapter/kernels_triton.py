@@ -19,7 +19,6 @@ take. `available` says whether the Triton path can run at all.
 Part of the installed package only (never shipped as remote code): it imports triton, when present.
 """
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -41,10 +40,8 @@ else:
 
 # the dtypes of the operands the kernels read (their math is float32 whatever these are)
 DTYPES = (torch.bfloat16, torch.float32)
-_TINY = torch.finfo(torch.float32).tiny  # the scale's floor, as cauchy.ovr_standardize's
-_INV_PI = 1 / math.pi
 
-# the flags of cpu_kernel.loss_tile, numbered as there (repeated: cpu_kernel is remote code, this module is not)
+# the flags of cpu_kernel.loss_tile, numbered as there (repeated: this module needs nothing else of the package)
 TILE_OVR, TILE_D, TILE_OVR_GRADS, TILE_OVR_LOCATES, TILE_COL_D, TILE_COL_T = 1, 2, 4, 8, 16, 32
 _DISTRIBUTIONS = {"normalize": 0, "accept": 1, "accept_once": 2}  # as cpu_kernel numbers them
 
@@ -550,8 +547,9 @@ def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, 
     - ``g`` [r, w] loc's dtype (``TILE_OVR_GRADS``): −π ∂ℓ/∂scale_S (0 at degenerate columns);
     - ``rows_out`` float32, [4, r] or 4·r contiguous, written: per row the target's logit (0 when outside the tile),
       Σ log a (a = 1 − P off target, P_y on it), Σ (1 − a), P_y, the last three with ``TILE_OVR`` only (else 0);
-    - ``col_d`` (``TILE_D`` | ``TILE_COL_D``): Σ_rows d; ``col_t`` (``TILE_OVR_GRADS`` | ``TILE_COL_T``):
-      Σ_rows −π ∂ℓ/∂loc_S; each float32 [w] (unit stride), ADDED to, as the C kernel adds into its thread's row:
+    - ``col_d`` (with both ``TILE_D`` and ``TILE_COL_D``): Σ_rows d; ``col_t`` (with ``TILE_OVR``,
+      ``TILE_OVR_GRADS`` and ``TILE_COL_T``): Σ_rows −π ∂ℓ/∂loc_S (= π ∂ℓ/∂C); each float32 [w] (unit stride), ADDED
+      to, as the C kernel adds into its thread's row:
       zero them first (a fresh one is zeros). The C layout [threads, w] summed by the caller is not used: pass
       ``cols[0][0]`` or a [w] tensor and read it directly.
 
