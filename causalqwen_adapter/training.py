@@ -407,7 +407,7 @@ def calibrate_threshold_on_features(model: CausalQwenForCausalLM, z: torch.Tenso
     loc_S, scale_S = model.action(loc_U, scale_U, "standard", 1.0)
     loc_S, scale_S = loc_S.float(), scale_S.float().clamp_min(torch.finfo(torch.float32).tiny)
     base_argmax = loc_S.argmax(-1)
-    quantiles = torch.linspace(0.0, 0.95, 20)
+    quantiles = torch.linspace(0.0, 0.95, 20, device=loc_S.device)  # torch.quantile wants both on one device
     candidates = torch.quantile(loc_S.max(-1).values, quantiles).tolist()
     agreement = [((loc_S - c) / scale_S).argmax(-1).eq(base_argmax).float().mean().item() for c in candidates]
     best = max(range(len(candidates)), key=lambda i: agreement[i])
