@@ -595,16 +595,22 @@ def test_precision_and_pinning_follow_the_device(tmp_path):
     assert CausalSFTConfig(str(tmp_path), report_to="none", bf16=False, dataloader_pin_memory=False).bf16 is False
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the README command")
-def test_readme_training_command_runs_as_written_on_cpu(sft_base, tmp_path):
-    # the README's flags only (model, data, output, steps, batch, length): no --bf16/--use_cpu needed on a CPU
+def test_readme_training_command_runs_as_written(sft_base, tmp_path, device):
+    """The README's flags only (model, data, output, steps, batch, length): on a CPU-only machine no --bf16/--use_cpu
+    is needed; on a CUDA device the same command trains there, in bf16 mixed precision where the device supports it.
+    (The cpu run on a CUDA machine says --use_cpu, which is what a CPU-only machine gets without it.)"""
     recipe = _load_recipe()
     data = _write_data(tmp_path / "data")["text"]
+    flags = ["--use_cpu", "true"] if device.type == "cpu" and torch.cuda.is_available() else []
     trainer = recipe.main(*recipe.make_parser().parse_args_and_config(args=[
         "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
         "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "160", "--report_to", "none",
+        *flags,
     ]))
-    assert trainer.state.global_step == 2 and not trainer.args.bf16
+    assert trainer.state.global_step == 2 and trainer.args.device.type == device.type
+    assert next(trainer.model.parameters()).device.type == device.type
+    assert trainer.args.bf16 == (device.type == "cuda" and torch.cuda.is_bf16_supported())
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
