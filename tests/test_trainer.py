@@ -694,7 +694,6 @@ def test_ddp_step_matches_one_process_in_every_loss_configuration(sft_base, tmp_
     softmax_loss_weight=0 and numeric heads: every step runs, and the heads equal one process accumulating the same
     two micro-batches (tests/ddp_worker.py)."""
     import ddp_worker
-
     from conftest import run_processes
 
     names = list(ddp_worker.CONFIGURATIONS)
