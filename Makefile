@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 DEMO_BASE := build/demo-base
 
-.PHONY: test lint demo test-real bench clean
+.PHONY: test lint demo test-real test-gpu bench clean
 
 # torch first: the CPU build pip finds on these machines. A bare `torch` requirement would pull CUDA.
 $(STAMP): pyproject.toml
@@ -35,6 +35,11 @@ demo: $(DEMO_BASE)/config.json
 
 test-real: $(DEMO_BASE)/config.json
 	$(PY) -m pytest -q -m real
+
+# On a CUDA machine: the tests marked `gpu`, i.e. the cuda run of every test taking the `device` fixture (conftest.py)
+test-gpu: $(STAMP)
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA device')"
+	$(PY) -m pytest -q -m gpu
 
 # The speed and memory figures of BENCHMARKS.md, each an interleaved comparison repeated 3 times (about 11 minutes on
 # 2 cores). The quality benches (heads_recipe, time_to_quality, sampling, distill, numeric) train heads and take longer: run them alone.

@@ -39,6 +39,77 @@ PROMPTS = [
 ]
 
 
+VARIANTS = ["base", "compatible", "standard", "standard (eager)", "causal", "sampling"]
+
+
+def prompts(batch_size: int) -> list[str]:
+    """`batch_size` prompts, PROMPTS repeated as needed."""
+    return [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
+
+
+def run_variant(base, model, variant: str, batch, new_tokens: int):
+    """Exactly `new_tokens` greedy tokens of `variant`: the base, or the heads in a mode ("(eager)": no decode kernels)."""
+    generate_kwargs = dict(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if variant == "base":
+        return base.generate(**generate_kwargs)
+    mode, _, eager = variant.partition(" ")
+    heads._FUSED_DECODE = eager != "(eager)"
+    try:
+        return model.generate(**generate_kwargs, inference_mode=mode)
+    finally:
+        heads._FUSED_DECODE = True
+
+
+def measure(base, model, tokenizer, batch_size: int, new_tokens: int, repeats: int, variants=VARIANTS,
+            synchronize=lambda: None) -> dict[str, dict]:
+    """Per variant: end-to-end and decode-only tokens/s (medians over the rounds) and the per-round times of both, the
+    variants interleaved, one untimed warm-up each. `synchronize` waits for the device (torch.cuda.synchronize)."""
+    device = next(model.parameters()).device
+    batch = tokenizer(prompts(batch_size), return_tensors="pt", padding=True).to(device)
+    full = {v: [] for v in variants}
+    prefill = {v: [] for v in variants}
+
+    def timed(v, n):
+        synchronize()
+        start = time.perf_counter()
+        out = run_variant(base, model, v, batch, n)
+        synchronize()
+        assert out.shape[1] == batch.input_ids.shape[1] + n
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        for v in variants:
+            timed(v, new_tokens)  # warm-up
+        for _ in range(repeats):
+            for v in variants:
+                full[v].append(timed(v, new_tokens))
+                prefill[v].append(timed(v, 1))
+    results = {}
+    for v in variants:
+        # per round: the decode-only time is that round's full run minus its one-token run
+        decode_times = [f - p for f, p in zip(full[v], prefill[v])]
+        results[v] = {
+            "end_to_end": batch_size * new_tokens / statistics.median(full[v]),
+            "decode": batch_size * (new_tokens - 1) / statistics.median(decode_times),
+            "full_times": full[v],
+            "decode_times": decode_times,
+        }
+    return results
+
+
+HEADER = f"{'batch':>5}  {'variant':<24}{'end-to-end tok/s':>17}  {'× base':<17}{'decode tok/s':>12}  {'× base':<17}"
+
+
+def print_rows(batch_size: int, results: dict[str, dict]) -> None:
+    """One line per variant: its rates and their ratios to the base's, median (min–max) of the rounds."""
+    base = results["base"]
+    for v, r in results.items():
+        print(
+            f"{batch_size:>5}  {v:<24}{r['end_to_end']:>17.2f}  {spread(round_ratios(base['full_times'], r['full_times'])):<17}"
+            f"{r['decode']:>12.2f}  {spread(round_ratios(base['decode_times'], r['decode_times'])):<17}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="build/demo-base")
@@ -55,46 +126,11 @@ def main() -> None:
     base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=getattr(torch, args.dtype)).eval()
     model = CausalQwenForCausalLM.from_base(base).eval()
 
-    def run(variant, batch, new_tokens):
-        generate_kwargs = dict(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        if variant == "base":
-            return base.generate(**generate_kwargs)
-        mode, _, eager = variant.partition(" ")
-        heads._FUSED_DECODE = eager != "(eager)"
-        return model.generate(**generate_kwargs, inference_mode=mode)
-
-    variants = ["base", "compatible", "standard", "standard (eager)", "causal", "sampling"]
     print(f"demo base {args.dtype}, {args.new_tokens} new tokens, {args.threads} threads, {args.repeats} interleaved "
           "rounds: median tokens/s, and the speed as a multiple of the base's, median (min–max) of the rounds")
-    print(f"{'batch':>5}  {'variant':<24}{'end-to-end tok/s':>17}  {'× base':<17}{'decode tok/s':>12}  {'× base':<17}")
+    print(HEADER)
     for batch_size in args.batch:
-        batch = tokenizer(PROMPTS[:batch_size], return_tensors="pt", padding=True)
-        full = {v: [] for v in variants}
-        prefill = {v: [] for v in variants}
-
-        def timed(v, new_tokens):
-            start = time.perf_counter()
-            out = run(v, batch, new_tokens)
-            assert out.shape[1] == batch.input_ids.shape[1] + new_tokens
-            return time.perf_counter() - start
-
-        with torch.inference_mode():
-            for v in variants:
-                timed(v, args.new_tokens)  # warm-up
-            for _ in range(args.repeats):
-                for v in variants:
-                    full[v].append(timed(v, args.new_tokens))
-                    prefill[v].append(timed(v, 1))
-        # per round: the decode-only time is that round's full run minus its one-token run
-        decode_times = {v: [f - p for f, p in zip(full[v], prefill[v])] for v in variants}
-        for v in variants:
-            end_to_end = batch_size * args.new_tokens / statistics.median(full[v])
-            decode = batch_size * (args.new_tokens - 1) / statistics.median(decode_times[v])
-            print(
-                f"{batch_size:>5}  {v:<24}{end_to_end:>17.2f}  {spread(round_ratios(full['base'], full[v])):<17}"
-                f"{decode:>12.2f}  {spread(round_ratios(decode_times['base'], decode_times[v])):<17}"
-            )
-    heads._FUSED_DECODE = True
+        print_rows(batch_size, measure(base, model, tokenizer, batch_size, args.new_tokens, args.repeats))
 
 
 if __name__ == "__main__":

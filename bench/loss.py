@@ -11,6 +11,7 @@ Forward + backward (float32 by default) on the real head shape (V = 151936, C = 
       labelled 7/8), with (d)'s chunks, blocks, |W| block and accumulation (`lm_loss._product`), on random tiles:
       q/a is the floor the design's math sets for d/a (its products alone against the reference's whole work),
       q/p the two sides' products alone, d/q what (d) spends beyond its products
+  (l) Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (needs ``liger_kernel`` and a GPU: bench/gpu.py runs it)
 
 ``--dtype bfloat16`` stores the weight and the activations in bfloat16 (a bfloat16 model: lm_head's product in
 bfloat16, the losses' own math in float32); ``--autocast`` keeps them float32 and runs every variant under bfloat16
@@ -41,17 +42,34 @@ from stats import round_ratios, spread
 
 V, C = 151936, 896
 VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss",
-            "d": "forward(labels) loss", "p": "(a)'s 3 products alone", "q": "(d)'s 5 products alone"}
+            "d": "forward(labels) loss", "p": "(a)'s 3 products alone", "q": "(d)'s 5 products alone",
+            "l": "Liger fused linear CE"}
 
 
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size: int, dtype: str,
-           autocast: bool) -> dict:
+def build_step(variant: str, n: int, chunk_size: int = 0, vocab_chunk_size: int = 0, dtype: str = "float32",
+               autocast: bool = False, device: str = "cpu"):
+    """(step, params, precision) of `variant` at `n` tokens: `step()` returns the loss (its backward is the rest of the
+    step), `params` the leaves whose `.grad` to clear between steps, `precision` the context to run it in. Tensors on
+    `device` (variants a, b, c, d, l; p and q measure the CPU's products and stay there). Sets the default dtype."""
     import contextlib
 
+    import torch
+
+    if variant in "pq" and torch.device(device).type != "cpu":
+        raise ValueError(f"variant {variant} measures the CPU's products: run it with device='cpu'")
+    torch.manual_seed(0)
+    torch.set_default_dtype(getattr(torch, dtype))
+    precision = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.device(device):  # every tensor made here, inputs and the variants' constants
+        step, params = _variant(variant, n, chunk_size, vocab_chunk_size, autocast)
+    return step, params, precision
+
+
+def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autocast: bool):
     import torch
     import torch.nn.functional as F
 
@@ -60,10 +78,6 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
     from causalqwen_adapter.lm_loss import _product, chunked_lm_loss, equal_chunk_size, logits_dtype
     from causalqwen_adapter.losses import DecisionHead, chunk_tokens, chunked_ovr_loss
 
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    torch.set_default_dtype(getattr(torch, dtype))
-    precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     # In place, so that no temporary [V × C] copy raises the baseline peak.
     weight = torch.randn(V, C).mul_(0.02).requires_grad_()
     labels = torch.randint(0, V, (n,))
@@ -114,6 +128,15 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
 
         def step():
             return F.cross_entropy(F.linear(hidden, weight).float(), labels)
+    elif variant == "l":  # Triton kernels: a GPU
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        hidden = torch.randn(n, C).requires_grad_()
+        params = (hidden, weight)
+        liger = LigerFusedLinearCrossEntropyLoss()
+
+        def step():
+            return liger(weight, hidden, labels)
     else:
         loc_U = torch.randn(n, C).requires_grad_()
         scale_U = torch.rand(n, C).add_(0.5).requires_grad_()
@@ -141,6 +164,15 @@ def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size:
                                        relative_threshold=config.ovr_relative_threshold, chunk_size=chunk_size or None,
                                        vocab_chunk_size=vocab_chunk_size or 4096)[0]
 
+    return step, params
+
+
+def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size: int, dtype: str,
+           autocast: bool) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    step, params, precision = build_step(variant, n, chunk_size, vocab_chunk_size, dtype, autocast)
     base = _peak_rss_mib()
     times, cpu_times = [], []
     for _ in range(repeat + 1):
@@ -165,7 +197,8 @@ def _mem_available_mib() -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[1024], help="token counts, run in ascending order")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "l"], choices=list(VARIANTS),
+                        help="(l) needs liger_kernel and a GPU")
     parser.add_argument("--repeat", type=int, default=3, help="timed steps after one warm-up step, per process")
     parser.add_argument("--runs", type=int, default=3, help="times the whole comparison runs, variants interleaved")
     parser.add_argument("--chunk-size", type=int, default=0, help="tokens per chunk; 0: each loss's default")

@@ -90,7 +90,7 @@ class CausalDistillTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterChec
             raise TypeError(f"args must be a CausalDistillConfig, got {type(args).__name__}")
         if os.path.isdir(args.output_dir):  # checkpoints, the card and the final adapter all go there
             check_not_foreign(Path(args.output_dir))
-        model, _ = prepare_causal_model(model, args)
+        model, _ = prepare_causal_model(model, args, loss="distill")
         if getattr(model.model, "_hf_peft_config_loaded", False):
             raise ValueError(
                 "this adapter carries a backbone LoRA (lora/): stored features are z of the plain base, so heads "

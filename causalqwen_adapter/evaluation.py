@@ -111,7 +111,8 @@ class EvaluationAccumulator:
         if self.n == 0:
             return {"num_tokens": 0}
         sums = torch.cat(self.prob_sums)
-        p10, median, p90 = torch.quantile(sums, torch.tensor([0.1, 0.5, 0.9], dtype=sums.dtype)).tolist()
+        levels = torch.tensor([0.1, 0.5, 0.9], dtype=sums.dtype, device=sums.device)  # quantile wants one device
+        p10, median, p90 = torch.quantile(sums, levels).tolist()
         return {
             "top1_accuracy": self.correct / self.n,
             "target_prob": self.target_prob / self.n,
@@ -177,7 +178,8 @@ def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, caus
     """Metrics of `model` over `batches` (dicts as in `score_positions`): {mode: {metric: value}} plus, under the
     key `"accumulators"`, the `EvaluationAccumulator` of each mode (for reliability diagrams).
 
-    A plain causal LM is scored once, as `softmax`; a CausalQwen model in every mode of `modes`.
+    A plain causal LM is scored once, as `softmax`; a CausalQwen model in every mode of `modes`. The batches' tensors
+    are moved to the model's device.
     """
     is_causal = hasattr(model, "causal_heads")
     kinds = list(modes) if is_causal else [SOFTMAX]
@@ -189,7 +191,9 @@ def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, caus
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, desc=desc or "evaluating")
-    for batch in batches:
+    device = next(model.parameters()).device
+    for batch in batches:  # the batches go where the model is
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         for kind, scores, log_P, targets in score_positions(model, batch, kinds, causal_temperature=causal_temperature):
             accumulators[kind].update(scores, targets, log_P)
     results = {kind: acc.compute() for kind, acc in accumulators.items()}

@@ -7,7 +7,8 @@ and the sha256 of every shard. `load_features` reads a store back (checking the 
 `check_feature_dataset` checks one against the model that will train on it.
 
 Under `accelerate launch` / `torchrun` (a torch.distributed process group is up) every process runs the teacher on
-every world-size-th sequence, and the first process merges their rows, in corpus order, into the one store.
+every world-size-th sequence, on its own device, and the first process merges their rows, in corpus order, into the
+one store.
 """
 
 import hashlib
@@ -27,6 +28,7 @@ from datasets.arrow_writer import ArrowWriter
 from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
 from transformers.utils import logging
 
+from .devices import resolve_device
 from .modeling_causalqwen import CausalQwenForCausalLM
 
 logger = logging.get_logger(__name__)
@@ -50,6 +52,7 @@ def extract_features(
     dtype="auto",
     revision: str | None = None,
     overwrite: bool = False,
+    device: str | torch.device | None = None,
 ) -> Dataset:
     """Run the frozen teacher over `dataset` and write its features to `output_dir`; returns the stored dataset.
 
@@ -61,6 +64,9 @@ def extract_features(
         top_k: how many of the teacher's most probable next tokens to keep per position.
         feature_dtype: "float32" (exact) or "float16" (half the disk; z is checked to fit) for the stored z.
         overwrite: replace an existing `output_dir`; otherwise an existing non-empty folder is an error.
+        device: where the teacher runs (`devices.resolve_device`: "auto", "cpu", "cuda", "cuda:1", ...; under a
+            launcher a bare type is each process's own device). None: a teacher object already off the CPU stays
+            where it is, otherwise "auto" (the accelerator when there is one). A teacher object is moved there.
 
     One row per real (non-padding) token, in corpus order: `hidden_state` [H], `topk_ids` [K] (the teacher's top-1
     first), `topk_probs` [K]. The folder appears complete or not at all.
@@ -80,13 +86,14 @@ def extract_features(
     if target.is_dir() and any(target.iterdir()) and not (target / FEATURES_CONFIG_NAME).is_file():
         raise FileExistsError(f"{target} is not a feature store (no {FEATURES_CONFIG_NAME}): overwrite replaces only a "
                               "folder extract_features wrote. Choose another output_dir")
-    teacher = _load_teacher(teacher, dtype, revision)
+    if device is None and isinstance(teacher, torch.nn.Module) and next(teacher.parameters()).device.type != "cpu":
+        device = next(teacher.parameters()).device
+    device = resolve_device(device)  # before loading: a wrong device fails at once
+    teacher = _load_teacher(teacher, dtype, revision).to(device)
     vocab = teacher.config.vocab_size
     if not isinstance(top_k, int) or not 1 <= top_k <= vocab:
         raise ValueError(f"top_k must be an integer in [1, {vocab}] (the teacher's vocabulary), got {top_k!r}")
     rank, world = _process_group()
-    if world > 1 and torch.cuda.is_available() and teacher.device.type == "cpu":
-        teacher.to(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")  # each process on its launcher's device
     sequences = _token_sequences(dataset, tokenizer, text_field, max_length, teacher.name_or_path, revision,
                                  rank=rank, world=world)
 

@@ -83,10 +83,14 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
                   "backbone keeps activations worth recomputing)."},
     )
 
-    # Every trainable tensor (heads, backbone LoRA) takes part in every loss, so DDP need not search the graph.
+    # The head parameters the configured loss never reaches are frozen (training.unreachable_parameters), so every
+    # trainable tensor takes part in every loss and DDP need not search the graph; but numeric heads get no gradient
+    # on a rank whose batch has no <NUM> target, which only the data decides.
     ddp_find_unused_parameters: bool | None = field(
-        default=False,
-        metadata={"help": "Passed to DistributedDataParallel. Off here: every trainable tensor is used by the loss."},
+        default=None,
+        metadata={"help": "Passed to DistributedDataParallel. Unset: on for numeric heads (a batch without a <NUM> "
+                  "target leaves the numeric head without gradient on its rank), off otherwise (the head parameters "
+                  "the configured loss never reaches are frozen, every other trainable tensor is used)."},
     )
 
     eval_inference_modes: list[str] = field(
@@ -194,6 +198,8 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
         set_seed(args.seed)  # fresh heads are deterministic, LoRA matrices are not
         model, fresh_heads = prepare_causal_model(model, args)
         configure_backbone(model, peft_config)
+        if args.ddp_find_unused_parameters is None:
+            args.ddp_find_unused_parameters = bool(model.config.numeric)
         if model.config.numeric and args.packing:
             raise ValueError("packing is not supported with numeric heads: numeric_values would not follow the packed "
                              "input_ids. Drop packing (padding_free=True keeps batches dense)")

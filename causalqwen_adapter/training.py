@@ -3,7 +3,8 @@ metrics by name.
 
 - `CausalHeadArguments`: the head fields of `CausalSFTConfig` and `CausalDistillConfig` (used for fresh heads);
 - `prepare_causal_model`: the `model` argument (a Qwen2 base, an adapter, or a loaded model) as a
-  `CausalQwenForCausalLM`; `configure_backbone`: frozen, or with LoRA;
+  `CausalQwenForCausalLM`, with the head parameters its configured loss can never reach frozen
+  (`unreachable_parameters`); `configure_backbone`: frozen, or with LoRA;
 - `AdapterCheckpointMixin`: checkpoints, `save_model`, resuming and the model card as adapter folders;
 - `LossMetricsMixin`: the metrics the model's loss returns, averaged per logging window across ranks.
 """
@@ -20,7 +21,7 @@ from transformers import PreTrainedConfig, Qwen2ForCausalLM
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
-from .adapter_io import LORA_FOLDER
+from .adapter_io import BASE_PREFIXES, LORA_FOLDER
 from .configuration_causalqwen import CONFIG_CHOICES, CausalQwenConfig
 from .model_card import write_model_card
 from .modeling_causalqwen import CausalQwenForCausalLM
@@ -273,10 +274,11 @@ def head_options(args: CausalHeadArguments) -> dict:
             if f.name in config_fields and getattr(args, f.name) is not None}
 
 
-def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
+def prepare_causal_model(model, args, loss: str = "sft") -> tuple[CausalQwenForCausalLM, bool]:
     """The trainers' `model` argument as a `CausalQwenForCausalLM`, and whether its heads are fresh: an adapter
     (folder, Hub id or loaded) keeps its heads; a Qwen2 base (folder, Hub id or loaded) gets fresh heads from the
-    config's head fields."""
+    config's head fields. The head parameters that `loss` (`"sft"`: `forward(labels=...)`; `"distill"`: the
+    distillation loss), as the config sets it, can never reach are frozen (`freeze_unreachable_parameters`)."""
     fresh = False
     if isinstance(model, (str, os.PathLike)):
         model, fresh = _load_model(str(model), args)
@@ -311,7 +313,73 @@ def prepare_causal_model(model, args) -> tuple[CausalQwenForCausalLM, bool]:
             changed = True
     if changed:
         model.config.__post_init__()  # validates the new values
+    freeze_unreachable_parameters(model, loss)
     return model, fresh
+
+
+# The head parameters by path (names as in `model.named_parameters()`, prefixes).
+_SCALE_PATH = ("abduction.scale.", "action.b_noise")
+_ABDUCTION_LOCATION = ("abduction.loc.",)
+_ACTION_LOCATION = ("action.weight", "action.bias", "action.lora_A", "action.lora_B")
+_NUMERIC_REGRESSION = ("numeric.weight", "numeric.bias", "numeric.log_scale")
+_LOSSES = ("sft", "distill")
+
+
+def unreachable_parameters(model: CausalQwenForCausalLM, loss: str = "sft") -> list[str]:
+    """The trainable head parameters that `loss`, as `model.config` sets it, never gives a gradient, whatever the data.
+
+    `"sft"` is `forward(labels=...)` (docs/design.md, Training losses):
+    - `objective="softmax"`: the cross-entropy of loc_S alone, so the scale path (W_scale, b_scale, b_noise) and the
+      thresholds; the scale path stays when numeric heads train (their NLL reads scale_U + |b_noise|);
+    - `softmax_loss_weight=0` without `ovr_trains_location`: the OvR loss stops at the locations, so the location
+      path (W_A, b_A, or the LoRA factors of W_A, and W_loc, b_loc); W_loc and b_loc stay when numeric heads train
+      (their NLL reads loc_U). The loss would give these exact zeros (and allocate a V × C one for W_A);
+    - `numeric_loss_weight=0`: the numeric regression head (w, b, s); the direction d stays (it enters at the input).
+    `"distill"` is the distillation loss: the location path without `ovr_trains_location` (the locations stay the
+    teacher's), and the numeric head, which it never reads.
+
+    What the data decides is not here: numeric heads get no gradient on a batch without a `<NUM>` target (see
+    `CausalSFTConfig.ddp_find_unused_parameters`).
+    """
+    if loss not in _LOSSES:
+        raise ValueError(f"loss={loss!r}: choose one of {', '.join(_LOSSES)}")
+    config = model.config
+    numeric = config.numeric and (loss == "sft" and config.numeric_loss_weight > 0)
+    unreached: tuple[str, ...] = ()
+    if loss == "distill":
+        if not config.ovr_trains_location:
+            unreached += _ABDUCTION_LOCATION + _ACTION_LOCATION
+        if config.numeric:
+            unreached += ("numeric.",)
+    else:
+        if config.objective == "softmax":
+            unreached += THRESHOLD_PARAMETERS + (() if numeric else _SCALE_PATH)
+        elif config.softmax_loss_weight == 0 and not config.ovr_trains_location:
+            unreached += _ACTION_LOCATION + (() if numeric else _ABDUCTION_LOCATION)
+        if config.numeric and not numeric:
+            unreached += _NUMERIC_REGRESSION
+    if not unreached:
+        return []
+    return [name for name, p in model.named_parameters()
+            if p.requires_grad and not name.startswith(BASE_PREFIXES) and name.startswith(unreached)]
+
+
+def freeze_unreachable_parameters(model: CausalQwenForCausalLM, loss: str = "sft") -> list[str]:
+    """Freeze `unreachable_parameters(model, loss)`, so that DDP (whose `find_unused_parameters` stays off), FSDP,
+    DeepSpeed and the optimizer see only what trains; logs them once (first process). Returns their names."""
+    names = unreachable_parameters(model, loss)
+    params = dict(model.named_parameters())
+    for name in names:
+        params[name].requires_grad_(False)
+    if names and int(os.environ.get("RANK", "0")) == 0:
+        config = model.config
+        logger.info(
+            f"Frozen, the {loss} loss never reaches them with objective={config.objective!r}, softmax_loss_weight="
+            f"{config.softmax_loss_weight}, ovr_trains_location={config.ovr_trains_location}"
+            + (f", numeric_loss_weight={config.numeric_loss_weight}" if config.numeric else "")
+            + f": {', '.join(names)}"
+        )
+    return names
 
 
 @torch.no_grad()
@@ -350,7 +418,7 @@ def calibrate_threshold_on_features(model: CausalQwenForCausalLM, z: torch.Tenso
     loc_S, scale_S = model.action(loc_U, scale_U, "standard", 1.0)
     loc_S, scale_S = loc_S.float(), scale_S.float().clamp_min(torch.finfo(torch.float32).tiny)
     base_argmax = loc_S.argmax(-1)
-    quantiles = torch.linspace(0.0, 0.95, 20)
+    quantiles = torch.linspace(0.0, 0.95, 20, device=loc_S.device)  # torch.quantile wants both on one device
     candidates = torch.quantile(loc_S.max(-1).values, quantiles).tolist()
     agreement = [((loc_S - c) / scale_S).argmax(-1).eq(base_argmax).float().mean().item() for c in candidates]
     best = max(range(len(candidates)), key=lambda i: agreement[i])
@@ -447,5 +515,6 @@ def load_backbone_lora(model: CausalQwenForCausalLM, checkpoint: str) -> None:
 __all__ = [
     "AdapterCheckpointMixin", "CausalHeadArguments", "HeadLearningRatesMixin", "LossMetricsMixin", "calibrate_threshold",
     "calibrate_threshold_on_features", "learning_rate_ratio",
-    "configure_backbone", "head_options", "prepare_causal_model",
+    "configure_backbone", "freeze_unreachable_parameters", "head_options", "prepare_causal_model",
+    "unreachable_parameters",
 ]

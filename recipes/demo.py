@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.devices import add_device_argument, resolve_device
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -46,20 +47,25 @@ def main() -> None:
     parser.add_argument("--base", default="build/demo-base", help="Qwen2 base: local folder or Hub id")
     parser.add_argument("--out", default="build/demo-adapter", help="where to save the adapter")
     parser.add_argument("--train-steps", type=int, default=30, help="0 skips the training part")
+    add_device_argument(parser)
     args = parser.parse_args()
+    try:
+        device = resolve_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
     torch.manual_seed(0)
 
     section("attach causal heads")
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     tokenizer.padding_side = "left"
-    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).eval()
-    model = CausalQwenForCausalLM.from_base(base).eval()
+    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).to(device).eval()
+    model = CausalQwenForCausalLM.from_base(base).eval()  # the heads on the base's device
     n_heads = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"base: {args.base} ({sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, bf16)")
     print(f"causal heads: {n_heads / 1e6:.1f}M trainable parameters; backbone frozen")
 
     section("verify initialization: loc_S against the base logits")
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(device)
     for name, value in model.verify_initialization(batch.input_ids, batch.attention_mask).items():
         print(f"  {name:>14}: {value:.6g}")
 
@@ -70,7 +76,7 @@ def main() -> None:
 
     section("reload with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)")
     start = time.perf_counter()
-    reloaded = AutoModelForCausalLM.from_pretrained(args.out, trust_remote_code=True, dtype=torch.bfloat16)
+    reloaded = AutoModelForCausalLM.from_pretrained(args.out, trust_remote_code=True, dtype=torch.bfloat16).to(device)
     print(f"loaded {type(reloaded).__module__}.{type(reloaded).__name__} in {time.perf_counter() - start:.1f}s")
     with torch.no_grad():
         a = model(**batch, inference_mode="standard")
@@ -93,6 +99,7 @@ def main() -> None:
         section(f"train the heads: CausalSFTTrainer, {args.train_steps} steps on standard-library docstrings")
         trained_dir = train_heads(args.base, tokenizer, args.train_steps, Path(args.out).with_name("demo-trained"))
         trained = AutoModelForCausalLM.from_pretrained(trained_dir, trust_remote_code=True, dtype=torch.bfloat16)
+        trained = trained.to(device)
         section("held-out docstrings: the base, the fresh heads and the trained heads (causalqwen_adapter.evaluation)")
         print(held_out_table({"base": base, "fresh heads": reloaded, "trained heads": trained}, tokenizer))
         section("generate with the trained adapter beside the base")
@@ -164,7 +171,7 @@ def held_out_table(models: dict, tokenizer) -> str:
 def generate_in_every_mode(model, base, tokenizer, max_new_tokens: int = 40, fresh: bool = True) -> None:
     chats = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    batch = tokenizer(texts, return_tensors="pt", padding=True).to(base.device)
     runs = {"base model": lambda **kw: base.generate(**kw)}
     for mode in ("compatible", "standard", "causal", "sampling"):
         runs[f"causalqwen {mode}"] = lambda mode=mode, **kw: model.generate(**kw, inference_mode=mode)

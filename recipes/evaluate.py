@@ -7,7 +7,8 @@
 Each model is a Qwen2 base (scored with its softmax) or a CausalQwen adapter (scored in each of `--modes`). The data
 is any format `sft_ovr.py` reads (`text`, `prompt`/`completion`, chat `messages`; a local file or a `datasets` name).
 Writes `metrics.json` and `metrics.md` (the table printed at the end) to `--output_dir`, and `reliability.png` with
-`--reliability_diagram` (needs matplotlib). The metrics are described in `causalqwen_adapter/evaluation.py`.
+`--reliability_diagram` (needs matplotlib). The metrics are described in `causalqwen_adapter/evaluation.py`. The
+models run on `--device` (default `auto`: CUDA if available, else MPS, else the CPU), one at a time.
 """
 
 import json
@@ -21,6 +22,7 @@ from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.cauchy import INFERENCE_MODES
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
 from causalqwen_adapter.data import batches, load_text_dataset, tokenize_for_evaluation
+from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.evaluation import evaluate, markdown_table, reliability_diagram
 
 
@@ -49,6 +51,7 @@ class EvaluationArguments:
                                                      "choices": ["bfloat16", "float32", "auto"]})
     reliability_diagram: bool = field(default=False, metadata={"help": "Also write reliability.png."})
     seed: int = field(default=0, metadata={"help": "Seed of the sampling mode's noise."})
+    device: str = field(default=AUTO, metadata={"help": DEVICE_HELP})
 
 
 def load_model(name: str, dtype):
@@ -65,6 +68,7 @@ def main(args: EvaluationArguments) -> dict:
         raise ValueError(f"unknown mode(s) {bad}: choose from {', '.join(INFERENCE_MODES)}")
     if args.ovr_distribution not in (None, *OVR_DISTRIBUTIONS):
         raise ValueError(f"ovr_distribution={args.ovr_distribution!r}: choose one of {', '.join(OVR_DISTRIBUTIONS)}")
+    device = resolve_device(args.device)  # before any loading: a wrong --device fails at once
     output_dir = Path(args.output_dir)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     dataset = load_text_dataset(args.dataset_name, args.dataset_config)
@@ -77,7 +81,7 @@ def main(args: EvaluationArguments) -> dict:
     results, accumulators, rows = {}, {}, None
     for name in args.models:
         model, base_name = load_model(name, dtype)
-        model.eval()
+        model.to(device).eval()
         if args.ovr_distribution is not None and isinstance(model, CausalQwenForCausalLM):
             model.config.ovr_distribution = args.ovr_distribution
         if rows is None:  # the first model's tokenizer: every model must share the base's vocabulary
@@ -90,6 +94,8 @@ def main(args: EvaluationArguments) -> dict:
         accumulators[name] = out.pop("accumulators")
         results[name] = out
         del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next model gets the memory back
 
     table = markdown_table(results)
     output_dir.mkdir(parents=True, exist_ok=True)

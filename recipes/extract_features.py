@@ -10,8 +10,9 @@ probabilities, in a `datasets` folder that `recipes/distill_heads.py` trains on 
         --output_dir features/train
 
 The dataset is a `datasets` name or a local .jsonl/.json/.parquet/.csv file or folder with a text column (or
-`input_ids`). Run with `--help` for every option. On several devices, each process runs the teacher on its share of
-the sequences and the first writes the one store, in corpus order:
+`input_ids`). Run with `--help` for every option. The teacher runs on `--device` (default `auto`: CUDA if available,
+else MPS, else the CPU). On several devices, each process runs the teacher on its share of the sequences, on its own
+device, and the first writes the one store, in corpus order:
 
     accelerate launch --num_processes 4 recipes/extract_features.py ...     # GPUs
     torchrun --nproc_per_node 2 recipes/extract_features.py ...             # CPU processes (gloo)
@@ -19,11 +20,11 @@ the sequences and the first writes the one store, in corpus order:
 
 from dataclasses import dataclass, field
 
-import torch
 from accelerate import PartialState
 from transformers import HfArgumentParser
 
 from causalqwen_adapter.data import load_text_dataset  # the data sources of the SFT recipe
+from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.features import extract_features
 
 
@@ -50,11 +51,14 @@ class ExtractArguments:
         default="float32", metadata={"help": "Dtype of the stored hidden states.", "choices": ["float32", "float16"]}
     )
     overwrite: bool = field(default=False, metadata={"help": "Replace an existing output_dir."})
+    device: str = field(default=AUTO, metadata={"help": DEVICE_HELP})
 
 
 def main(args: ExtractArguments):
-    # Starts the process group a launcher asked for (gloo between CPU processes); a no-op in a single process.
-    state = PartialState(cpu=not torch.cuda.is_available())
+    device = resolve_device(args.device)  # this process's device (cuda:$LOCAL_RANK under a launcher)
+    # Starts the process group a launcher asked for (nccl between GPUs, gloo between CPU processes); a no-op in a
+    # single process.
+    state = PartialState(cpu=device.type == "cpu")
     with state.main_process_first():  # one process builds the datasets cache, the others read it
         dataset = load_text_dataset(args.dataset_name, args.dataset_config, streaming=False)
     if args.dataset_split not in dataset:
@@ -71,6 +75,7 @@ def main(args: ExtractArguments):
         dtype=args.dtype,
         revision=args.model_revision,
         overwrite=args.overwrite,
+        device=device,
     )
     if state.is_main_process:
         print(f"Features of {len(features)} tokens saved to {args.output_dir}.")

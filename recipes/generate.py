@@ -5,6 +5,7 @@
 The tokenizer is the base's (adapters carry none); its chat template is applied when it has one
 (`--no-chat` to feed the prompt raw). With a numeric adapter (docs/design.md, Numbers) the numbers of the prompt enter as <NUM>
 tokens with their values, and the answer is printed once done, each generated <NUM> written as its predicted value.
+The model runs on `--device` (default `auto`: CUDA if available, else MPS, else the CPU).
 """
 
 import argparse
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer, TextStreamer
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.cauchy import INFERENCE_MODES
+from causalqwen_adapter.devices import add_device_argument, resolve_device
 from causalqwen_adapter.numeric import add_num_token, decode_with_numbers, encode_with_numbers
 
 
@@ -25,7 +27,7 @@ def build_inputs(tokenizer, prompt: str, chat: bool):
     return tokenizer(prompt, return_tensors="pt")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("adapter", help="adapter folder or Hub id")
     parser.add_argument("--prompt", required=True)
@@ -41,14 +43,19 @@ def main() -> None:
     parser.add_argument("--base-model", default=None, help="override the base named in the adapter")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    args = parser.parse_args()
+    add_device_argument(parser)
+    args = parser.parse_args(argv)
 
+    try:
+        device = resolve_device(args.device)  # before loading: a wrong --device fails at once
+    except ValueError as err:
+        parser.error(str(err))
     if args.seed is not None:
         torch.manual_seed(args.seed)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = CausalQwenForCausalLM.from_pretrained(args.adapter, base_model=args.base_model, dtype=dtype)
+    model = CausalQwenForCausalLM.from_pretrained(args.adapter, base_model=args.base_model, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.base_model or model.config.base_model_name_or_path)
-    inputs = build_inputs(tokenizer, args.prompt, chat=not args.no_chat)
+    inputs = build_inputs(tokenizer, args.prompt, chat=not args.no_chat).to(device)
     options = {
         "inference_mode": args.mode,
         "causal_temperature": args.causal_temperature,
@@ -78,15 +85,15 @@ def generate_with_numbers(model, tokenizer, prompt: str, chat: bool, args, optio
                                                tokenize=False)
     encoded = encode_with_numbers(tokenizer, prompt, num_id)
     out = model.generate(
-        torch.tensor([encoded["input_ids"]]),
-        numeric_values=torch.tensor([encoded["numeric_values"]]),
+        torch.tensor([encoded["input_ids"]], device=model.device),
+        numeric_values=torch.tensor([encoded["numeric_values"]], device=model.device),
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
         return_dict_in_generate=True,
         **options,
     )
     start = len(encoded["input_ids"])
-    return decode_with_numbers(tokenizer, out.sequences[0, start:], out.numeric_values[0, start:], num_id)
+    return decode_with_numbers(tokenizer, out.sequences[0, start:].cpu(), out.numeric_values[0, start:].cpu(), num_id)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,18 @@ def tied_base(tmp_path_factory) -> Path:
     return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-base"), tie_word_embeddings=True)
 
 
+# cpu always; cuda where a CUDA device is present, marked `gpu` so that `make test-gpu` (`pytest -m gpu`) selects it
+DEVICES = [pytest.param("cpu", id="cpu")]
+if torch.cuda.is_available():
+    DEVICES.append(pytest.param("cuda", id="cuda", marks=pytest.mark.gpu))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Each device the tests run on: the CPU, and the current CUDA device when there is one."""
+    return torch.device(request.param)
+
+
 @pytest.fixture
 def input_ids() -> torch.Tensor:
     return torch.randint(1, TINY_VOCAB - 1, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,304 @@
+"""On a lent CUDA GPU (written for one H100, about 8 minutes in all; never run in CI): the GPU tests, one sharded
+training step each way, and the speed and memory of decoding and of the training loss.
+
+    python bench/gpu.py --base build/demo-base        # without --base: a random Qwen2.5-0.5B-shaped model
+
+1. tests: `make test-gpu`'s tests (`pytest -m gpu`: the cuda run of every test taking the `device` fixture), in a
+   subprocess;
+2. sharded: one step of `recipes/sft_ovr.py` under `accelerate launch --config_file recipes/configs/fsdp2.yaml` and,
+   when `deepspeed` imports, `deepspeed_zero3.yaml`, on this one GPU (`--num_processes 1`: nccl, world size 1);
+3. decode: tokens/s at batch 1, 8 and 64 in every inference mode against the base (bench/decode.py's measurement,
+   synchronised with the GPU), then per variant at batch 1 the peak memory (`torch.cuda.max_memory_allocated`) and
+   the CUDA kernels launched per decode step (`torch.profiler`: kernels of an N-token generate minus a 1-token one,
+   over N − 1);
+4. loss: forward + backward at 8,192 and 32,768 target tokens in bf16 on the real head shape (bench/loss.py's
+   steps): `forward(labels=...)`'s loss (d) against lm_head + cross-entropy (a) and Liger-Kernel's
+   `LigerFusedLinearCrossEntropyLoss` (l, when `liger_kernel` imports); time (CUDA events, the fastest of --repeat
+   steps per round), peak memory above the inputs, kernels per step. A variant that runs out of memory says so.
+
+Every comparison runs its variants interleaved, --rounds rounds, and prints ratios as median (min–max) over the rounds
+(bench/stats.py). `--parts` picks what runs.
+"""
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from decode import HEADER, PROMPTS, measure, print_rows, run_variant
+from loss import VARIANTS as LOSS_VARIANTS
+from loss import build_step
+from stats import round_ratios, spread
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("tests", "sharded", "decode", "loss")
+CONFIGS = REPO_ROOT / "recipes" / "configs"
+
+
+def qwen25_05b_config():
+    """Qwen2.5-0.5B's shape (as its config.json), for the run without --base."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
+                       eos_token_id=2, pad_token_id=None)
+
+
+def random_base(folder: Path) -> Path:
+    """A randomly initialised Qwen2.5-0.5B-shaped Qwen2 in bf16, with a word-level tokenizer of the bench prompts
+    (ids beyond it are never fed), saved like a Hub base."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(PROMPTS, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<|endoftext|>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                        eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(qwen25_05b_config()).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+def section(title: str) -> float:
+    print(f"\n=== {title}", flush=True)
+    return time.perf_counter()
+
+
+def done(start: float) -> None:
+    print(f"--- {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def run_logged(cmd: list[str], timeout: float, env=None) -> tuple[int | str, str]:
+    """(return code or "timeout", the output's tail) of a subprocess in the repository root; on timeout its whole
+    process group (a launcher's workers too) is killed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return "timeout", out[-3000:]
+    return proc.returncode, out[-3000:]
+
+
+# --------------------------------------------------------------------------------------- 1. tests
+
+
+def gpu_tests(timeout: float) -> None:
+    start = section("make test-gpu's tests (pytest -m gpu)")
+    code, tail = run_logged([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], timeout)
+    print(tail if code != 0 else (tail.strip().splitlines() or [""])[-1])
+    print(f"pytest -m gpu: {'passed' if code == 0 else f'FAILED ({code})'}")
+    done(start)
+
+
+# --------------------------------------------------------------------------------------- 2. sharded steps
+
+
+def sharded_steps(base: Path, work: Path, timeout: float) -> None:
+    start = section("one sft_ovr.py step per launch configuration, 1 GPU")
+    data = work / "sharded.jsonl"
+    data.write_text("".join(json.dumps({"text": p * 4}) + "\n" for p in PROMPTS * 2))
+    configs = ["fsdp2.yaml"]
+    try:
+        import deepspeed  # noqa: F401
+
+        configs.append("deepspeed_zero3.yaml")
+    except Exception as err:  # ImportError, or a DeepSpeed that cannot build its ops here
+        print(f"deepspeed_zero3.yaml: skipped, deepspeed does not import ({type(err).__name__}: {err})")
+    for config in configs:
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+               "--num_processes", "1", str(REPO_ROOT / "recipes" / "sft_ovr.py"),
+               "--model_name_or_path", str(base), "--dataset_name", str(data), "--output_dir", str(work / config),
+               "--max_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "128", "--logging_steps", "1",
+               "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
+        code, tail = run_logged(cmd, timeout)
+        saved = (work / config / "model.safetensors").is_file()
+        losses = [line for line in tail.splitlines() if "'loss'" in line]
+        status = "ok" if code == 0 and saved else f"FAILED (exit {code}, adapter saved: {saved})"
+        print(f"{config}: {status}, {time.perf_counter() - t0:.0f} s; {losses[-1].strip() if losses else ''}")
+        if status != "ok":
+            print(tail)
+    done(start)
+
+
+# --------------------------------------------------------------------------------------- 3. decode
+
+
+def kernel_launches(fn) -> int:
+    """CUDA kernels `fn()` launches (memory copies and sets left out)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset", "[memory]")))
+
+
+def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int) -> None:
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    from causalqwen_adapter import CausalQwenForCausalLM
+
+    start = section(f"decode, bf16, {new_tokens} new tokens, {rounds} interleaved rounds: median tokens/s and the "
+                    "speed as a multiple of the base's, median (min–max) of the rounds")
+    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    tokenizer.padding_side = "left"
+    base = Qwen2ForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16).to("cuda").eval()
+    model = CausalQwenForCausalLM.from_base(base).eval()
+    print(HEADER)
+    for batch_size in batches:
+        print_rows(batch_size, measure(base, model, tokenizer, batch_size, new_tokens, rounds,
+                                       synchronize=torch.cuda.synchronize))
+    print(f"\nbatch 1, per variant: peak memory of a {new_tokens}-token generate, CUDA kernels per decode step")
+    batch = tokenizer(PROMPTS[:1], return_tensors="pt").to("cuda")
+    with torch.inference_mode():
+        for variant in ("base", "compatible", "standard", "standard (eager)", "causal", "sampling"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            run_variant(base, model, variant, batch, new_tokens)
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            many = kernel_launches(lambda: run_variant(base, model, variant, batch, new_tokens))
+            one = kernel_launches(lambda: run_variant(base, model, variant, batch, 1))
+            print(f"  {variant:<24} peak {peak:8.0f} MiB   kernels per step {(many - one) / (new_tokens - 1):7.1f}")
+    done(start)
+
+
+# --------------------------------------------------------------------------------------- 4. loss
+
+
+def loss(sizes: list[int], rounds: int, repeat: int) -> None:
+    variants = ["a", "d"]
+    try:
+        import liger_kernel  # noqa: F401
+
+        variants.append("l")
+    except ImportError:
+        print("(l) skipped: liger_kernel does not import")
+    start = section(f"loss forward + backward, bf16 weights, V × C = 151936 × 896, {rounds} interleaved rounds, the "
+                    f"fastest of {repeat} steps per round")
+    for n in sizes:
+        steps = {}
+        for v in variants:  # build_step sets bfloat16 as the default dtype, as bench/loss.py's --dtype bfloat16 runs
+            torch.cuda.empty_cache()
+            try:
+                steps[v] = build_step(v, n, dtype="bfloat16", device="cuda")
+            except torch.cuda.OutOfMemoryError:
+                print(f"N={n} ({v}) {LOSS_VARIANTS[v]}: out of memory building its inputs")
+        times = {v: [] for v in steps}
+        peaks, kernels = {}, {}
+
+        def clear(v):
+            for p in steps[v][1]:
+                p.grad = None
+
+        def one_step(v):
+            step, _, precision = steps[v]
+            clear(v)
+            with precision:
+                value = step()
+            value.backward()
+
+        for r in range(rounds):
+            for v in list(steps):
+                try:
+                    if r == 0:  # warm-up (Triton/cuBLAS set-up), peak memory above the inputs, kernels per step
+                        one_step(v)
+                        clear(v)  # the peak is measured from the inputs alone
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
+                        base_mem = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                        one_step(v)
+                        torch.cuda.synchronize()
+                        peaks[v] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+                        kernels[v] = kernel_launches(lambda: one_step(v))
+                    best = float("inf")
+                    for _ in range(repeat):
+                        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        begin.record()
+                        one_step(v)
+                        end.record()
+                        end.synchronize()
+                        best = min(best, begin.elapsed_time(end) / 1000)
+                    times[v].append(best)
+                except torch.cuda.OutOfMemoryError:
+                    print(f"N={n} ({v}) {LOSS_VARIANTS[v]}: out of memory")
+                    del steps[v], times[v]
+                    torch.cuda.empty_cache()
+        for v in times:
+            print(f"N={n} ({v}) {LOSS_VARIANTS[v]:<24} {statistics.median(times[v]) * 1e3:8.1f} ms (median of rounds)  "
+                  f"peak above inputs {peaks.get(v, float('nan')):8.0f} MiB  kernels per step {kernels.get(v, 0)}")
+        for mine, other in (("d", "a"), ("d", "l"), ("l", "a")):
+            if mine in times and other in times:
+                print(f"N={n} {mine}/{other} time {spread(round_ratios(times[mine], times[other]))}×  "
+                      f"peak memory {peaks[mine] / peaks[other]:.2f}×")
+        steps.clear()
+        torch.cuda.empty_cache()
+    torch.set_default_dtype(torch.float32)
+    done(start)
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default=None, help="a Qwen2 folder (e.g. build/demo-base); default: a random "
+                        "Qwen2.5-0.5B-shaped model")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode: tokens per generate")
+    parser.add_argument("--n", type=int, nargs="+", default=[8192, 32768], help="loss: target tokens")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every comparison")
+    parser.add_argument("--repeat", type=int, default=2, help="loss: timed steps per round (the fastest counts)")
+    parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for pytest -m gpu")
+    parser.add_argument("--launch-timeout", type=float, default=150, help="seconds per accelerate launch")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA device: torch.cuda.is_available() is False on this machine")
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    begin = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="causalqwen-gpu-bench-") as tmp:
+        work = Path(tmp)
+        base = Path(args.base) if args.base else None
+        if base is None and {"sharded", "decode"} & set(args.parts):
+            base = random_base(work / "random-qwen2.5-0.5b")
+            print(f"base: a random Qwen2.5-0.5B-shaped model ({base})")
+        if "tests" in args.parts:
+            gpu_tests(args.tests_timeout)
+        if "sharded" in args.parts:
+            sharded_steps(base, work, args.launch_timeout)
+        if "decode" in args.parts:
+            decode(base, args.batch, args.new_tokens, args.rounds)
+            torch.cuda.empty_cache()  # the decode models are gone
+        if "loss" in args.parts:
+            loss(args.n, args.rounds, args.repeat)
+    print(f"\nall parts: {time.perf_counter() - begin:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
