@@ -31,7 +31,7 @@ from .cauchy import (
     sample_standard_cauchy,
 )
 from .configuration_causalqwen import CausalQwenConfig
-from .cpu_kernel import ovr_scores_cpu
+from .dispatch import run_operator
 from .generation import CausalGenerationMixin
 from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier, fused_decode_applies
 from .lm_loss import chunked_lm_loss
@@ -214,7 +214,7 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
             return loc_S
         args = (loc_S, scale_S, self.ovr.threshold, self.ovr.relative, self.config.ovr_distribution)
         if log_P is None and fused_decode_applies(self.config.vocab_size * self.config.causal_size, loc_S, scale_S):
-            scores = ovr_scores_cpu(*args)
+            scores = run_operator("ovr_scores", *args)
             if scores is None:
                 scores = _compiled_decision_scores(*args)
             if scores is not None:
