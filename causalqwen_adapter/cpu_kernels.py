@@ -1,6 +1,6 @@
 """The `causalqwen` operators on x86-64 CPUs with AVX-512: C kernels (`csrc/`) built with PyTorch's extension
-mechanism on first use. Installed package only: the adapter folder's remote code never imports this file and runs the
-torch reference.
+mechanism on first use. Installed package only: the adapter folder's remote code never imports this file; it runs
+these kernels only in a process where the package has registered them (dispatch.py), the torch reference elsewhere.
 
 Importing the package registers, cheaply, the operators' `_applies` queries for the CPU (`ops.py`); the first query
 that could be served builds the library (`torch.utils.cpp_extension.load`, with the C++ compiler and ninja, into
@@ -82,7 +82,10 @@ def build() -> Path:
         if library.exists():
             logger.warning("The cached CPU kernel library %s does not match what was built; building it again", library)
         for entry in folder.iterdir():  # objects, ninja's state and a stale lock of an interrupted build too
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
         logger.info("Building the CPU kernels (once per machine) into %s", folder)
         cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                            build_directory=str(folder), is_python_module=False, verbose=False)
@@ -115,10 +118,11 @@ def _load() -> frozenset:
 def _try_load() -> frozenset:
     from torch.utils import cpp_extension
 
-    flags = _cpu_flags()
-    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64") or not {
-        "avx512f", "avx512bw"} <= flags:
-        logger.info("This CPU has no AVX-512: the causalqwen operators are not built and the torch code runs")
+    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        logger.info("Not x86-64 Linux: the CPU kernels are not built and the torch code runs")
+        return frozenset()
+    if not {"avx512f", "avx512bw"} <= _cpu_flags():
+        logger.info("This CPU has no AVX-512: the CPU kernels are not built and the torch code runs")
         return frozenset()
     compiler = shutil.which(os.environ.get("CXX") or "c++")
     if compiler is None or not cpp_extension.is_ninja_available():
