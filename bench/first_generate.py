@@ -1,8 +1,8 @@
 """Benchmark: how long the first ``generate()`` of a fresh process takes, each inference mode against the base model
 (demo base, bf16, batch 1, greedy, --new-tokens tokens).
 
-The OvR modes' decode step runs kernels the base does not: where the C kernels of ``cpu_kernel.py`` run, nothing is
-compiled at the first call (the C source itself is compiled once per machine, about a second, into a cache that this bench
+The OvR modes' decode step runs kernels the base does not: where the C kernels of ``cpu_kernels.py`` run, nothing is
+compiled at the first call (their library is built once per machine, into PyTorch's extensions cache, which this bench
 warms first); elsewhere the decision scores go through ``torch.compile``, whose first call compiles. The variant
 "standard (compiled scores)" forces that path to show its cost. Each variant runs in its own process with an empty
 TorchInductor cache (--warm-inductor: one shared cache, filled by an untimed first round), so the figure is what a
@@ -38,7 +38,7 @@ def _child(base: str, variant: str, new_tokens: int) -> dict:
         model = CausalQwenForCausalLM.from_base(model).eval()
         kwargs["inference_mode"] = variant.split()[0]
     if variant == "standard (compiled scores)":
-        modeling_causalqwen.ovr_scores_cpu = lambda *args: None
+        modeling_causalqwen.run_operator = lambda name, *args: None  # no causalqwen::ovr_scores operator
     input_ids = AutoTokenizer.from_pretrained(base)("The three laws of thermodynamics are", return_tensors="pt").input_ids
     times = []
     for _ in range(2):
@@ -68,7 +68,7 @@ def main() -> None:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             return json.loads(out.strip().splitlines()[-1])
 
-        run("standard")  # the C kernels' own one-off compilation (cached per machine), and a warm page cache
+        run("standard")  # the C kernels' own one-off build (cached per machine), and a warm page cache
         if args.warm_inductor:
             run("standard (compiled scores)")
         results = {v: [] for v in VARIANTS}

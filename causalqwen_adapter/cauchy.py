@@ -160,7 +160,7 @@ FUSED_MAX_ROWS = 4  # beyond, the compiled kernel's float32 vector code loses to
 
 def cauchy_linear_fused(loc_U, scale_U, weight, bias):
     """`cauchy_linear` for up to `FUSED_MAX_ROWS` rows (decoding at batch 1 to 4, no gradient), reading W once: the
-    path of CPUs the C kernel (`cpu_kernel.py`) does not run on.
+    path where no causalqwen::cauchy_linear operator serves (dispatch.py).
 
     A `torch.compile`d kernel. Returns None when the caller should use `cauchy_linear_blocked` instead (no compiler).
     """

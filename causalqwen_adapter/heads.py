@@ -24,12 +24,12 @@ from .cauchy import (
     signed_log1p,
     softplus_inverse,
 )
-from .cpu_kernel import cauchy_linear_cpu
+from .dispatch import run_operator
 from .sharding import HeadModule, full_tensor, gathered
 
-# Decoding runs compiled kernels: one read of W_A for loc_S and scale_S (cpu_kernel.cauchy_linear_cpu for a bf16 or
-# float32 W_A on AVX-512 CPUs, else cauchy.cauchy_linear_fused up to 4 rows), and the OvR modes' scores in one pass
-# (cpu_kernel.ovr_scores_cpu, else cauchy.ovr_decision_scores compiled); CAUSALQWEN_FUSED_DECODE=0 runs them eager.
+# Decoding runs fused kernels: one read of W_A for loc_S and scale_S (the causalqwen::cauchy_linear operator where one
+# is registered, else cauchy.cauchy_linear_fused up to 4 rows), and the OvR modes' scores in one pass
+# (causalqwen::ovr_scores, else cauchy.ovr_decision_scores compiled); CAUSALQWEN_FUSED_DECODE=0 runs them eager.
 _FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
 _FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
 
@@ -131,7 +131,7 @@ class ActionNetwork(HeadModule):
             return F.linear(loc_U, weight, self.bias), None
         tensors = (loc_U, scale_U, weight, self.bias)
         if fused_decode_applies(weight.numel(), *tensors):
-            fused = cauchy_linear_cpu(loc_U, scale_U, weight, self.bias)  # bf16/float32 W_A, AVX-512, 1 to 24/64 rows
+            fused = run_operator("cauchy_linear", loc_U, scale_U, weight, self.bias)  # dispatch.py
             if fused is None and loc_U.numel() <= FUSED_MAX_ROWS * loc_U.shape[-1]:
                 fused = cauchy_linear_fused(loc_U, scale_U, weight, self.bias)
             if fused is not None:

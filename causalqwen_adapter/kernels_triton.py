@@ -1,8 +1,8 @@
 """Triton kernels for CUDA GPUs, each with the contract of a torch or C function of this package:
 
-- `loss_tile_triton`: `cpu_kernel.loss_tile` (pass B of `lm_loss.chunked_lm_loss` on one tile, and the tiles of
+- `loss_tile_triton`: the `causalqwen::loss_tile` operator (`cpu_kernels.py`) (pass B of `lm_loss.chunked_lm_loss` on one tile, and the tiles of
   `losses.chunked_ovr_loss`), for tiles as wide as the whole vocabulary;
-- `block_logsumexp_triton`: `cpu_kernel.block_logsumexp` (pass A's logsumexp, + b_A, optionally written back);
+- `block_logsumexp_triton`: `causalqwen::block_logsumexp` (pass A's logsumexp, + b_A, optionally written back);
 - `ovr_scores_triton`: `cauchy.ovr_decision_scores` for decoding (no gradient);
 - `cauchy_linear_triton`: `cauchy.cauchy_linear` (no gradient) in one read of W_A, and `abs_matmul_triton`, a @ |W|
   (the loss's scale gradient) without a |W| tensor.
@@ -41,9 +41,9 @@ else:
 # the dtypes of the operands the kernels read (their math is float32 whatever these are)
 DTYPES = (torch.bfloat16, torch.float32)
 
-# the flags of cpu_kernel.loss_tile, numbered as there (repeated: this module needs nothing else of the package)
+# the flags of causalqwen::loss_tile (dispatch.TILE_*), numbered as there (repeated: this module needs nothing else of the package)
 TILE_OVR, TILE_D, TILE_OVR_GRADS, TILE_OVR_LOCATES, TILE_COL_D, TILE_COL_T = 1, 2, 4, 8, 16, 32
-_DISTRIBUTIONS = {"normalize": 0, "accept": 1, "accept_once": 2}  # as cpu_kernel numbers them
+_DISTRIBUTIONS = {"normalize": 0, "accept": 1, "accept_once": 2}  # as csrc/kernels.cpp numbers them
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -527,8 +527,8 @@ class LossTileOut(NamedTuple):
 
 def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d=None, g=None,
                      rows_out=None, col_d=None, col_t=None, *, segments=None):
-    """`cpu_kernel.loss_tile` on the GPU: one (token × vocabulary) tile of the training loss, any width up to the
-    whole vocabulary. Arguments as `cpu_kernel.loss_tile`'s, without ``kernel`` and ``threads``:
+    """the `causalqwen::loss_tile` operator (`cpu_kernels.py`) on the GPU: one (token × vocabulary) tile of the training loss, any width up to the
+    whole vocabulary. Arguments as the `causalqwen::loss_tile` operator (`cpu_kernels.py`)'s, without ``kernel`` and ``threads``:
 
     - ``loc`` [r, w] bf16 or float32 (rows of unit column stride, any row stride): loc_S (= W loc_U, + b when
       ``bias`` is None) or, for `losses.chunked_ovr_loss`, loc_S − C (− offset);
@@ -660,7 +660,7 @@ def _row_lse_partials(loc, bias, store_bias, segments=None):
 
 
 def block_logsumexp_triton(loc, bias, store_bias: bool, lse_out, *, segments=None):
-    """`cpu_kernel.block_logsumexp` on the GPU: lse_out[i] = log Σ_j exp(loc[i, j] + bias[j]) over a [r, w] block
+    """`causalqwen::block_logsumexp` on the GPU: lse_out[i] = log Σ_j exp(loc[i, j] + bias[j]) over a [r, w] block
     (any width, the whole vocabulary included). ``loc``: bf16 or float32, rows of unit column stride; ``bias``: [w]
     (float32; None: none), added into ``loc`` in place (rounded to loc's dtype, and the rounded value summed) with
     ``store_bias``; ``lse_out``: float32 [r], any stride (a column of a [r, blocks] table). Two launches: the rows'

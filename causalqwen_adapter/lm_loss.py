@@ -22,17 +22,7 @@ import math
 import torch
 
 from .cauchy import check_labels, fuse_noise
-from .cpu_kernel import (
-    TILE_COL_D,
-    TILE_COL_T,
-    TILE_D,
-    TILE_OVR,
-    TILE_OVR_GRADS,
-    TILE_OVR_LOCATES,
-    block_logsumexp,
-    loss_tile,
-    loss_tile_kernel,
-)
+from .dispatch import TILE_COL_D, TILE_COL_T, TILE_D, TILE_OVR, TILE_OVR_GRADS, TILE_OVR_LOCATES, lookup_operator
 from .losses import (
     DecisionHead,
     check_head_inputs,
@@ -162,12 +152,14 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
         # tokens per chunk) and read in float32, plus b_A, one block at a time.
         logits_buf = torch.empty(chunk * vocab if n_valid else 0, dtype=logits_dtype(mm_dtype, dtype), device=dev)
-        # Pass B's elementwise work (and pass A's logsumexp) in one pass of C where it runs (cpu_kernel.loss_tile):
-        # the torch code makes about twenty passes over each tile. Its operands and results stay in the products'
-        # dtype.
-        tile_kernel = None
-        if dev.type == "cpu" and dtype == torch.float32 and logits_dtype(mm_dtype, dtype) == mm_dtype:
-            tile_kernel = loss_tile_kernel(mm_dtype)
+        # Pass B's elementwise work (and pass A's logsumexp) in one pass where an operator serves it (the
+        # causalqwen::loss_tile and block_logsumexp operators, dispatch.py): the torch code makes about twenty passes
+        # over each tile. Its operands and results stay in the products' dtype.
+        tile_kernel = lse_kernel = None
+        if dtype == torch.float32 and logits_dtype(mm_dtype, dtype) == mm_dtype:
+            products = torch.empty(0, dtype=mm_dtype, device=dev)
+            lse_kernel = lookup_operator("block_logsumexp", products)
+            tile_kernel = lookup_operator("loss_tile", products) if lse_kernel is not None else None
         # float32 tiles: every one for the torch code, three for the C one when its products are float32
         torch_tile = chunk * vblock if tile_kernel is None else 0
         c_tile = chunk * vblock if tile_kernel is not None and mm_dtype == dtype else 0
@@ -257,7 +249,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             return x_mm, d_mm, d.sum(0) if need_D and need_bias else None
 
         def tile_c(i, v0, v1, stored, abs_w, r, r0, r1, tgt, scale_mm):
-            """`tile_torch` in one pass of cpu_kernel's C (products in bf16 or float32, the math float32)."""
+            """`tile_torch` in one pass of the loss_tile operator (products in bf16 or float32, the math float32)."""
             nonlocal nll_sum, ovr_sum
             w = v1 - v0
             s = torch.mm(scale_mm, abs_w.T, out=s_tile[: r * w].view(r, w)) if ovr else None
@@ -266,10 +258,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
             cols = col_sums[:, : tile_threads * w].view(2, tile_threads, w)  # [sum, thread, column], each contiguous
             if tile_flags & (TILE_COL_D | TILE_COL_T):
                 cols.zero_()
-            loss_tile(tile_kernel, stored, None if tile_bias is None else tile_bias[v0:v1], lse,
-                      thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, kernel_target_columns(tgt, v0, w),
-                      degenerate[i], ce_tile, of_tile,
-                      tile_flags, d, g, rows_out[: 4 * r], cols[0], cols[1], tile_threads)
+            tile_kernel(stored, None if tile_bias is None else tile_bias[v0:v1], lse,
+                        thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, kernel_target_columns(tgt, v0, w),
+                        degenerate[i], ce_tile, of_tile,
+                        tile_flags, d, g, rows_out[: 4 * r], cols[0], cols[1], tile_threads)
             sums = rows_out[: 4 * r].view(4, r)
             nll_sum -= sums[0].sum(dtype=torch.float64)
             if ovr:
@@ -292,8 +284,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass A
                 product(stored, loc_mm, lowered(weight[v0:v1], w_lo).T, overwrite=True)
                 if tile_kernel is not None:  # float32 logits keep b_A from here on, bf16 ones get it on reading
-                    block_logsumexp(tile_kernel, stored, None if bias_f is None else bias_f[v0:v1],
-                                    stored.dtype == dtype, block_lse[:, i], tile_threads)
+                    lse_kernel(stored, None if bias_f is None else bias_f[v0:v1], stored.dtype == dtype,
+                               block_lse[:, i], tile_threads)
                     continue
                 if bias is not None and stored.dtype == dtype:
                     stored.add_(bias[v0:v1])

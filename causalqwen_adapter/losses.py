@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_log_probs, ovr_probs, ovr_standardize
-from .cpu_kernel import TILE_COL_D, TILE_D, TILE_OVR, TILE_OVR_GRADS, TILE_OVR_LOCATES, loss_tile, loss_tile_kernel
+from .dispatch import TILE_COL_D, TILE_D, TILE_OVR, TILE_OVR_GRADS, TILE_OVR_LOCATES, lookup_operator
 
 OVR_CHUNK_TOKENS = 1024  # tokens per tile of `chunked_ovr_loss`, whose tiles are [tokens × 2,048 vocabulary rows]
 
@@ -201,10 +201,12 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     want_grads = any(g is not None for g in (g_loc, g_scale, g_shift, grad_W))
-    # The tile's elementwise work in one pass of C where it runs (cpu_kernel.loss_tile, always with the digits of
-    # `precise`) on x = loc_S − C (− offset): t gets π ∂ℓ/∂loc_S (ce = 0, of = 1), x is overwritten by
-    # −π ∂ℓ/∂scale_S, as ovr_tile leaves them.
-    tile_kernel = loss_tile_kernel(dtype) if dev.type == "cpu" and dtype == torch.float32 else None
+    # The tile's elementwise work in one pass where an operator serves it (causalqwen::loss_tile, dispatch.py; always
+    # with the digits of `precise`) on x = loc_S − C (− offset): t gets π ∂ℓ/∂loc_S (ce = 0, of = 1), x is
+    # overwritten by −π ∂ℓ/∂scale_S, as ovr_tile leaves them.
+    tile_kernel = None
+    if dtype == torch.float32:
+        tile_kernel = lookup_operator("loss_tile", torch.empty(0, dtype=dtype, device=dev))
     if tile_kernel is not None:
         threads = torch.get_num_threads()
         flags = TILE_OVR | (TILE_D | TILE_OVR_GRADS | TILE_OVR_LOCATES) * want_grads | TILE_COL_D * (g_shift is not None)
@@ -234,9 +236,8 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
                 cols = col_sums[:, : threads * w].view(2, threads, w)
                 if g_shift is not None:
                     cols.zero_()
-                loss_tile(tile_kernel, x, None, no_lse, no_threshold, False, s,
-                          kernel_target_columns(targets[r0:r1], v0, w), zero_mask, 0.0, 1.0, flags, t, x,
-                          rows_out[: 4 * r], cols[0], cols[1], threads)
+                tile_kernel(x, None, no_lse, no_threshold, False, s, kernel_target_columns(targets[r0:r1], v0, w),
+                            zero_mask, 0.0, 1.0, flags, t, x, rows_out[: 4 * r], cols[0], cols[1], threads)
                 sums = rows_out[: 4 * r].view(4, r)
                 neg_log_sum -= sums[1].sum(dtype=torch.float64)
                 u_row_sum[r0:r1] += sums[2]
@@ -271,12 +272,12 @@ def zero_rows(abs_w: torch.Tensor) -> torch.Tensor:
 
 
 def zero_row_mask(zero: torch.Tensor, width: int) -> torch.Tensor | None:
-    """`zero_rows`' indices as the [width] bool mask `cpu_kernel.loss_tile` reads, None when there are none."""
+    """`zero_rows`' indices as the [width] bool mask the loss_tile operator reads, None when there are none."""
     return torch.zeros(width, dtype=torch.bool, device=zero.device).index_fill_(0, zero, True) if zero.numel() else None
 
 
 def kernel_target_columns(targets: torch.Tensor, v0: int, width: int) -> torch.Tensor:
-    """`target_columns` as `cpu_kernel.loss_tile` reads them: the target's column in the block [v0, v0 + width) per
+    """`target_columns` as the loss_tile operator reads them: the target's column in the block [v0, v0 + width) per
     row, −1 where it lies outside."""
     col = targets - v0
     return torch.where((col >= 0) & (col < width), col, -1)

@@ -31,7 +31,7 @@ from .cauchy import (
     sample_standard_cauchy,
 )
 from .configuration_causalqwen import CausalQwenConfig
-from .cpu_kernel import ovr_scores_cpu
+from .dispatch import run_operator
 from .generation import CausalGenerationMixin
 from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier, fused_decode_applies
 from .lm_loss import chunked_lm_loss
@@ -211,7 +211,7 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         """The logits a mode decodes with (docs/design.md, Inference modes): loc_S in `compatible`, in the OvR modes
         `cauchy.ovr_decision_scores` of the config's `ovr_distribution`. `log_P` may be passed when the caller
         already has it. Without gradient, at a vocabulary that makes it worth a compilation, one kernel: the C one of
-        `cpu_kernel.ovr_scores_cpu` where it runs (nothing to compile at the first call), else a compiled one."""
+        the `causalqwen::ovr_scores` operator (dispatch.py) where it is registered (nothing to compile at the first call), else a compiled one."""
         if inference_mode == "compatible":
             return loc_S
         return self.ovr.read(lambda ovr, loc, scale: self._decision_scores(loc, scale, ovr, log_P), loc_S, scale_S)
@@ -219,7 +219,7 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
     def _decision_scores(self, loc_S, scale_S, ovr, log_P):
         args = (loc_S, scale_S, ovr.threshold, ovr.relative, self.config.ovr_distribution)
         if log_P is None and fused_decode_applies(self.config.vocab_size * self.config.causal_size, loc_S, scale_S):
-            scores = ovr_scores_cpu(*args)
+            scores = run_operator("ovr_scores", *args)
             if scores is None:
                 scores = _compiled_decision_scores(*args)
             if scores is not None:

@@ -1,7 +1,9 @@
 """The adapter folder (docs/design.md, The adapter folder): what save_pretrained writes, what loads it, and what it refuses."""
 
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,9 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
+from transformers.dynamic_module_utils import get_relative_imports
 
 import causalqwen_adapter.adapter_io as adapter_io
-from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter import CausalQwenForCausalLM, dispatch
 
 from conftest import TINY_VOCAB, save_tiny_qwen2
 
@@ -48,7 +51,7 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert {p.name for p in folder.iterdir()} == {
         "config.json", "model.safetensors", "generation_config.json", "README.md",
         "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py", "heads.py",
-        "adapter_io.py", "generation.py", "lm_loss.py", "cpu_kernel.py", "sharding.py",
+        "adapter_io.py", "generation.py", "lm_loss.py", "dispatch.py", "sharding.py",
     }
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert set(f.keys()) == ADAPTER_KEYS
@@ -63,8 +66,26 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert config["text_config"]["model_type"] == "qwen2"
     # the remote code imports nothing of this package
     for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py",
-                 "heads.py", "adapter_io.py", "generation.py", "lm_loss.py", "cpu_kernel.py", "sharding.py"):
+                 "heads.py", "adapter_io.py", "generation.py", "lm_loss.py", "dispatch.py", "sharding.py"):
         assert "causalqwen_adapter" not in (folder / name).read_text()
+
+
+NATIVE_CODE = re.compile(
+    r"^\s*(import|from)\s+(ctypes|subprocess|cffi)\b|cpp_extension|load_library|CDLL|#include|TORCH_LIBRARY", re.M)
+
+
+def test_the_folder_ships_no_native_code(trained_like, tmp_path):
+    """Remote code is plain PyTorch: no C or C++ source, no library, no file of the CPU kernels, and no Python file
+    that imports ctypes or subprocess, loads a library or builds an extension, or imports the package's kernels."""
+    folder = tmp_path / "adapter"
+    trained_like.save_pretrained(folder)
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} <= {".json", ".safetensors", ".md", ".py"}
+    assert not [p.name for p in files if p.name.startswith(("cpu_kernel", "ops.")) or "csrc" in p.parts]
+    for path in (p for p in files if p.suffix == ".py"):
+        text = path.read_text()
+        assert not NATIVE_CODE.search(text), (path.name, NATIVE_CODE.search(text).group(0))
+        assert "cpu_kernels" not in text and not {"cpu_kernels", "ops"} & set(get_relative_imports(path)), path.name
 
 
 def test_round_trip_is_bit_exact(trained_like, tmp_path, input_ids):
@@ -142,6 +163,94 @@ def test_remote_code_loads_without_the_package(trained_like, tmp_path, input_ids
         assert torch.equal(got["lm"][key], value), key
         if key != "logits":
             assert torch.equal(got["model"][key], value), key
+
+
+def _generate_and_train(model, input_ids):
+    """Every inference mode's greedy tokens and scores, then one training step's loss and head gradients."""
+    import torch
+
+    result = {}
+    model.eval()
+    for mode in ("compatible", "standard", "sampling", "causal"):
+        torch.manual_seed(0)  # the sampling mode's noise
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=3,
+                                 do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                 inference_mode=mode)
+        result[mode] = (out.sequences, torch.stack(out.scores))
+    model.train()
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    result["loss"] = loss.detach()
+    result["grads"] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return result
+
+
+def _decode_as_a_large_model(model, set_attribute):
+    """The decode path of a W_A large enough for the fused kernels, so that the operators are asked for, with
+    torch.compile's kernels set aside (their eager code runs instead)."""
+    import sys
+
+    heads = sys.modules[type(model.action).__module__]
+    modeling = sys.modules[type(model).__module__]
+    cauchy = sys.modules[heads.__name__.rpartition(".")[0] + ".cauchy"]
+    set_attribute(heads, "_FUSED_MIN_NUMEL", 0)
+    set_attribute(cauchy._fused_matvec, "compiled", False)
+    set_attribute(modeling._compiled_decision_scores, "compiled", False)
+
+
+NO_COMPILER_SCRIPT = inspect.getsource(_generate_and_train) + inspect.getsource(_decode_as_a_large_model) + textwrap.dedent(
+    """
+    import logging, shutil, sys
+    sys.modules["causalqwen_adapter"] = None  # any import of the package now fails: its operators are not registered
+    import torch
+    from transformers import AutoModelForCausalLM
+    assert not any(map(shutil.which, ("cc", "c++", "gcc", "g++", "clang", "ninja"))), "a compiler on PATH"
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    adapter, input_ids, out = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3]
+    model = AutoModelForCausalLM.from_pretrained(adapter, trust_remote_code=True)
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    assert not any(hasattr(torch.ops.causalqwen, n) for n in ("cauchy_linear", "ovr_scores", "loss_tile"))
+    _decode_as_a_large_model(model, setattr)
+    result = _generate_and_train(model, input_ids)
+    result["log"] = [m for m in messages if "causalqwen::" in m]
+    torch.save(result, out)
+    """
+)
+
+
+def test_remote_code_without_a_compiler_runs_the_torch_reference(trained_like, tmp_path, input_ids, monkeypatch):
+    """The Hub's view: the adapter folder loaded by transformers in a process where the package is not importable and
+    no compiler or ninja is on PATH. Every inference mode generates and a training step runs, with the results of
+    the package's torch reference, and the log says once per operator that the torch code runs."""
+    trained_like.save_pretrained(tmp_path / "adapter")
+    torch.save(input_ids, tmp_path / "ids.pt")
+    (tmp_path / "empty").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
+    env.update(PATH=str(tmp_path / "empty"), HF_MODULES_CACHE=str(tmp_path / "modules"))
+    proc = subprocess.run([sys.executable, "-c", NO_COMPILER_SCRIPT, str(tmp_path / "adapter"), str(tmp_path / "ids.pt"),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+
+    monkeypatch.setattr(dispatch, "_operator", lambda name: None)  # the package's reference path, whatever this CPU has
+    model = CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+    _decode_as_a_large_model(model, monkeypatch.setattr)
+    want = _generate_and_train(model, input_ids)
+    for mode in ("compatible", "standard", "sampling", "causal"):
+        assert torch.equal(got[mode][0], want[mode][0]), mode
+        torch.testing.assert_close(got[mode][1], want[mode][1])
+    torch.testing.assert_close(got["loss"], want["loss"])
+    assert got["grads"].keys() == want["grads"].keys() and want["grads"]
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, msg=name)
+    said = [m.split(" on ")[0] for m in got["log"]]  # once per operator: "<name> on cpu <dtype> tensors: ..."
+    assert sorted(said) == ["block_logsumexp", "cauchy_linear", "ovr_scores"], got["log"]
+    assert all("the torch code (no causalqwen::" in m for m in got["log"]), got["log"]
 
 
 def _publish_to_offline_cache(cache: Path, repo_id: str, folder: Path, commit: str) -> None:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernel, heads, modeling_causalqwen
+from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernels, dispatch, heads, modeling_causalqwen
 from causalqwen_adapter.cauchy import (
     CompiledKernel,
     cauchy_linear,
@@ -245,8 +245,8 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
     runs = {}
     monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the compiled kernels too
     monkeypatch.setattr(heads, "FUSED_MAX_ROWS", 2)  # batch 3: the blocked head beside the compiled scores
-    monkeypatch.setattr(heads, "cauchy_linear_cpu", lambda *args: None)  # the torch.compile path (the C kernel's below)
-    monkeypatch.setattr(modeling_causalqwen, "ovr_scores_cpu", lambda *args: None)
+    monkeypatch.setattr(heads, "run_operator", lambda name, *args: None)  # the torch.compile path (the operators' below)
+    monkeypatch.setattr(modeling_causalqwen, "run_operator", lambda name, *args: None)
     for compiled in (False, True):
         monkeypatch.setattr(heads, "_FUSED_DECODE", compiled)
         for batch in (1, 2, 3):  # the fused head at one and two rows, then the blocked one
@@ -263,25 +263,23 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("action_weight", ["full", "tied", "lora"])
 def test_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_batch, monkeypatch, action_weight, dtype):
-    """A bf16 or float32 model decodes through cpu_kernel.cauchy_linear_cpu at 1 to 3 rows, whichever tensor holds
-    W_A (its own, the base's, the base's + B·A), and scores through cpu_kernel.ovr_scores_cpu; the tokens are those
-    of the two blocked matmuls and the eager scores (CAUSALQWEN_FUSED_DECODE=0), the scores within the dtype's
-    rounding."""
-    if not cpu_kernel.available(dtype):
-        pytest.skip(f"no C kernel for {dtype} on this machine (x86-64 with AVX-512, AVX512-BF16 for bf16, and cc)")
+    """A bf16 or float32 model decodes through the causalqwen::cauchy_linear operator of cpu_kernels at 1 to 3 rows,
+    whichever tensor holds W_A (its own, the base's, the base's + B·A), and scores through causalqwen::ovr_scores;
+    the tokens are those of the two blocked matmuls and the eager scores (CAUSALQWEN_FUSED_DECODE=0), the scores
+    within the dtype's rounding."""
+    if not cpu_kernels.available(dtype):
+        pytest.skip(f"no C kernel for {dtype} on this machine (x86-64 with AVX-512, AVX512-BF16 for bf16, c++, ninja)")
     model = _trained_like(tied_base, action_weight=action_weight, action_lora_rank=4).to(dtype)
-    calls = {"cauchy_linear_cpu": [], "ovr_scores_cpu": []}
+    calls = {"cauchy_linear": [], "ovr_scores": []}
 
-    def counted(name):
-        def kernel(*args):
-            out = getattr(cpu_kernel, name)(*args)
-            calls[name].append(out is not None)
-            return out
-        return kernel
+    def counted(name, *args):
+        out = dispatch.run_operator(name, *args)
+        calls[name].append(out is not None)
+        return out
 
     monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)
-    monkeypatch.setattr(heads, "cauchy_linear_cpu", counted("cauchy_linear_cpu"))
-    monkeypatch.setattr(modeling_causalqwen, "ovr_scores_cpu", counted("ovr_scores_cpu"))
+    monkeypatch.setattr(heads, "run_operator", counted)
+    monkeypatch.setattr(modeling_causalqwen, "run_operator", counted)
     runs = {}
     for kernel in (False, True):
         monkeypatch.setattr(heads, "_FUSED_DECODE", kernel)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causalqwen_adapter import cpu_kernel, losses
+from causalqwen_adapter import cpu_kernels, losses
 from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss, log_partition
 
 NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
@@ -14,11 +14,12 @@ NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
 
 @pytest.fixture(autouse=True, params=["C tile", "torch tile"])
 def tile_code(request, monkeypatch):
-    """Every test runs with both codes of a tile: cpu_kernel's C (where this CPU runs it) and the torch ops."""
+    """Every test runs with both codes of a tile: the causalqwen::loss_tile operator of cpu_kernels (where this CPU
+    runs it) and the torch ops."""
     if request.param == "torch tile":
-        monkeypatch.setattr(losses, "loss_tile_kernel", lambda dtype: None)
-    elif not cpu_kernel.available(torch.float32):
-        pytest.skip("no C kernel on this machine (x86-64 with AVX-512 and cc)")
+        monkeypatch.setattr(losses, "lookup_operator", lambda name, *args: None)
+    elif not cpu_kernels.available(torch.float32):
+        pytest.skip("no C kernel on this machine (x86-64 with AVX-512, c++ and ninja)")
     return request.param
 
 

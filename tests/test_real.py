@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
-from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernel, heads
+from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernels, heads
 
 pytestmark = pytest.mark.real
 
@@ -90,17 +90,17 @@ def test_extracted_features_are_the_base_hidden_states(real, tmp_path):
 
 
 def test_bf16_decoding_through_the_cpu_kernel(demo_base, monkeypatch):
-    """The real W_A (151936 × 896, bf16) through cpu_kernel: loc_S, scale_S within one bf16 rounding of float64, and
-    the same greedy tokens as the two blocked matmuls."""
-    if not cpu_kernel.available(torch.bfloat16):
-        pytest.skip("needs an x86-64 CPU with AVX512-BF16 and cc")
+    """The real W_A (151936 × 896, bf16) through the causalqwen::cauchy_linear operator of cpu_kernels: loc_S,
+    scale_S within one bf16 rounding of float64, and the same greedy tokens as the two blocked matmuls."""
+    if not cpu_kernels.available(torch.bfloat16):
+        pytest.skip("needs an x86-64 CPU with AVX512-BF16, c++ and ninja")
     tokenizer = AutoTokenizer.from_pretrained(demo_base)
     tokenizer.padding_side = "left"
     model = CausalQwenForCausalLM.from_base(demo_base, dtype=torch.bfloat16).eval()
     torch.manual_seed(0)
     loc_U, scale_U = torch.randn(5, 896).bfloat16(), torch.rand(5, 896).bfloat16()
     weight, bias = model.action.effective_weight(), model.action.bias
-    loc_S, scale_S = cpu_kernel.cauchy_linear_cpu(loc_U, scale_U, weight, bias)
+    loc_S, scale_S = torch.ops.causalqwen.cauchy_linear(loc_U, scale_U, weight, bias)
     want_loc = loc_U.double() @ weight.double().T + bias.double()
     want_scale = scale_U.double() @ weight.double().abs().T
     for got, want in ((loc_S, want_loc), (scale_S, want_scale)):

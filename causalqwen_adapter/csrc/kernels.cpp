@@ -1,51 +1,21 @@
-"""C kernels for x86 CPUs with AVX-512, where PyTorch's ops make several passes or `torch.compile` would compile:
+/* The heads' hot loops for x86 CPUs with AVX-512, called by the operators of ops.cpp (docs/design.md, Decoding cost
+   and Training losses):
 
-- `cauchy_linear_cpu`: `cauchy.cauchy_linear` for decoding, loc_S = W x_loc + b and scale_S = |W| x_scale from one
-  read of a bf16 (AVX512-BF16) or float32 W_A, for 1 to `MAX_ROWS` rows (docs/design.md, Decoding cost);
-- `ovr_scores_cpu`: `cauchy.ovr_decision_scores`, the OvR modes' logits of a decode step, in a few passes over the
-  row with nothing to compile at the first call;
-- `loss_tile`: pass B of `lm_loss.chunked_lm_loss` on one (token × vocabulary) tile in one pass (and the tiles of
-  `losses.chunked_ovr_loss`, the OvR loss alone).
+   - cq_loc_scale: cauchy.cauchy_linear for decoding, loc_S = W x_loc + b and scale_S = |W| x_scale from one read
+     of a bf16 (AVX512-BF16) or float32 W_A. Every vocabulary row of W_A is loaded once into registers, its sign bits
+     cleared for |W|, and both fed to the dot-product instruction (vdpbf16ps for bf16, vfmadd for float32),
+     accumulating in float32; the next rows are prefetched while the current ones are used;
+   - cq_scores: cauchy.ovr_decision_scores, the OvR modes' logits of a decode step, in a few passes over the row;
+   - cq_loss_tile and cq_block_lse: pass B and pass A's logsumexp of lm_loss.chunked_lm_loss on one tile (and the
+     tiles of losses.chunked_ovr_loss).
 
-A decode step of an OvR mode is bound by reading W_A (V × C, 272 MB in bf16 for the demo base). Two matmuls read it
-twice, or once and a |W_A| block from cache; `torch.compile` reaches one read but with float32 vector code. The first
-kernel takes every vocabulary row of W_A once into registers, clears the sign bits for |W| and feeds both to the
-dot-product instruction (`vdpbf16ps` for bf16, `vfmadd` for float32), accumulating in float32; the next rows are
-prefetched while the current ones are used. The vocabulary is split into one contiguous block per thread of
-PyTorch's OpenMP pool (ctypes releases the GIL for the call). The other two evaluate exp, log and atan as vector code
-of their own (range reduction and series, within a few float32 ulps, tested against float64).
+   The last three evaluate exp, log and atan as vector code of their own (range reduction and series, within a few
+   float32 ulps, tested against float64). Plain C compiled as C++ in a translation unit of its own: only this file is
+   built for AVX-512 (the target pragma below), so nothing of the operators' code runs AVX-512 instructions on a CPU
+   without them. The work is split across PyTorch's own OpenMP pool (the libgomp it loaded): the threads of a second
+   pool would compete with PyTorch's, which spin for a while after each of its ops. */
 
-The C source is compiled once per machine on first use (about a second, with the system's C compiler, as
-`torch.compile` needs one too) into a cache folder, written atomically. Each function returns None (or its
-`..._kernel` lookup does) — and the caller takes its other path — when it does not apply: no compiler, no AVX-512 (no
-AVX512-BF16 for bf16), tensors of another dtype or device, or for the decode head a weight that is not contiguous
-or more rows than `MAX_ROWS` (beyond, two matmuls are faster: the kernel is then bound by its products, two per
-weight where a matmul does one).
-
-Shipped as remote code: imports only the standard library and torch.
-"""
-
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from collections import namedtuple
-from pathlib import Path
-
-import torch
-
-logger = logging.getLogger(__name__)
-
-# Rows served per weight dtype: beyond, two matmuls (oneDNN) beat the kernel, bound by its two products per weight
-MAX_ROWS = {torch.bfloat16: 24, torch.float32: 64}
-
-_SOURCE = r"""
-#include <stdint.h>
+#include "kernels.h"
 
 /* Before the target pragma: callable on any x86-64 CPU. Bit 0: the float32 kernel runs here (AVX-512F); bit 1: the
    bf16 one (AVX512-BF16). */
@@ -447,189 +417,3 @@ DEFINE_TILE_LOSS(F32)
 
 DEFINE_BLOCK_LSE(BF16)
 DEFINE_BLOCK_LSE(F32)
-"""
-
-_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
-_state = {"lib": None, "tried": False}
-_Kernels = namedtuple("_Kernels", "loc_scale scores loss")  # the C functions for one element type
-_LossKernels = namedtuple("_LossKernels", "tile block_lse")
-_lock = threading.Lock()
-
-
-def _cache_dir() -> Path:
-    if os.environ.get("CAUSALQWEN_KERNEL_CACHE"):
-        return Path(os.environ["CAUSALQWEN_KERNEL_CACHE"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "causalqwen" / "kernels"
-    try:
-        return Path.home() / ".cache" / "causalqwen" / "kernels"
-    except RuntimeError:  # no home folder: the temporary one
-        return Path(tempfile.gettempdir()) / "causalqwen-kernels"
-
-
-def _compile(compiler: str) -> Path:
-    """The shared library for this source, compiler and flags: from the cache, or compiled into it atomically (a
-    temporary folder beside it, then a rename), so that concurrent processes never load a half-written file."""
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "causalqwen-kernels"):
-        target = folder / f"cauchy_linear_{key}.so"
-        if target.exists():
-            return target
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(dir=folder, prefix=".build-"))
-        except OSError:  # a cache folder we cannot write: try the next one
-            continue
-        try:
-            source = work / "cauchy_linear.c"
-            source.write_text(_SOURCE)
-            subprocess.run([compiler, *_FLAGS, "-o", str(work / target.name), str(source), "-lm"], check=True,
-                           capture_output=True, text=True, timeout=120)
-            os.replace(work / target.name, target)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        return target
-    raise OSError(f"no writable folder for the compiled kernel (tried {_cache_dir()} and the temporary folder)")
-
-
-def _load():
-    """The kernels by weight dtype, or None where none can run here (tried once per process)."""
-    if _state["tried"]:  # every decode step: no lock once settled
-        return _state["lib"]
-    with _lock:
-        if _state["tried"]:
-            return _state["lib"]
-        _state["tried"] = True
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            return None
-        compiler = next(filter(None, map(shutil.which, [os.environ.get("CC") or "cc", "gcc", "clang"])), None)
-        if compiler is None:
-            logger.info("No C compiler found: decoding reads W_A through two matmuls instead of the C kernel")
-            return None
-        try:
-            lib = ctypes.CDLL(str(_compile(compiler)))
-        except subprocess.CalledProcessError as error:
-            logger.warning("The decode kernel (cpu_kernel.py) did not compile with %s; decoding falls back to "
-                           "matmuls:\n%s", compiler, error.stderr[-2000:])
-            return None
-        except (OSError, subprocess.SubprocessError) as error:
-            logger.warning("The decode kernel (cpu_kernel.py) is unavailable; decoding falls back to matmuls: %s",
-                           error)
-            return None
-        supported = lib.cq_supported()
-        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        kernels = {}
-        for bit, dtype, suffix in ((1, torch.float32, "F32"), (2, torch.bfloat16, "BF16")):
-            if supported & bit:
-                loc_scale, scores = getattr(lib, "cq_loc_scale_" + suffix), getattr(lib, "cq_scores_" + suffix)
-                loc_scale.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, c_int]
-                scores.argtypes = [ptr, ptr, i64, i64, ptr, c_int, c_int, c_int, ptr, c_int]
-                loc_scale.restype = scores.restype = None
-                loss_tile = getattr(lib, "cq_loss_tile_" + suffix)
-                loss_tile.argtypes = [ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, i64, ctypes.c_float,
-                                      ctypes.c_float, c_int, ptr, ptr, ptr, ptr, ptr, c_int]
-                loss_tile.restype = None
-                block_lse = getattr(lib, "cq_block_lse_" + suffix)
-                block_lse.argtypes = [ptr, ptr, c_int, i64, i64, ptr, i64, c_int]
-                block_lse.restype = None
-                kernels[dtype] = _Kernels(loc_scale, scores, _LossKernels(loss_tile, block_lse))
-        _state["lib"] = kernels or None
-        return _state["lib"]
-
-
-def _ptr(t):
-    """A tensor's address for ctypes, NULL for None."""
-    return None if t is None else t.data_ptr()
-
-
-def available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this machine runs the kernel for weights of ``dtype``: x86-64 with a C compiler, and AVX-512 (float32)
-    or AVX512-BF16 (bfloat16)."""
-    return dtype in (_load() or {})
-
-
-def cauchy_linear_cpu(loc_U, scale_U, weight, bias):
-    """`cauchy.cauchy_linear` (no gradient) in one read of a bf16 or float32 ``weight``: (loc_S, scale_S) in the
-    weight's dtype, or None where the kernel does not apply and the caller should take another path."""
-    rows = loc_U.numel() // loc_U.shape[-1] if loc_U.numel() else 0
-    dtype = weight.dtype
-    if (
-        not 0 < rows <= MAX_ROWS.get(dtype, 0)
-        or weight.device.type != "cpu"
-        or weight.dim() != 2
-        or not weight.is_contiguous()
-        or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") != dtype)
-    ):
-        return None
-    kernels = (_load() or {}).get(dtype)
-    if kernels is None:
-        return None
-    shape = loc_U.shape
-    vocab, size = weight.shape
-    x_loc = loc_U.detach().reshape(rows, size).to(dtype).contiguous()
-    x_scale = scale_U.detach().reshape(rows, size).to(dtype).contiguous()
-    bias = None if bias is None else bias.detach().to(dtype).contiguous()
-    loc_S = torch.empty(rows, vocab, dtype=dtype)
-    scale_S = torch.empty(rows, vocab, dtype=dtype)
-    kernels.loc_scale(_ptr(weight), vocab, size, _ptr(x_loc), _ptr(x_scale), rows, _ptr(bias), _ptr(loc_S),
-                      _ptr(scale_S), max(1, min(torch.get_num_threads(), vocab // 1024)))
-    return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
-
-
-# cauchy.ovr_decision_scores' distributions, as the C source numbers them
-_DISTRIBUTIONS = {"normalize": 0, "accept": 1, "accept_once": 2}
-
-
-def ovr_scores_cpu(loc_S, scale_S, threshold, relative: bool, distribution: str):
-    """`cauchy.ovr_decision_scores` (no gradient) of bf16 or float32 loc_S, scale_S [..., V]: float32 scores, or None
-    where the kernel does not apply (the caller compiles them instead). ``threshold``: a number, one value or V."""
-    vocab = loc_S.shape[-1] if loc_S.dim() else 0
-    threshold = threshold.detach().reshape(-1) if torch.is_tensor(threshold) else torch.tensor([float(threshold)])
-    if (
-        distribution not in _DISTRIBUTIONS
-        or loc_S.numel() == 0
-        or scale_S.shape != loc_S.shape
-        or scale_S.dtype != loc_S.dtype
-        or threshold.numel() not in (1, vocab)
-        or not loc_S.device.type == scale_S.device.type == threshold.device.type == "cpu"
-    ):
-        return None
-    kernels = (_load() or {}).get(loc_S.dtype)
-    if kernels is None:
-        return None
-    loc = loc_S.detach().reshape(-1, vocab).contiguous()
-    scale = scale_S.detach().reshape(-1, vocab).contiguous()
-    threshold = threshold.float().contiguous()
-    scores = torch.empty(loc.shape, dtype=torch.float32)
-    kernels.scores(loc.data_ptr(), scale.data_ptr(), loc.shape[0], vocab, threshold.data_ptr(),
-                   int(threshold.numel() > 1), int(relative), _DISTRIBUTIONS[distribution], scores.data_ptr(),
-                   max(1, min(torch.get_num_threads(), vocab // 8192)))
-    return scores.reshape(loc_S.shape)
-
-
-# the flags of cq_loss_tile, as the C source numbers them
-TILE_OVR, TILE_D, TILE_OVR_GRADS, TILE_OVR_LOCATES, TILE_COL_D, TILE_COL_T = 1, 2, 4, 8, 16, 32
-
-
-def loss_tile_kernel(dtype: torch.dtype):
-    """The C functions of the training loss's tiles (`loss_tile`, `block_logsumexp`) for products in ``dtype``, or
-    None where they do not run (the caller runs its torch code)."""
-    kernels = (_load() or {}).get(dtype)
-    return None if kernels is None else kernels.loss
-
-
-def loss_tile(kernel, loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d, g, rows_out, col_d,
-              col_t, threads):
-    """Runs ``kernel`` (`loss_tile_kernel`) on one tile: every tensor contiguous, on the CPU, those of [r, w] in the
-    kernel's dtype, the others float32 (col int64, degenerate bool); None for what the flags leave out."""
-    r, w = loc.shape
-    kernel.tile(_ptr(loc), _ptr(bias), _ptr(lse), _ptr(thr), int(thr.numel() > 1), int(relative), _ptr(scale),
-                _ptr(col), _ptr(degenerate), r, w, ce, of, flags, _ptr(d), _ptr(g), _ptr(rows_out), _ptr(col_d),
-                _ptr(col_t), threads)
-
-
-def block_logsumexp(kernel, loc, bias, store_bias: bool, lse_column, threads):
-    """Pass A's logsumexp of a contiguous [r, w] block ``loc`` (+ ``bias`` [w] float32, added into ``loc`` in place
-    with ``store_bias``) into ``lse_column``, a float32 [r] column view (any row stride)."""
-    r, w = loc.shape
-    kernel.block_lse(_ptr(loc), _ptr(bias), int(store_bias), r, w, _ptr(lse_column), lse_column.stride(0), threads)

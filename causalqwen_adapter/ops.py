@@ -1,0 +1,47 @@
+"""The operators of the `causalqwen` namespace (torch.library): the schemas every device's kernels implement.
+
+The modeling code looks them up by name (`dispatch.py`) and runs its torch code, the reference, where none serves.
+Each operator computes, without gradient, what a torch function of the package computes:
+
+    cauchy_linear    cauchy.cauchy_linear: (loc_S, scale_S) in W_A's dtype
+    ovr_scores       cauchy.ovr_decision_scores: float32 logits of an OvR mode
+    loss_tile        pass B of lm_loss.chunked_lm_loss on one tile, and the tiles of losses.chunked_ovr_loss
+                     (`dispatch.TILE_*` flags; the outputs as that code's comments describe them)
+    block_logsumexp  pass A's logsumexp of one block of lm_loss.chunked_lm_loss
+
+and `<name>_applies`, registered beside a device's kernel where it serves only some inputs, says whether it serves
+the arguments `dispatch.lookup` is given (the operator's own arguments; for the two loss operators a tensor of the
+products' dtype). A device's kernels register with `torch.library.register_kernel` or C++'s `TORCH_LIBRARY_IMPL`.
+
+Package only, never remote code: the namespace is process-wide, so the operators are defined once, by the package.
+"""
+
+import torch
+
+SCHEMAS = (
+    "cauchy_linear(Tensor loc_U, Tensor scale_U, Tensor weight, Tensor? bias) -> (Tensor, Tensor)",
+    "cauchy_linear_applies(Tensor loc_U, Tensor scale_U, Tensor weight, Tensor? bias) -> bool",
+    "ovr_scores(Tensor loc_S, Tensor scale_S, Tensor threshold, bool relative, str distribution) -> Tensor",
+    "ovr_scores_applies(Tensor loc_S, Tensor scale_S, Tensor threshold, bool relative, str distribution) -> bool",
+    "loss_tile(Tensor loc, Tensor? bias, Tensor lse, Tensor threshold, bool relative, Tensor? scale, Tensor col, "
+    "Tensor? degenerate, float ce, float of, int flags, Tensor(a!)? d, Tensor(b!)? g, Tensor(c!) rows_out, "
+    "Tensor(d!) col_d, Tensor(e!) col_t, int threads) -> ()",
+    "loss_tile_applies(Tensor products) -> bool",
+    "block_logsumexp(Tensor(a!) loc, Tensor? bias, bool store_bias, Tensor(b!) lse, int threads) -> ()",
+    "block_logsumexp_applies(Tensor products) -> bool",
+)
+
+library = torch.library.Library("causalqwen", "FRAGMENT")  # kept: the definitions live as long as it does
+
+
+def _defined(name: str) -> bool:
+    try:
+        getattr(torch.ops.causalqwen, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+for _schema in SCHEMAS:
+    if not _defined(_schema.split("(", 1)[0]):  # a second import of this file (another sys.path entry) adds nothing
+        library.define(_schema)
