@@ -128,7 +128,7 @@ if triton is None or _add is None or _max is None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The training loss's tile (cpu_kernel.loss_tile)
+# The training loss's tile (causalqwen::loss_tile)
 #
 # Grid: (row blocks of BLOCK_R rows) × (column segments), each program looping over its segment BLOCK_N columns at a
 # time. With a whole-vocabulary tile (one per token chunk) a grid over rows alone has a chunk's ~200 programs, too

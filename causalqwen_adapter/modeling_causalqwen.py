@@ -210,8 +210,9 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
     def mode_scores(self, loc_S, scale_S, inference_mode, log_P=None):
         """The logits a mode decodes with (docs/design.md, Inference modes): loc_S in `compatible`, in the OvR modes
         `cauchy.ovr_decision_scores` of the config's `ovr_distribution`. `log_P` may be passed when the caller
-        already has it. Without gradient, at a vocabulary that makes it worth a compilation, one kernel: the C one of
-        the `causalqwen::ovr_scores` operator (dispatch.py) where it is registered (nothing to compile at the first call), else a compiled one."""
+        already has it. Without gradient, at a vocabulary that makes it worth a compilation, one kernel: the
+        `causalqwen::ovr_scores` operator where the installed package registered one (dispatch.py; nothing to compile
+        at the first call), else a compiled one."""
         if inference_mode == "compatible":
             return loc_S
         return self.ovr.read(lambda ovr, loc, scale: self._decision_scores(loc, scale, ovr, log_P), loc_S, scale_S)

@@ -71,7 +71,7 @@ def _cpu(t):
 
 
 def tile_float64(loc, bias, lse, thr, relative, scale, col, ce, of, flags):
-    """cpu_kernel.loss_tile's outputs from docs/design.md's formulas in float64 (no degenerate columns)."""
+    """causalqwen::loss_tile's outputs from docs/design.md's formulas in float64 (no degenerate columns)."""
     x32 = loc.float() + (0 if bias is None else bias)  # float32 as the kernel adds them, then float64
     x = x32.double()
     r, w = x.shape
