@@ -153,15 +153,30 @@ def run_processes(commands: list[tuple[list[str], dict]], *, cwd=None, timeout: 
                   what: str = "the processes") -> list[tuple[int, str, str]]:
     """Start every (argv, env) at once (the ranks of one distributed job), wait for all; (return code, stdout, stderr)
     each. On timeout every process group is killed and the test fails: a rank that waits forever is a failure."""
-    procs = [subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for argv, env in commands]
+    procs = [subprocess.Popen(argv, env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for argv, env in commands]
     results = []
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=timeout)
             results.append((proc.returncode, out, err))
     except subprocess.TimeoutExpired:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"{what} timed out (a process waited for another that had stopped)")
+        waiting = procs[len(results):]
+        for proc in waiting:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints where every thread waits
+        tails = []
+        for proc in waiting:
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            tails.append(f"--- process {procs.index(proc)} ---\n{(out + err)[-3000:]}")
+        for proc in procs:  # children of a finished rank too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"{what} timed out after {timeout:.0f} s (a process waited for another, or for a lock)\n"
+                    + "\n".join(tails))
     return results

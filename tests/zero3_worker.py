@@ -17,6 +17,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder  # noqa: E402
 
 from causalqwen_adapter import CausalQwenForCausalLM  # noqa: E402
 
@@ -24,6 +25,9 @@ from causalqwen_adapter import CausalQwenForCausalLM  # noqa: E402
 def main(base: str, work: str, rank: int, world: int, options: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{work}/store")
+    # DeepSpeed's CPU backend would JIT-build its shared-memory all-reduce into ~/.cache/torch_extensions on every new
+    # venv, behind a lock file that a killed build leaves for ever (CI hung on one); gloo alone is what is tested here.
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the group above
     torch.manual_seed(0)  # as the Trainer seeds before building the model: the same heads on every rank (LoRA's A)
     model = CausalQwenForCausalLM.from_base(base, **options)
