@@ -1,6 +1,9 @@
 """causalqwen-adapter: causal (Cauchy, one-vs-rest) heads as an adapter on any Qwen2 checkpoint."""
 
-from . import cpu_kernels  # noqa: F401  registers the causalqwen operators' CPU kernels (built on first use)
+from . import (
+    cpu_kernels,  # noqa: F401  registers the causalqwen operators' CPU kernels (built on first use)
+    cuda_kernels,  # noqa: F401  and their CUDA kernels (Triton's, imported at first use)
+)
 from .configuration_causalqwen import CausalQwenConfig
 from .modeling_causalqwen import CausalQwenForCausalLM, CausalQwenModel, CausalQwenPreTrainedModel
 

@@ -19,6 +19,14 @@ logger = logging.getLogger(__name__)
 # the flags of the `loss_tile` operator: what its tile computes
 TILE_OVR, TILE_D, TILE_OVR_GRADS, TILE_OVR_LOCATES, TILE_COL_D, TILE_COL_T = 1, 2, 4, 8, 16, 32
 
+
+
+def tile_thread_count(device: torch.device) -> int:
+    """The `loss_tile` operator's ``threads``: the CPU kernel's column sums are one row per thread, a GPU kernel's
+    one row."""
+    return torch.get_num_threads() if device.type == "cpu" else 1
+
+
 _told = set()  # (name, device, dtype, backend) already logged
 _serving = set()  # (name, device type) with a kernel: kernels are registered for the life of the process
 

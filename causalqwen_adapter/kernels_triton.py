@@ -1,11 +1,14 @@
 """Triton kernels for CUDA GPUs, each with the contract of a torch or C function of this package:
 
-- `loss_tile_triton`: the `causalqwen::loss_tile` operator (`cpu_kernels.py`) (pass B of `lm_loss.chunked_lm_loss` on one tile, and the tiles of
+- `loss_tile_triton`: the `causalqwen::loss_tile` operator (pass B of `lm_loss.chunked_lm_loss` on one tile, and the tiles of
   `losses.chunked_ovr_loss`), for tiles as wide as the whole vocabulary;
 - `block_logsumexp_triton`: `causalqwen::block_logsumexp` (pass A's logsumexp, + b_A, optionally written back);
 - `ovr_scores_triton`: `cauchy.ovr_decision_scores` for decoding (no gradient);
-- `cauchy_linear_triton`: `cauchy.cauchy_linear` (no gradient) in one read of W_A, and `abs_matmul_triton`, a @ |W|
-  (the loss's scale gradient) without a |W| tensor.
+- `cauchy_linear_triton`: `cauchy.cauchy_linear` (no gradient) in one read of W_A;
+- `abs_linear_triton`, x @ |W|ᵀ (the loss's scale_S), and `abs_matmul_triton`, a @ |W| (its scale gradient),
+  without a |W| tensor.
+
+cuda_kernels.py registers them as the CUDA kernels of the `causalqwen` operators (ops.py).
 
 Float32 math throughout, with the Cauchy CDF's small side atan2(1, |x|)/π and log1p written here as series (the same
 range reductions as the C kernels), so that a small P keeps its digits (`losses.ovr_tile`'s ``precise`` form) on
@@ -370,11 +373,11 @@ def _accept_once_kernel(loc_ptr, part_ptr, out_ptr, rej_ptr, n_rows, V, seg, n_s
 
 @_jit(do_not_specialize=["M"])
 def _cauchy_linear_kernel(xl_ptr, xs_ptr, w_ptr, b_ptr, loc_ptr, scale_ptr, M, V, K,
-                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                          HAS_LOC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                          UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """loc = x_loc Wᵀ + b and scale = x_scale |W|ᵀ, [M, V], from one load of each W tile; float32 accumulation.
-    Row blocks are the grid's fast axis: the programs that run together share their W tile (read from memory once,
-    then from L2)."""
+    Without HAS_LOC, scale alone. Row blocks are the grid's fast axis: the programs that run together share their W
+    tile (read from memory once, then from L2)."""
     pid_m = tl.program_id(0)
     pid_v = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -391,19 +394,22 @@ def _cauchy_linear_kernel(xl_ptr, xs_ptr, w_ptr, b_ptr, loc_ptr, scale_ptr, M, V
         kmask = ks < K
         wt = tl.load(w_ptr + rows_v + ks[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
         xm = mmask[:, None] & kmask[None, :]
-        xl = tl.load(xl_ptr + rows_m + ks[None, :], mask=xm, other=0.0)
         xs = tl.load(xs_ptr + rows_m + ks[None, :], mask=xm, other=0.0)
         if UPCAST:  # the interpreter's dot and abs read bf16 as its raw bits: float32 there (exact)
             wt = wt.to(tl.float32)
-            xl = xl.to(tl.float32)
             xs = xs.to(tl.float32)
-        acc_l = tl.dot(xl, tl.trans(wt), acc_l, input_precision=PRECISION)
+        if HAS_LOC:
+            xl = tl.load(xl_ptr + rows_m + ks[None, :], mask=xm, other=0.0)
+            if UPCAST:
+                xl = xl.to(tl.float32)
+            acc_l = tl.dot(xl, tl.trans(wt), acc_l, input_precision=PRECISION)
         acc_s = tl.dot(xs, tl.trans(tl.abs(wt)), acc_s, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc_l += tl.load(b_ptr + offs_v, mask=vmask, other=0.0).to(tl.float32)[None, :]
     out = offs_m.to(tl.int64)[:, None] * V + offs_v[None, :]
     omask = mmask[:, None] & vmask[None, :]
-    _store(loc_ptr + out, acc_l, omask)
+    if HAS_LOC:
+        if HAS_BIAS:
+            acc_l += tl.load(b_ptr + offs_v, mask=vmask, other=0.0).to(tl.float32)[None, :]
+        _store(loc_ptr + out, acc_l, omask)
     _store(scale_ptr + out, acc_s, omask)
 
 
@@ -771,9 +777,40 @@ def cauchy_linear_triton(loc_U, scale_U, weight, bias):
         b = None if bias is None else bias.detach().to(dtype).contiguous()
         _cauchy_linear_kernel[(-(-rows // bm), -(-vocab // bv))](
             x_loc, x_scale, weight.detach(), loc_S if b is None else b, loc_S, scale_S, rows, vocab, size,
-            HAS_BIAS=b is not None, PRECISION=_precision(dtype), UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, num_warps=4,
+            HAS_LOC=True, HAS_BIAS=b is not None, PRECISION=_precision(dtype), UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, num_warps=4,
         )
     return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
+
+
+def abs_linear_triton(x, weight, out=None):
+    """x @ |W|ᵀ on the GPU without a |W| tensor (the loss's scale_S = scale_U |W_A|ᵀ): ``x`` [M, K] and ``weight``
+    [V, K] of one dtype (bf16 or float32), both contiguous, float32 accumulation; the result [M, V] in that dtype,
+    written into ``out`` (contiguous, that dtype) when given. None where it does not apply."""
+    if (
+        x.dim() != 2
+        or weight.dim() != 2
+        or weight.dtype not in DTYPES
+        or x.dtype != weight.dtype
+        or x.shape[1] != weight.shape[1]
+        or not (x.is_contiguous() and weight.is_contiguous())
+        or -(-weight.shape[0] // 64) > 65535  # the grid's second axis
+        or not available()
+        or not _runs_on(x, weight, out)
+        or (out is not None and (out.shape != (x.shape[0], weight.shape[0]) or out.dtype != x.dtype
+                                 or not out.is_contiguous()))
+    ):
+        return None
+    (rows, size), vocab = x.shape, weight.shape[0]
+    if out is None:
+        out = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
+    if rows and vocab:
+        bm, bv, bk = _matmul_blocks(rows)
+        _cauchy_linear_kernel[(-(-rows // bm), -(-vocab // bv))](
+            x, x.detach(), weight.detach(), out, out, out, rows, vocab, size,
+            HAS_LOC=False, HAS_BIAS=False, PRECISION=_precision(x.dtype), UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv,
+            BLOCK_K=bk, num_warps=4,
+        )
+    return out
 
 
 def abs_matmul_triton(a, weight, out=None, *, segments=None):

@@ -4,7 +4,8 @@ loss (docs/design.md, Training losses), fused with the action head.
 Computed apart, the two losses would take seven products of N × V × C: the cross-entropy three (logits, and its two
 gradients) or four when its logits are recomputed in backward, as Liger-Kernel's fused linear cross-entropy avoids
 keeping them, and the OvR loss loc_S again, scale_S and the scale gradient. Both need the same loc_S, so here one
-pass computes it once. Token chunks are the outer loop, as in Liger's kernel:
+pass computes it once. Token chunks are the outer loop, as in Liger's kernel, cut into vocabulary blocks on the CPU
+(a tile that stays in cache) and whole on an accelerator (`loss_shape`):
 
     pass A  loc_S = W loc_U + b for the chunk, vocabulary block by block, into one [chunk × V] buffer; its logsumexp;
     pass B  block by block again: scale_S = |W| scale_U (|W| exists for one block), the OvR terms on loc_S − C
@@ -12,7 +13,9 @@ pass computes it once. Token chunks are the outer loop, as in Liger's kernel:
             D = w·(softmax − onehot)/denom (+ the OvR's ∂ℓ/∂loc_S when it trains the locations),
             so that ∂loc_U = D W and ∂W = Dᵀ loc_U take one product each.
 
-Five products with the OvR loss on the scale path, where lm_head + cross-entropy takes three. Like
+Five products with the OvR loss on the scale path, where lm_head + cross-entropy takes three. Where the device has
+`causalqwen` operators for them (dispatch.py), pass A's logsumexp and pass B's elementwise work are one kernel each
+per tile, and the products with |W| read W and take |w| as they load it (no |W| tensor). Like
 `chunked_ovr_loss`, every gradient is computed in the forward and backward only rescales it. The chunk holds its
 logits, so its size comes from a memory budget (`losses.chunk_tokens`), not from N: memory is flat in N.
 """
@@ -22,7 +25,16 @@ import math
 import torch
 
 from .cauchy import check_labels, fuse_noise
-from .dispatch import TILE_COL_D, TILE_COL_T, TILE_D, TILE_OVR, TILE_OVR_GRADS, TILE_OVR_LOCATES, lookup_operator
+from .dispatch import (
+    TILE_COL_D,
+    TILE_COL_T,
+    TILE_D,
+    TILE_OVR,
+    TILE_OVR_GRADS,
+    TILE_OVR_LOCATES,
+    lookup_operator,
+    tile_thread_count,
+)
 from .losses import (
     DecisionHead,
     check_head_inputs,
@@ -47,7 +59,7 @@ def chunked_lm_loss(
     num_items_in_batch=None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-    vocab_chunk_size: int = 4096,
+    vocab_chunk_size: int | None = None,
     ignore_index: int = -100,
     matmul_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -59,8 +71,8 @@ def chunked_lm_loss(
     W_A and b_A only with ``ovr_trains_location`` (otherwise the locations learn from the cross-entropy alone), and
     with ``relative_threshold`` each position's C_k is compared with log softmax(loc_S)_k (the logsumexp is a
     reference point, no gradient flows through it). Sums over targets divided by their count, or by
-    ``num_items_in_batch``. ``chunk_size`` tokens per chunk (default `chunk_tokens`) and ``vocab_chunk_size`` rows
-    per block change speed and memory, not the result.
+    ``num_items_in_batch``. ``chunk_size`` tokens per chunk and ``vocab_chunk_size`` rows per block (defaults:
+    `loss_shape`) change speed and memory, not the result.
 
     Precision: the products with W_A run in ``matmul_dtype`` (default: W_A's dtype), as ``lm_head`` runs in the
     model's dtype or autocast's: bfloat16 products are twice as fast on CPUs with bfloat16 instructions. Everything
@@ -73,19 +85,31 @@ def chunked_lm_loss(
     check_head_inputs(loc_U, scale_U, head.weight, labels)
     if not (math.isfinite(softmax_weight) and softmax_weight >= 0) or (scale_U is None and softmax_weight == 0):
         raise ValueError(f"softmax_weight must be a finite number >= 0 (> 0 without the OvR loss), got {softmax_weight}")
-    if chunk_size is not None and chunk_size < 1 or vocab_chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1 or vocab_chunk_size is not None and vocab_chunk_size < 1:
         raise ValueError(f"chunk_size and vocab_chunk_size must be positive, got {chunk_size}, {vocab_chunk_size}")
     matmul_dtype = matmul_dtype or head.weight.dtype
     if not matmul_dtype.is_floating_point:
         raise ValueError(f"matmul_dtype must be a floating-point dtype (e.g. torch.bfloat16), got {matmul_dtype}")
-    if chunk_size is None:
-        dtype = torch.promote_types(head.weight.dtype, torch.float32)
-        chunk_size = chunk_tokens(head.weight.shape[0], logits_dtype(matmul_dtype, dtype).itemsize)
     options = (softmax_weight, ovr_trains_location, relative_threshold, num_items_in_batch, temperature, chunk_size,
                vocab_chunk_size, ignore_index, matmul_dtype)
     loss, *stats = _ChunkedLMLoss.apply(loc_U, scale_U, *head, labels, options, torch.is_grad_enabled())
     names = ("softmax_nll", "target_prob", "ovr_prob_sum", "num_tokens")
     return loss, {k: v for k, v in zip(names, stats) if scale_U is not None or k not in ("target_prob", "ovr_prob_sum")}
+
+
+CPU_VOCAB_BLOCK = 4096  # rows of W_A per block on the CPU: a tile of a few hundred tokens stays in cache
+
+
+def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, itemsize: int) -> tuple[int, int]:
+    """(tokens per chunk, vocabulary rows per block) by default. On the CPU, the chunk's [chunk × V] logits of
+    ``itemsize`` bytes fit `losses.chunk_tokens`' budget and blocks of `CPU_VOCAB_BLOCK` rows keep a tile in cache.
+    On an accelerator one block spans the vocabulary (a product and a kernel per pass, not a loop over blocks) and
+    the tokens are cut as Liger-Kernel's fused linear cross-entropy cuts them: into ⌈V / C⌉ chunks of a power-of-two
+    size, so that a chunk's logits take about the memory of the [N × C] inputs."""
+    if device.type == "cpu":
+        return chunk_tokens(vocab, itemsize), CPU_VOCAB_BLOCK
+    chunks = -(-vocab // max(width, 1))
+    return 1 << max(0, (-(-max(n_tokens, 1) // chunks) - 1).bit_length()), vocab
 
 
 def equal_chunk_size(n: int, chunk: int) -> int:
@@ -148,6 +172,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
             grad_W = (torch.empty if need_D and n_valid else torch.zeros)(vocab, width, dtype=grad_dtype, device=dev)
         scale_path_W = ovr_locates and need_W
 
+        if chunk is None or vblock is None:
+            shape = loss_shape(dev, n_valid, vocab, width, logits_dtype(mm_dtype, dtype).itemsize)
+            chunk, vblock = chunk or shape[0], vblock or shape[1]
         chunk, vblock = equal_chunk_size(n_valid, chunk), min(vblock, vocab)
         # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
         # tokens per chunk) and read in float32, plus b_A, one block at a time.
@@ -155,17 +182,21 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # Pass B's elementwise work (and pass A's logsumexp) in one pass where an operator serves it (the
         # causalqwen::loss_tile and block_logsumexp operators, dispatch.py): the torch code makes about twenty passes
         # over each tile. Its operands and results stay in the products' dtype.
-        tile_kernel = lse_kernel = None
+        tile_kernel = lse_kernel = abs_linear = abs_add = None
         if dtype == torch.float32 and logits_dtype(mm_dtype, dtype) == mm_dtype:
             products = torch.empty(0, dtype=mm_dtype, device=dev)
             lse_kernel = lookup_operator("block_logsumexp", products)
             tile_kernel = lookup_operator("loss_tile", products) if lse_kernel is not None else None
+            if ovr and tile_kernel is not None:  # scale_S and its gradient from W itself, where both serve
+                abs_linear = lookup_operator("abs_linear", products)
+                abs_add = lookup_operator("abs_matmul_add", products) if abs_linear is not None else None
+                abs_linear = abs_linear if abs_add is not None else None
         # float32 tiles: every one for the torch code, three for the C one when its products are float32
         torch_tile = chunk * vblock if tile_kernel is None else 0
         c_tile = chunk * vblock if tile_kernel is not None and mm_dtype == dtype else 0
         d_buf, s_buf, a_buf = (torch.empty(torch_tile or c_tile, dtype=dtype, device=dev) for _ in range(3))
         t_buf, u_buf, x_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(3))
-        abs_buf = torch.empty(vblock, width, dtype=mm_dtype, device=dev)
+        abs_buf = torch.empty(vblock if ovr and abs_add is None else 0, width, dtype=mm_dtype, device=dev)
         # Every tile-sized tensor of the loop lives in a buffer allocated once: a fresh multi-MiB tensor per block
         # costs its page faults each time, more than the elementwise work on it. With narrower products, their
         # operands and results have buffers of their own.
@@ -196,7 +227,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                           | TILE_COL_T * (g_thr is not None and ovr_grads))
             s_tile, d_tile, g_tile = (s_buf, d_buf, a_buf) if mm_dtype == dtype else (
                 torch.empty(chunk * vblock, dtype=mm_dtype, device=dev) for _ in range(3))
-            tile_threads = torch.get_num_threads()
+            tile_threads = tile_thread_count(dev)
             rows_out = torch.empty(4 * chunk, dtype=dtype, device=dev)
             col_sums = torch.empty(2, tile_threads * vblock, dtype=dtype, device=dev)
             bias_f = None if bias is None else bias.to(dtype).contiguous()
@@ -213,7 +244,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             x = x_buf[: stored.numel()].view_as(stored).copy_(stored)
             return x if bias is None else x.add_(bias[v0:v1])
 
-        def tile_torch(i, v0, v1, stored, abs_w, r, r0, r1, tgt, scale_mm):
+        def tile_torch(i, v0, v1, stored, w_blk, abs_w, r, r0, r1, tgt, scale_mm):
             """Pass B on one tile with torch ops on float32 buffers: the sums and the location and scale gradients
             (x_mm, d_mm in the products' dtype, and Σ_rows d for b_A)."""
             nonlocal nll_sum, ovr_sum
@@ -248,11 +279,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
             d_mm = lowered(d, xd_lo) if need_D else None
             return x_mm, d_mm, d.sum(0) if need_D and need_bias else None
 
-        def tile_c(i, v0, v1, stored, abs_w, r, r0, r1, tgt, scale_mm):
+        def tile_c(i, v0, v1, stored, w_blk, abs_w, r, r0, r1, tgt, scale_mm):
             """`tile_torch` in one pass of the loss_tile operator (products in bf16 or float32, the math float32)."""
             nonlocal nll_sum, ovr_sum
             w = v1 - v0
-            s = torch.mm(scale_mm, abs_w.T, out=s_tile[: r * w].view(r, w)) if ovr else None
+            s = None
+            if ovr and abs_linear is not None:
+                s = s_tile[: r * w].view(r, w)
+                abs_linear(scale_mm, w_blk, s)
+            elif ovr:
+                s = torch.mm(scale_mm, abs_w.T, out=s_tile[: r * w].view(r, w))
             d = d_tile[: r * w].view(r, w) if need_D else None
             g = g_tile[: r * w].view(r, w) if ovr_grads else None
             cols = col_sums[:, : tile_threads * w].view(2, tile_threads, w)  # [sum, thread, column], each contiguous
@@ -299,17 +335,21 @@ class _ChunkedLMLoss(torch.autograd.Function):
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass B
                 w = v1 - v0
                 w_blk = lowered(weight[v0:v1], w_lo)
-                abs_w = torch.abs(w_blk, out=abs_buf[:w]) if ovr else None
+                abs_w = torch.abs(w_blk, out=abs_buf[:w]) if ovr and abs_add is None else None
                 if ovr and first:
-                    zero = zero_rows(abs_w)
+                    zero = zero_rows(w_blk)
                     degenerate[i] = zero if tile_kernel is None else zero_row_mask(zero, w)
                 tile = tile_c if tile_kernel is not None else tile_torch
-                x_mm, d_mm, d_cols = tile(i, v0, v1, stored, abs_w, r, r0, r1, tgt, scale_mm)
+                x_mm, d_mm, d_cols = tile(i, v0, v1, stored, w_blk, abs_w, r, r0, r1, tgt, scale_mm)
                 if ovr_grads and g_scale is not None:
-                    product(g_scale[r0:r1], x_mm, abs_w)
+                    if abs_add is not None:
+                        abs_add(x_mm, w_blk, g_scale[r0:r1])
+                    else:
+                        product(g_scale[r0:r1], x_mm, abs_w)
                 if ovr_grads and scale_path_W:  # ∂/∂W of |W|·scale is sign(W)·(…), with the scale path's minus sign
                     tmp = product(tmp_W[:w], x_mm.T, scale_mm, overwrite=True)
-                    tmp.mul_(torch.sign(w_blk, out=abs_w)).mul_(-ovr_factor)  # abs_w's last use
+                    tmp.mul_(torch.sign(w_blk) if abs_w is None else torch.sign(w_blk, out=abs_w))  # abs_w's last use
+                    tmp.mul_(-ovr_factor)
                     if first:
                         grad_W[v0:v1].copy_(tmp)
                     else:

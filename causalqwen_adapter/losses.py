@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_log_probs, ovr_probs, ovr_standardize
-from .dispatch import TILE_COL_D, TILE_D, TILE_OVR, TILE_OVR_GRADS, TILE_OVR_LOCATES, lookup_operator
+from .dispatch import TILE_COL_D, TILE_D, TILE_OVR, TILE_OVR_GRADS, TILE_OVR_LOCATES, lookup_operator, tile_thread_count
 
 OVR_CHUNK_TOKENS = 1024  # tokens per tile of `chunked_ovr_loss`, whose tiles are [tokens × 2,048 vocabulary rows]
 
@@ -208,7 +208,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     if dtype == torch.float32:
         tile_kernel = lookup_operator("loss_tile", torch.empty(0, dtype=dtype, device=dev))
     if tile_kernel is not None:
-        threads = torch.get_num_threads()
+        threads = tile_thread_count(dev)
         flags = TILE_OVR | (TILE_D | TILE_OVR_GRADS | TILE_OVR_LOCATES) * want_grads | TILE_COL_D * (g_shift is not None)
         rows_out = torch.empty(4 * chunk, dtype=dtype, device=dev)
         col_sums = torch.empty(2, threads * vblock, dtype=dtype, device=dev)
@@ -265,10 +265,11 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     return neg_log_sum, u_row_sum, p_target
 
 
-def zero_rows(abs_w: torch.Tensor) -> torch.Tensor:
-    """Indices of the all-zero rows of a block of |W_A| (a padding embedding). There scale_S = 0 and P is a step in
-    loc_S, whose derivative is 0 (a Dirac at the step itself, which no finite gradient can represent)."""
-    return (abs_w.sum(1) == 0).nonzero().squeeze(1)
+def zero_rows(w: torch.Tensor) -> torch.Tensor:
+    """Indices of the all-zero rows of a block of W_A or |W_A| (a padding embedding). There scale_S = 0 and P is a
+    step in loc_S, whose derivative is 0 (a Dirac at the step itself, which no finite gradient can represent). One
+    reduction, no |W| tensor."""
+    return (torch.linalg.vector_norm(w, float("inf"), dim=1) == 0).nonzero().squeeze(1)
 
 
 def zero_row_mask(zero: torch.Tensor, width: int) -> torch.Tensor | None:

@@ -8,10 +8,12 @@ Each operator computes, without gradient, what a torch function of the package c
     loss_tile        pass B of lm_loss.chunked_lm_loss on one tile, and the tiles of losses.chunked_ovr_loss
                      (`dispatch.TILE_*` flags; the outputs as that code's comments describe them)
     block_logsumexp  pass A's logsumexp of one block of lm_loss.chunked_lm_loss
+    abs_linear       out = x |W|ᵀ: the loss's scale_S = scale_U |W_A|ᵀ without a |W_A| tensor
+    abs_matmul_add   out += a |W|: the loss's scale gradient, idem
 
 and `<name>_applies`, registered beside a device's kernel where it serves only some inputs, says whether it serves
-the arguments `dispatch.lookup` is given (the operator's own arguments; for the two loss operators a tensor of the
-products' dtype). A device's kernels register with `torch.library.register_kernel` or C++'s `TORCH_LIBRARY_IMPL`.
+the arguments `dispatch.lookup` is given (the operator's own arguments; for the loss's operators a tensor of the
+products' dtype and device). A device's kernels register with `torch.library.register_kernel` or C++'s `TORCH_LIBRARY_IMPL`.
 
 Package only, never remote code: the namespace is process-wide, so the operators are defined once, by the package.
 """
@@ -29,6 +31,10 @@ SCHEMAS = (
     "loss_tile_applies(Tensor products) -> bool",
     "block_logsumexp(Tensor(a!) loc, Tensor? bias, bool store_bias, Tensor(b!) lse, int threads) -> ()",
     "block_logsumexp_applies(Tensor products) -> bool",
+    "abs_linear(Tensor x, Tensor weight, Tensor(a!) out) -> ()",
+    "abs_linear_applies(Tensor products) -> bool",
+    "abs_matmul_add(Tensor a, Tensor weight, Tensor(a!) out) -> ()",
+    "abs_matmul_add_applies(Tensor products) -> bool",
 )
 
 library = torch.library.Library("causalqwen", "FRAGMENT")  # kept: the definitions live as long as it does

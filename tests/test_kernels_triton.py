@@ -404,6 +404,24 @@ def test_cauchy_linear(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [3, 20])  # the decode tiles and the training ones
+def test_abs_linear(dtype, rows):
+    """x @ |W|ᵀ in W's dtype, returned or written into ``out``, within one rounding of float64; declined for mixed
+    dtypes."""
+    vocab, size = 70, 40
+    weight, _, _, scale_U = _linear_inputs(dtype, rows, vocab, size, seed=rows)
+    rel, absolute = (2**-8, 1e-3) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    want = scale_U.double() @ weight.double().abs().T
+    got = kt.abs_linear_triton(*_dev(scale_U, weight))
+    assert got.dtype == dtype and got.shape == (rows, vocab)
+    torch.testing.assert_close(_cpu(got).double(), want, rtol=rel, atol=absolute)
+    out = torch.full((rows, vocab), 7.0, dtype=dtype, device=DEVICE)
+    assert kt.abs_linear_triton(*_dev(scale_U, weight), out=out) is out
+    torch.testing.assert_close(_cpu(out).double(), want, rtol=rel, atol=absolute)
+    assert kt.abs_linear_triton(*_dev(scale_U.double(), weight)) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_abs_matmul(dtype):
     """a @ |W| in float32, returned or added into ``out`` (a strided view), V in one segment or split in three."""
     rows, vocab, size = 7, 150, 40

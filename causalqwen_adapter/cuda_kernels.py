@@ -1,0 +1,107 @@
+"""The `causalqwen` operators on CUDA GPUs: the Triton kernels of kernels_triton.py, registered as the operators'
+CUDA kernels with an `_applies` query each (dispatch.py finds them; the torch reference runs wherever one says no).
+
+Registering is cheap and needs neither a GPU nor Triton: the queries say no where Triton is missing, and Triton is
+imported at the first query. Where a Triton function declines its arguments although the query said yes (a layout
+the query does not look at), the decode and product operators compute the torch reference instead; the loss tile
+and logsumexp have no such fallback inside an operator, so their callers (lm_loss.py, losses.py) pass only what
+the kernels take and a refusal is an error that names the operator.
+
+Installed package only, never remote code, like cpu_kernels.py.
+"""
+
+import torch
+
+from . import ops
+
+# Rows of decoding served by the fused `cauchy_linear` kernel: its tiles suit batches up to this; beyond (a prompt's
+# prefill) two cuBLAS products are the better choice.
+CAUCHY_LINEAR_MAX_ROWS = 64
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _triton():
+    """kernels_triton, imported at first use (it imports triton), or None without triton."""
+    try:
+        from . import kernels_triton
+    except ImportError:  # pragma: no cover - kernels_triton guards its own import of triton
+        return None
+    return kernels_triton if kernels_triton.available() else None
+
+
+def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
+    """Registers the Triton kernels as the ``dispatch_key`` kernels of the operators, and their queries.
+    ``kernels``: the module holding them (default: kernels_triton at first use; the tests pass a copy decorated for
+    Triton's CPU interpreter and register it for the CPU); ``library``: the torch.library.Library to register in
+    (default: the package's own, for the life of the process)."""
+    library = library or ops.library
+
+    def triton():
+        return kernels if kernels is not None else _triton()
+
+    def usable(*tensors, dtypes=DTYPES):
+        return triton() is not None and all(t.dtype in dtypes for t in tensors)
+
+    # decoding
+    def cauchy_linear_applies(loc_U, scale_U, weight, bias):
+        rows = loc_U.numel() // loc_U.shape[-1] if loc_U.dim() and loc_U.shape[-1] else 0
+        return 0 < rows <= CAUCHY_LINEAR_MAX_ROWS and weight.is_contiguous() and usable(weight)
+
+    def cauchy_linear(loc_U, scale_U, weight, bias):
+        fused = triton().cauchy_linear_triton(loc_U, scale_U, weight, bias)
+        if fused is None:
+            from .cauchy import cauchy_linear as reference
+
+            fused = tuple(t.contiguous() for t in reference(loc_U, scale_U, weight, bias))
+        return fused
+
+    def ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution):
+        return loc_S.numel() > 0 and scale_S.dtype == loc_S.dtype and usable(loc_S)
+
+    def ovr_scores(loc_S, scale_S, threshold, relative, distribution):
+        scores = triton().ovr_scores_triton(loc_S, scale_S, threshold, relative, distribution)
+        if scores is None:
+            from .cauchy import ovr_decision_scores
+
+            scores = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution)
+        return scores
+
+    # the training loss (lm_loss.chunked_lm_loss, losses.chunked_ovr_loss)
+    def products_apply(products):
+        return usable(products)
+
+    def loss_tile(loc, bias, lse, threshold, relative, scale, col, degenerate, ce, of, flags, d, g, rows_out, col_d,
+                  col_t, threads):
+        # one [w] column sum (threads = 1): the C layout's [threads, w] rows are the CPU's
+        done = triton().loss_tile_triton(loc, bias, lse, threshold, relative, scale, col, degenerate, ce, of, flags,
+                                         d, g, rows_out, col_d.reshape(-1), col_t.reshape(-1))
+        if done is None:
+            raise RuntimeError("causalqwen::loss_tile: the Triton kernel does not take these arguments (threads must "
+                               f"be 1 and every tensor on one device, rows of unit stride); got threads={threads}")
+
+    def block_logsumexp(loc, bias, store_bias, lse, threads):
+        if triton().block_logsumexp_triton(loc, bias, store_bias, lse) is None:
+            raise RuntimeError("causalqwen::block_logsumexp: the Triton kernel does not take these arguments")
+
+    def abs_linear(x, weight, out):
+        if triton().abs_linear_triton(x, weight, out) is None:
+            torch.mm(x, weight.abs().T, out=out)
+
+    def abs_matmul_add(a, weight, out):
+        if triton().abs_matmul_triton(a, weight, out) is None:
+            out.add_(a @ weight.abs())
+
+    for name, kernel, query in (
+        ("cauchy_linear", cauchy_linear, cauchy_linear_applies),
+        ("ovr_scores", ovr_scores, ovr_scores_applies),
+        ("loss_tile", loss_tile, products_apply),
+        ("block_logsumexp", block_logsumexp, products_apply),
+        ("abs_linear", abs_linear, products_apply),
+        ("abs_matmul_add", abs_matmul_add, products_apply),
+    ):
+        library.impl(name, kernel, dispatch_key)
+        library.impl(f"{name}_applies", query, dispatch_key)
+
+
+if not torch._C._dispatch_has_kernel_for_dispatch_key("causalqwen::loss_tile", "CUDA"):  # once per process
+    register()

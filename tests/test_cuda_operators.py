@@ -1,0 +1,163 @@
+"""The `causalqwen` operators as cuda_kernels.py registers them for CUDA (the Triton kernels), run here on the CPU:
+the same registration made for the CPU dispatch key, for the length of a test, with the kernels decorated for
+Triton's interpreter. The training loss then takes its accelerator shape (one block spanning the vocabulary, the
+|W| products from W) and must equal the float64 reference, as the torch code does; decoding's operators must equal
+the torch functions they stand in for.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_kernels_triton import kt  # noqa: E402  (the interpreted copy of kernels_triton)
+from test_lm_loss import check  # noqa: E402
+from test_losses import check_against_reference, make_inputs  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+from causalqwen_adapter import cuda_kernels, dispatch  # noqa: E402
+from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa: E402
+from causalqwen_adapter.lm_loss import (
+    chunked_lm_loss,  # noqa: E402
+    loss_shape,  # noqa: E402
+)
+from causalqwen_adapter.losses import DecisionHead, chunk_tokens  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+
+KERNELS = ("loss_tile_triton", "block_logsumexp_triton", "abs_linear_triton", "abs_matmul_triton",
+           "ovr_scores_triton", "cauchy_linear_triton")
+
+
+@pytest.fixture
+def triton_operators(monkeypatch):
+    """The CUDA registration, made for the CPU until the test ends; counts the Triton calls by kernel."""
+    calls = dict.fromkeys(KERNELS, 0)
+    for name in KERNELS:
+        def counted(*args, _fn=getattr(kt, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(kt, name, counted)
+    monkeypatch.setattr(dispatch, "_serving", set())  # what this process has seen served ends with the test
+    monkeypatch.setattr(dispatch, "_told", set())
+    with warnings.catch_warnings(), torch.library._scoped_library("causalqwen", "IMPL") as library:
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": the CPU's, restored after
+        cuda_kernels.register("CPU", kernels=kt, library=library)
+        yield calls
+
+
+def test_the_accelerator_shape_is_one_vocabulary_block_and_liger_chunks():
+    cuda = torch.device("cuda")
+    for n, vocab, width in [(16384, 151936, 896), (8192, 151936, 896), (100, 49152, 576), (1, 1000, 64), (0, 10, 4)]:
+        chunks = math.ceil(vocab / width)
+        expected = 2 ** math.ceil(math.log2(max(1, math.ceil(max(n, 1) / chunks))))
+        assert loss_shape(cuda, n, vocab, width, 2) == (expected, vocab)
+    assert loss_shape(cuda, 16384, 151936, 896, 2)[0] * math.ceil(151936 / 896) >= 16384
+    assert loss_shape(torch.device("cpu"), 16384, 151936, 896, 4) == (chunk_tokens(151936, 4), 4096)
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(relative_threshold=False, threshold="scalar_learnable"),
+    dict(ovr_trains_location=True, softmax_weight=0.5),
+    dict(ovr=False),
+    dict(bias=False, num_items_in_batch=20),
+], ids=["default", "absolute-threshold", "trains-location", "softmax", "no-bias"])
+def test_loss_with_the_gpu_operators_matches_float64(triton_operators, options):
+    options = dict(options)
+    tensors, labels = make_inputs(13, 8, 37, threshold=options.pop("threshold", "vector"),
+                                  bias=options.pop("bias", True))
+    check(tensors, labels, chunk_size=4, vocab_chunk_size=37, **options)  # the accelerator's shape: V whole
+    chunks = math.ceil(int((labels != -100).sum()) / 4)  # one call of each kernel per chunk
+    assert triton_operators["loss_tile_triton"] == chunks and triton_operators["block_logsumexp_triton"] == chunks
+    if options.get("ovr", True):  # scale_S and its gradient from W itself
+        assert triton_operators["abs_linear_triton"] == chunks and triton_operators["abs_matmul_triton"] == chunks
+
+
+def test_loss_with_the_gpu_operators_in_bfloat16(triton_operators):
+    """bfloat16 products (a bf16 model, or autocast) through the Triton tile: the bf16 tolerance of test_lm_loss."""
+    tensors, labels = make_inputs(13, 8, 37, dtype=torch.bfloat16)
+    check(tensors, labels, rtol=4e-3, grad_rtol=3e-2, ovr_trains_location=True, chunk_size=4, vocab_chunk_size=37)
+    tensors, labels = make_inputs(13, 8, 37)
+    check(tensors, labels, rtol=4e-3, grad_rtol=3e-2, chunk_size=4, vocab_chunk_size=37, matmul_dtype=torch.bfloat16)
+    assert triton_operators["loss_tile_triton"] and triton_operators["abs_linear_triton"]
+
+
+class LaunchCount(TorchDispatchMode):
+    """Counts the aten operators that run a kernel (views, allocations and the `_applies` queries left out)."""
+
+    FREE = {"view", "slice", "as_strided", "select", "unsqueeze", "squeeze", "t", "transpose", "detach", "alias",
+            "reshape", "expand", "_unsafe_view", "permute", "empty", "empty_strided", "new_empty", "lift_fresh",
+            "promote_types", "_local_scalar_dense"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "causalqwen" and func.__name__.split(".")[0] not in self.FREE:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_launches_per_chunk_are_few_and_do_not_grow_with_the_vocabulary(triton_operators, monkeypatch):
+    """The loss's launches per token chunk, counted as the torch operators dispatched plus up to three per Triton
+    call (a kernel, its partial sums), at two chunk counts: the difference is per chunk, and it is the same at two
+    vocabulary sizes (no loop over the vocabulary)."""
+    for name in ("loss_tile_triton", "block_logsumexp_triton", "abs_linear_triton", "abs_matmul_triton"):
+        counted = getattr(kt, name)
+
+        def quiet(*args, _fn=counted, **kwargs):  # the interpreter's own torch calls are not GPU launches
+            with _disable_current_modes():
+                return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(kt, name, quiet)
+
+    def launches(vocab, chunks):
+        tensors, labels = make_inputs(48, 8, vocab)
+        labels.clamp_(min=0)
+        head = DecisionHead(*(tensors[k] for k in ("weight", "bias", "b_noise", "threshold")))
+        triton_operators.update(dict.fromkeys(triton_operators, 0))
+        with LaunchCount() as mode:
+            chunked_lm_loss(tensors["loc_U"], tensors["scale_U"], head, labels, chunk_size=48 // chunks,
+                            vocab_chunk_size=vocab)
+        return mode.count + 3 * sum(triton_operators.values())
+
+    per_chunk = [(launches(vocab, 6) - launches(vocab, 2)) / 4 for vocab in (37, 150)]
+    assert per_chunk[0] == per_chunk[1] <= 50
+
+
+def test_distillation_loss_tiles_run_on_the_gpu_operator(triton_operators):
+    tensors, labels = make_inputs(13, 8, 37)
+    check_against_reference(tensors, labels, 1e-5, 1e-5, chunk_size=5, vocab_chunk_size=37)
+    assert triton_operators["loss_tile_triton"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("distribution", ["normalize", "accept", "accept_once"])
+def test_decode_operators_equal_the_torch_functions(triton_operators, dtype, distribution):
+    g = torch.Generator().manual_seed(1)
+    loc_U, scale_U = torch.randn(3, 16, generator=g).to(dtype), torch.rand(3, 16, generator=g).to(dtype) + 0.1
+    weight, bias = torch.randn(70, 16, generator=g).to(dtype), torch.randn(70, generator=g).to(dtype)
+    loc_S, scale_S = dispatch.run_operator("cauchy_linear", loc_U, scale_U, weight, bias)
+    ref_loc, ref_scale = cauchy_linear(loc_U.float(), scale_U.float(), weight.float(), bias.float())
+    tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loc_S.float(), ref_loc, **tol)
+    torch.testing.assert_close(scale_S.float(), ref_scale, **tol)
+    threshold = torch.randn(70, generator=g)
+    for relative in (False, True):
+        scores = dispatch.run_operator("ovr_scores", loc_S, scale_S, threshold, relative, distribution)
+        expected = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution)
+        torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4)
+    assert triton_operators["cauchy_linear_triton"] == 1 and triton_operators["ovr_scores_triton"] == 2
+
+
+def test_a_prefill_beyond_the_decode_rows_runs_the_torch_code(triton_operators):
+    rows = cuda_kernels.CAUCHY_LINEAR_MAX_ROWS + 1
+    x = torch.randn(rows, 8)
+    assert dispatch.run_operator("cauchy_linear", x, x.abs(), torch.randn(30, 8), None) is None
+    assert triton_operators["cauchy_linear_triton"] == 0
