@@ -162,7 +162,7 @@ def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autoc
                                        softmax_weight=config.softmax_loss_weight,
                                        ovr_trains_location=config.ovr_trains_location,
                                        relative_threshold=config.ovr_relative_threshold, chunk_size=chunk_size or None,
-                                       vocab_chunk_size=vocab_chunk_size or 4096)[0]
+                                       vocab_chunk_size=vocab_chunk_size or None)[0]  # None: loss_shape
 
     return step, params
 
