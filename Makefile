@@ -36,10 +36,11 @@ demo: $(DEMO_BASE)/config.json
 test-real: $(DEMO_BASE)/config.json
 	$(PY) -m pytest -q -m real
 
-# On a CUDA machine: the tests marked `gpu`, i.e. the cuda run of every test taking the `device` fixture (conftest.py)
+# On a CUDA machine: the tests marked `gpu`, i.e. the cuda run of every test taking the `device` fixture (conftest.py),
+# and the Triton kernels' tests compiled for the GPU (TRITON_INTERPRET=0)
 test-gpu: $(STAMP)
 	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA device')"
-	$(PY) -m pytest -q -m gpu
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu
 
 # The speed and memory figures of BENCHMARKS.md, each an interleaved comparison repeated 3 times (about 11 minutes on
 # 2 cores). The quality benches (heads_recipe, time_to_quality, sampling, distill, numeric) train heads and take longer: run them alone.

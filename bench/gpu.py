@@ -3,8 +3,8 @@ training step each way, and the speed and memory of decoding and of the training
 
     python bench/gpu.py --base build/demo-base        # without --base: a random Qwen2.5-0.5B-shaped model
 
-1. tests: `make test-gpu`'s tests (`pytest -m gpu`: the cuda run of every test taking the `device` fixture), in a
-   subprocess;
+1. tests: `make test-gpu`'s tests (`pytest -m gpu`: the cuda run of every test taking the `device` fixture, and the
+   Triton kernels' tests compiled for the GPU), in a subprocess;
 2. sharded: one step of `recipes/sft_ovr.py` under `accelerate launch --config_file recipes/configs/fsdp2.yaml` and,
    when `deepspeed` imports, `deepspeed_zero3.yaml`, on this one GPU (`--num_processes 1`: nccl, world size 1);
 3. decode: tokens/s at batch 1, 8 and 64 in every inference mode against the base (bench/decode.py's measurement,
@@ -104,6 +104,7 @@ def run_logged(cmd: list[str], timeout: float, env=None) -> tuple[int | str, str
 
 def gpu_tests(timeout: float) -> None:
     start = section("make test-gpu's tests (pytest -m gpu)")
+    os.environ["TRITON_INTERPRET"] = "0"  # the Triton kernels' tests on the GPU too (tests/test_kernels_triton.py)
     code, tail = run_logged([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], timeout)
     print(tail if code != 0 else (tail.strip().splitlines() or [""])[-1])
     print(f"pytest -m gpu: {'passed' if code == 0 else f'FAILED ({code})'}")

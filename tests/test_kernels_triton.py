@@ -23,9 +23,9 @@ from causalqwen_adapter.losses import ovr_tile  # noqa: E402
 
 from conftest import decision_scores_float64  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy: log 0, 0·inf lanes
-
 ON_GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
+# the interpreter's numpy: log 0, 0·inf lanes; on a GPU the module is part of `make test-gpu` (`-m gpu`)
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), *([pytest.mark.gpu] if ON_GPU else [])]
 DEVICE = "cuda" if ON_GPU else "cpu"
 TINY = torch.finfo(torch.float32).tiny
 MODULE_PATH = Path(causalqwen_adapter.__file__).parent / "kernels_triton.py"
