@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -58,9 +59,14 @@ def shard(model, wrap: str, rank: int):
 
 
 def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{work}/store")
     torch.manual_seed(0)  # as the Trainer seeds before building the model: the same heads on every rank (LoRA's A)
     model = CausalQwenForCausalLM.from_base(base, **options)
+    # with fsdp_cpu_ram_efficient_loading, transformers reads the base on local rank 0 and broadcasts it (a rank
+    # left with placeholders would copy them into its fresh W_A), and accelerate shards rank 0's whole model
+    with safe_open(f"{base}/model.safetensors", "pt") as checkpoint:
+        read_base = torch.equal(model.model.embed_tokens.weight, checkpoint.get_tensor("model.embed_tokens.weight"))
     model.model.requires_grad_(False)
     batch = torch.load(f"{work}/batch.pt")
     rows = len(batch) // world
@@ -97,7 +103,8 @@ def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) 
     again = resumed(input_ids=local, labels=local).loss.detach()
     dist.all_reduce(again)
 
-    torch.save({"loss": (total / world).item(), "adapter": adapter, "resumed_loss": (again / world).item()},
+    torch.save({"loss": (total / world).item(), "adapter": adapter, "resumed_loss": (again / world).item(),
+                "read_base": read_base},
                f"{work}/result-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

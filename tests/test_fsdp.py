@@ -40,8 +40,8 @@ def test_launch_configurations_keep_what_the_heads_need():
     assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
     # the Trainer gathers the model at save time only under FULL_STATE_DICT: save_pretrained writes the adapter folder
     assert fsdp.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
-    # fresh heads copy lm_head into W_A: every rank needs the real base weights, not the meta device
-    assert fsdp.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
+    # a large base is read once, by rank 0 (fresh heads still copy the real lm_head: the workers check it)
+    assert fsdp.fsdp_config["fsdp_cpu_ram_efficient_loading"] is True
     zero3 = ClusterConfig.from_yaml_file(CONFIGS / "deepspeed_zero3.yaml")
     assert zero3.distributed_type == "DEEPSPEED" and zero3.deepspeed_config["zero_stage"] == 3
     # the same copy needs the unpartitioned weight at construction; gathered 16-bit weights at save time
@@ -52,27 +52,30 @@ def test_launch_configurations_keep_what_the_heads_need():
 # (how the model is sharded, head options): accelerate's own FSDP2 wrap (layers, the input embedding as a unit of its
 # own, the root with the heads) with each action weight on a tied base, whose `tied` and `lora` W_A is the sharded
 # embedding; and each head module a unit of its own, learnable thresholds included.
+# The shipped config loads the base on rank 0 (cpu_ram_efficient_loading); the last case has every rank read it.
 FSDP2_CASES = {
-    "accelerate-full": ("accelerate", {}),
-    "accelerate-tied": ("accelerate", {"action_weight": "tied"}),
-    "accelerate-lora": ("accelerate", {"action_weight": "lora", "action_lora_rank": 4}),
-    "heads-as-units": ("heads", {"learnable_threshold": True}),
+    "accelerate-full": ("accelerate", {}, {}),
+    "accelerate-tied": ("accelerate", {"action_weight": "tied"}, {}),
+    "accelerate-lora": ("accelerate", {"action_weight": "lora", "action_lora_rank": 4}, {}),
+    "heads-as-units": ("heads", {"learnable_threshold": True}, {}),
+    "every-rank-loads": ("accelerate", {"causal_size": 24}, {"FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}),
 }
 
 
 @pytest.mark.parametrize("case", list(FSDP2_CASES))
 def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
-    wrap, options = FSDP2_CASES[case]
+    wrap, options, launch = FSDP2_CASES[case]
     batch = torch.randint(1, TINY_VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
     torch.save(batch, tmp_path / "batch.pt")
     env = {**os.environ, **launch_environment(CONFIGS / "fsdp2.yaml"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT)}
+           "PYTHONPATH": str(REPO_ROOT), **launch}
     argv = [sys.executable, str(WORKER), str(tied_base), str(tmp_path)]
     results = run_processes([([*argv, str(rank), "2", wrap, json.dumps(options)], env) for rank in range(2)],
                             what="the FSDP2 workers")
     for code, out, err in results:
         assert code == 0, out[-2000:] + err[-4000:]
     sharded, other_rank = (torch.load(tmp_path / f"result-{rank}.pt") for rank in range(2))
+    assert sharded["read_base"] and other_rank["read_base"]  # fresh heads copied the real lm_head on every rank
     for key, value in sharded["adapter"].items():  # every rank gathers the same whole tensors (the recipe's digest)
         assert torch.equal(other_rank["adapter"][key], value), key
 
