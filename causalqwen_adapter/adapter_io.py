@@ -8,6 +8,7 @@ Shipped as remote code: imports only the standard library, torch, transformers, 
 import inspect
 import json
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -18,10 +19,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, GenerationConfig, Qwen2ForCausalLM, Qwen2Model
 from transformers.dynamic_module_utils import get_relative_import_files
-from transformers.utils import cached_file
+from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .configuration_causalqwen import CausalQwenConfig
-from .model_card import check_push, upload_adapter_folder, write_model_card
+from .model_card import CARD_NAME, check_push, upload_adapter_folder, write_model_card
 from .sharding import gathered_tensors
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
@@ -186,19 +187,62 @@ def _umask() -> int:
     return mask
 
 
-def check_not_foreign(target: Path) -> None:
-    """Never write over a folder that is not an adapter's: a base checkpoint, a dataset, another model."""
+def adapter_file_names() -> set[str]:
+    """The names a save writes at the top of an adapter folder (docs/design.md, The adapter folder)."""
+    modeling = Path(__file__).with_name("modeling_causalqwen.py")
+    code = {Path(f).name for f in [modeling, *get_relative_import_files(modeling)]}
+    return {"config.json", ADAPTER_WEIGHTS_NAME, GENERATION_CONFIG_NAME, CARD_NAME, LORA_FOLDER, *code}
+
+
+def stale_save_folders(target: Path) -> list[Path]:
+    """The hidden folders saves into `target` create beside it, named as `tempfile.mkdtemp` names them:
+    `.NAME.XXXXXXXX.tmp` (a save's new files) and `.NAME.XXXXXXXX.old` (the files a swap moved out). A save removes
+    its own; any left were left by a process killed while saving."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.[a-z0-9_]{{8}}\.(tmp|old)")
+    if not target.parent.is_dir():
+        return []
+    return sorted((p for p in target.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()
+                   and not p.is_symlink()), key=lambda p: p.stat().st_mtime)
+
+
+def interrupted_swap(target: Path) -> Path | None:
+    """The hidden folder holding the previous adapter's `config.json` when a save into `target` was killed while
+    swapping files in (config.json goes aside first and comes back last), else None."""
+    if (target / "config.json").exists():
+        return None
+    asides = [p for p in stale_save_folders(target) if p.suffix == ".old" and _is_adapter_config(p / "config.json")]
+    return asides[-1] if asides else None
+
+
+def is_adapter_folder(target: Path) -> bool:
+    """Whether saves of ours wrote `target`: it holds a CausalQwen config.json, or a save into it was interrupted."""
+    return _is_adapter_config(target / "config.json") or interrupted_swap(target) is not None
+
+
+def _is_adapter_config(path: Path) -> bool:
+    return _model_type(path) == CausalQwenConfig.model_type
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "unreadable"
+
+
+def check_not_foreign(target: Path, other_names: tuple[str, ...] = ()) -> None:
+    """Never write over a file that is not ours: a base checkpoint, a dataset, another model, a user's own files.
+
+    A folder saves of ours wrote (`is_adapter_folder`) is the adapter's: a save replaces its adapter files. In any
+    other folder a save only adds files: one of the names it writes (`adapter_file_names()` and `other_names`, the
+    trainer's `training_args.bin`) already there is refused, naming them.
+    """
     config = target / "config.json"
-    if config.is_file():
-        try:
-            model_type = json.loads(config.read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            model_type = "unreadable"
-        if model_type != CausalQwenConfig.model_type:
-            raise FileExistsError(
-                f"{target} holds a {model_type!r} checkpoint (its config.json), not a CausalQwen adapter: saving here "
-                "would replace its files. Save the adapter to a folder of its own."
-            )
+    if config.is_file() and (model_type := _model_type(config)) != CausalQwenConfig.model_type:
+        raise FileExistsError(
+            f"{target} holds a {model_type!r} checkpoint (its config.json), not a CausalQwen adapter: saving here "
+            "would replace its files. Save the adapter to a folder of its own."
+        )
     weights = target / ADAPTER_WEIGHTS_NAME
     if weights.is_file() and not config.is_file():
         try:
@@ -211,10 +255,20 @@ def check_not_foreign(target: Path) -> None:
                 f"{weights} holds model weights that are not an adapter's ({foreign[0]}, ...): saving here would "
                 "replace them. Save the adapter to a folder of its own."
             )
+    if is_adapter_folder(target):
+        return
+    clash = sorted(n for n in adapter_file_names() | set(other_names) if (target / n).exists() or (target / n).is_symlink())
+    if clash:
+        raise FileExistsError(
+            f"{target} is not an adapter folder (it has no CausalQwen config.json) and holds {clash}: a save would "
+            "replace them, and they were not written by a save of this adapter. Move them out of the folder, or "
+            "save the adapter to a folder of its own."
+        )
 
 
 __all__ = [
-    "ADAPTER_WEIGHTS_NAME", "BASE_PREFIXES", "HUB_KWARGS", "LORA_FOLDER", "base_reference", "check_base_matches", "check_config_overrides", "check_is_qwen2", "check_keys", "check_not_foreign", "install_folder", "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown",
+    "ADAPTER_WEIGHTS_NAME", "BASE_PREFIXES", "HUB_KWARGS", "LORA_FOLDER", "base_reference", "check_base_matches", "check_config_overrides", "check_is_qwen2", "check_keys", "adapter_file_names", "check_not_foreign", "install_folder", "interrupted_swap", "is_adapter_folder", "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown",
+    "stale_save_folders",
 ]
 
 
@@ -313,6 +367,8 @@ class CausalAdapterMixin:
         A new folder appears complete or not at all; files in an existing folder are swapped with
         `config.json` last, so an interrupted save leaves a folder that refuses to load, never one
         that loads wrong. Other files in the folder (a trainer's checkpoints) are left untouched.
+        Refused before anything is written: tensors that are not finite, and a folder that is not an
+        adapter's holding a file of a name the save writes (`check_not_foreign`).
         """
         reject_unknown(kwargs, ("safe_serialization", "max_shard_size", "variant"), "save_pretrained")
         if kwargs.get("safe_serialization") is False or kwargs.get("variant"):
@@ -335,6 +391,13 @@ class CausalAdapterMixin:
             k: v for k, v in state_dict.items() if not k.startswith(BASE_PREFIXES)
         }
         check_keys(set(tensors), self.adapter_keys(), "the state_dict to save")
+        bad = sorted(k for k, v in tensors.items() if not all_finite(v))
+        if bad:  # before anything is written: such a folder would refuse to load, and would replace a good one
+            raise ValueError(
+                f"the adapter tensors {bad} hold NaN or infinite values: the heads diverged, and a folder holding them "
+                f"would refuse to load. Nothing was written ({target} is as it was); save heads that are finite (an "
+                "earlier checkpoint, or training with a lower learning_rate)."
+            )
 
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
@@ -343,6 +406,9 @@ class CausalAdapterMixin:
             install_folder(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+        # the folder is whole again: what killed saves left beside it is superseded
+        for stale in stale_save_folders(target):
+            shutil.rmtree(stale, ignore_errors=True)
 
     def _write_adapter_files(self, folder: Path, tensors: dict) -> None:
         config = self.config.to_dict()
@@ -407,6 +473,13 @@ class CausalAdapterMixin:
             dtype = kwargs.pop("torch_dtype")
         if not isinstance(config, cls.config_class):
             if cached_file(adapter, "config.json", _raise_exceptions_for_missing_entries=False, **hub_kwargs) is None:
+                aside = interrupted_swap(Path(adapter)) if os.path.isdir(adapter) else None
+                if aside is not None:
+                    raise OSError(
+                        f"{adapter} has no config.json: a save into it was interrupted while swapping its files. The "
+                        f"previous adapter's config.json and the files already replaced are in {aside}: move them back "
+                        f"into {adapter} to restore that adapter, or save the adapter again (which removes {aside})."
+                    )
                 raise OSError(
                     f"{adapter} has no config.json: it is not a complete CausalQwen adapter (an interrupted "
                     "save leaves it so). Save it again with save_pretrained."

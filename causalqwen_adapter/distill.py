@@ -11,18 +11,17 @@ Heads trained this way see the base's z: they belong on the base without a backb
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainingArguments
 
-from .adapter_io import check_not_foreign
 from .features import FEATURES_CONFIG_NAME, check_feature_dataset, extract_features, features_info, load_features
 from .training import (
     AdapterCheckpointMixin,
     CausalHeadArguments,
     HeadLearningRatesMixin,
     LossMetricsMixin,
+    check_output_dir,
     config_argument,
     prepare_causal_model,
 )
@@ -88,8 +87,7 @@ class CausalDistillTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterChec
             args = CausalDistillConfig(f"{os.path.basename(os.path.normpath(name))}-CausalDistill")
         if not isinstance(args, CausalDistillConfig):
             raise TypeError(f"args must be a CausalDistillConfig, got {type(args).__name__}")
-        if os.path.isdir(args.output_dir):  # checkpoints, the card and the final adapter all go there
-            check_not_foreign(Path(args.output_dir))
+        check_output_dir(args.output_dir)
         model, _ = prepare_causal_model(model, args, loss="distill")
         if getattr(model.model, "_hf_peft_config_loaded", False):
             raise ValueError(

@@ -28,6 +28,7 @@ from datasets.arrow_writer import ArrowWriter
 from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
 from transformers.utils import logging
 
+from .adapter_io import stale_save_folders
 from .devices import resolve_device
 from .modeling_causalqwen import CausalQwenForCausalLM
 
@@ -77,7 +78,11 @@ def extract_features(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     target = Path(output_dir)
-    if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target} is a file, not a folder: the features are a folder, and extract_features "
+                              "never replaces a file (overwrite replaces only a feature store). Choose another "
+                              "output_dir")
+    if target.exists() and not overwrite and any(target.iterdir()):
         raise FileExistsError(f"{target} already exists: pass overwrite=True (--overwrite) or choose another folder")
 
     if target.is_dir() and ((target / "config.json").is_file() or (target / "model.safetensors").is_file()):
@@ -229,6 +234,13 @@ def load_features(path) -> Dataset:
     checked against the sha256 sums `extract_features` recorded."""
     path = Path(path)
     if not (path / FEATURES_CONFIG_NAME).is_file():
+        kept = [p / path.name for p in stale_save_folders(path)
+                if p.suffix == ".old" and (p / path.name / FEATURES_CONFIG_NAME).is_file()]
+        if kept and not path.exists():
+            raise FileNotFoundError(
+                f"{path} does not exist: an extraction replacing it was interrupted. The previous feature store is "
+                f"{kept[-1]}: move it back to {path}, or extract the features again."
+            )
         raise FileNotFoundError(
             f"{path} holds no {FEATURES_CONFIG_NAME}: it is not a feature store written by extract_features "
             "(recipes/extract_features.py)"
@@ -349,14 +361,21 @@ def _teacher_rows(teacher, sequences, batch_size: int, top_k: int, head_rows: in
 
 
 def _install(staging: Path, target: Path) -> None:
-    """Put a complete folder in place of `target` (an old one is removed only once the new one is whole)."""
+    """Put a complete folder in place of `target` (an old one is removed only once the new one is whole), then remove
+    what extractions killed midway left beside it (hidden folders named as adapter saves name theirs)."""
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.rename(target, old)
-        os.rename(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        os.rename(target, aside / target.name)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            os.rename(aside / target.name, target)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(staging, target)
+    for stale in stale_save_folders(target):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _same_place(name: str) -> str:

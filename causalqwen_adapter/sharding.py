@@ -48,6 +48,14 @@ def gathered_tensors(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return whole
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor, without communication: an FSDP2 DTensor's local shard, a ZeRO-3 parameter's
+    partition, anything else whole."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    return getattr(tensor, "ds_tensor", tensor)
+
+
 def distribute_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``value`` (a whole tensor every rank holds) laid out like ``param``: this rank's shard of it where ``param`` is
     an FSDP2 DTensor, else ``value`` itself."""
@@ -71,4 +79,5 @@ class HeadModule(nn.Module):
         return self(*tensors, read=fn)
 
 
-__all__ = ["DTensor", "HeadModule", "distribute_like", "full_tensor", "gathered", "gathered_tensors"]
+__all__ = ["DTensor", "HeadModule", "distribute_like", "full_tensor", "gathered", "gathered_tensors",
+           "local_shard"]

@@ -13,7 +13,6 @@ assistant-only masks, packing, the collator, logging, `accelerate launch`. What 
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow.compute as pc
 import torch
@@ -22,7 +21,6 @@ from transformers import AutoTokenizer, TrainingArguments, set_seed
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
-from .adapter_io import check_not_foreign
 from .cauchy import INFERENCE_MODES
 from .data import check_text_dataset
 from .evaluation import EvaluationAccumulator, score_positions
@@ -33,6 +31,7 @@ from .training import (
     HeadLearningRatesMixin,
     LossMetricsMixin,
     calibrate_threshold,
+    check_output_dir,
     configure_backbone,
     prepare_causal_model,
 )
@@ -175,8 +174,7 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
         formatting_func=None,
     ):
         args = _as_causal_config(args, model)
-        if os.path.isdir(args.output_dir):  # checkpoints, the card and the final adapter all go there
-            check_not_foreign(Path(args.output_dir))
+        check_output_dir(args.output_dir)
         if compute_loss_func is not None or args.loss_type != "nll" or args.label_smoothing_factor > 0:
             raise ValueError(
                 "CausalSFTTrainer trains with the one-vs-rest loss of the causal heads: compute_loss_func, "

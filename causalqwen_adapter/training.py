@@ -5,11 +5,13 @@ metrics by name.
 - `prepare_causal_model`: the `model` argument (a Qwen2 base, an adapter, or a loaded model) as a
   `CausalQwenForCausalLM`, with the head parameters its configured loss can never reach frozen
   (`unreachable_parameters`); `configure_backbone`: frozen, or with LoRA;
-- `AdapterCheckpointMixin`: checkpoints, `save_model`, resuming and the model card as adapter folders;
+- `AdapterCheckpointMixin`: checkpoints, `save_model`, resuming and the model card as adapter folders; only finite
+  heads are checkpointed, and only complete checkpoints resumed (`check_output_dir`, `last_complete_checkpoint`);
 - `LossMetricsMixin`: the metrics the model's loss returns, averaged per logging window across ranks.
 """
 
 import inspect
+import json
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -18,14 +20,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedConfig, Qwen2ForCausalLM
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
-from .adapter_io import BASE_PREFIXES, LORA_FOLDER
+from .adapter_io import BASE_PREFIXES, LORA_FOLDER, all_finite, check_not_foreign, is_adapter_folder
 from .configuration_causalqwen import CONFIG_CHOICES, CausalQwenConfig
 from .model_card import write_model_card
 from .modeling_causalqwen import CausalQwenForCausalLM
-from .sharding import distribute_like
+from .sharding import distribute_like, local_shard
 
 logger = logging.get_logger(__name__)
 
@@ -98,7 +101,7 @@ class LossMetricsMixin:
             where = f"step {self.state.global_step + 1}" if mode == "train" else f"evaluation at step {self.state.global_step}"
             raise FloatingPointError(
                 f"the training loss is {loss.item()} at {where}: training stopped. The heads diverged or the data is "
-                "bad; lower learning_rate or max_grad_norm and resume from the last checkpoint"
+                f"bad; lower learning_rate or max_grad_norm and {resume_advice(self.args.output_dir)}"
             )
         return loss
 
@@ -184,11 +187,62 @@ class AdapterCheckpointMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, never of heads that are not finite: such a checkpoint could not be loaded, and
+        rotation (`save_total_limit`) would delete the good ones before it. Checked on every rank before anything
+        is written, so that all stop together."""
+        bad = self._non_finite_adapter_tensors()
+        if bad:
+            step = self.state.global_step
+            raise FloatingPointError(
+                f"at step {step} the adapter tensors {bad} hold NaN or infinite values: training stopped before "
+                f"writing {PREFIX_CHECKPOINT_DIR}-{step}, which could not be loaded. The heads diverged; lower "
+                f"learning_rate or max_grad_norm and {resume_advice(self.args.output_dir)}"
+            )
+        super()._save_checkpoint(model, trial)
+
+    def _non_finite_adapter_tensors(self) -> list[str]:
+        """The adapter tensors holding NaN or ±inf, the same names on every rank (each checks its own shards)."""
+        model = self.accelerator.unwrap_model(self.model)
+        state = model.state_dict(keep_vars=True)
+        names = sorted(model.adapter_keys())
+        flags = torch.tensor([float(not all_finite(local_shard(state[k].detach()))) for k in names],
+                             device=self.args.device)
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        return [k for k, flag in zip(names, flags.tolist()) if flag > 0]
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """The Trainer's, resuming only from a complete checkpoint (see `last_complete_checkpoint`): `True` takes the
+        last complete one in `output_dir`, logging the incomplete ones after it; a path to an incomplete one is
+        refused, naming what to pass instead."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._last_complete_checkpoint()
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            check_resumable(Path(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _last_complete_checkpoint(self) -> str | bool:
+        output_dir = self.args.output_dir
+        last, incomplete = last_complete_checkpoint(output_dir)
+        described = "; ".join(f"{path} is incomplete ({problem})" for path, problem in incomplete)
+        if last is None:
+            if incomplete:
+                raise ValueError(f"no complete checkpoint in {output_dir} to resume from ({described}: a run stopped "
+                                 "while saving leaves them so). Train without resume_from_checkpoint.")
+            return True  # no checkpoint at all: the Trainer's own error
+        if incomplete:
+            logger.warning(f"{described}: the run was stopped while writing it. Resuming from {last}, the last "
+                           "complete checkpoint.")
+        return str(last)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """An adapter folder (docs/design.md, The adapter folder) plus `training_args.bin`; no tokenizer, the base provides it."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
+        if os.path.isdir(output_dir):
+            check_not_foreign(Path(output_dir), (TRAINING_ARGS_NAME,))
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         model.training_summary = self._training_summary()  # rendered into the adapter's README.md
         model.save_pretrained(output_dir, state_dict=state_dict)
@@ -211,12 +265,14 @@ class AdapterCheckpointMixin:
         self._load_from_checkpoint(self.state.best_model_checkpoint)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs):
-        """Write the adapter's own model card into `output_dir`, never TRL's.
+        """Write the adapter's own model card into `output_dir`, never TRL's, and only beside the adapter.
 
         TRL writes a generic `README.md` into `output_dir` at every checkpoint and before `push_to_hub`, which would
         replace the adapter's card (docs/design.md, The adapter folder: rendered from `model_card/`). This passes through to the model's card
-        writer, with the run recorded in `model.training_summary`. `dataset_name` and `tags` are kept for every
-        later card of this run (checkpoints, `save_model`); `model_name` is TRL's and not used.
+        writer, with the run recorded in `model.training_summary`, once `output_dir` holds the adapter (`save_model`
+        writes the card with it): a `README.md` there before would be taken for the user's by that save.
+        `dataset_name` and `tags` are kept for every later card of this run (checkpoints, `save_model`);
+        `model_name` is TRL's and not used.
         """
         for name in [dataset_name] if isinstance(dataset_name, str) else dataset_name or []:
             if name not in self._card_datasets:
@@ -224,12 +280,11 @@ class AdapterCheckpointMixin:
         for tag in [tags] if isinstance(tags, str) else tags or []:
             if tag not in self._card_tags:
                 self._card_tags.append(tag)
-        if not self.is_world_process_zero():
+        output_dir = Path(self.args.output_dir)
+        if not self.is_world_process_zero() or not is_adapter_folder(output_dir):
             return
         model = self.accelerator.unwrap_model(self.model)
         model.training_summary = self._training_summary()
-        output_dir = Path(self.args.output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
         write_model_card(model, output_dir)
 
     def _training_summary(self) -> dict:
@@ -264,6 +319,65 @@ class AdapterCheckpointMixin:
             "datasets": list(self._card_datasets),
             "tags": [*self._tag_names, *self._card_tags],
         }
+
+
+def check_output_dir(output_dir) -> None:
+    """Before a trainer loads anything: its checkpoints, card and adapter go into `output_dir`; refuse a file there,
+    or a folder whose files a save would replace (`adapter_io.check_not_foreign`)."""
+    target = Path(output_dir)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"output_dir {target} is a file, not a folder: checkpoints and the adapter are folders "
+                              "written there. Choose another output_dir")
+    if target.is_dir():
+        check_not_foreign(target, (TRAINING_ARGS_NAME,))
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a run cannot resume from `folder`, or None. The Trainer writes a checkpoint's `trainer_state.json` last, so
+    a run killed while saving leaves the adapter files (or some of them) without it."""
+    for name in ("config.json", SAFE_WEIGHTS_NAME, TRAINER_STATE_NAME):
+        if not (folder / name).is_file():
+            return f"no {name}"
+    try:
+        json.loads((folder / TRAINER_STATE_NAME).read_text())
+    except (OSError, ValueError):
+        return f"{TRAINER_STATE_NAME} is unreadable"
+    return None
+
+
+def last_complete_checkpoint(output_dir) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The `checkpoint-N` folder of `output_dir` with the highest N that a run can resume from (None if there is
+    none), and the incomplete ones after it with what they lack."""
+    pattern = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+    found = [p for p in Path(output_dir).iterdir() if pattern.fullmatch(p.name) and p.is_dir()] \
+        if os.path.isdir(output_dir) else []
+    incomplete = []
+    for path in sorted(found, key=lambda p: int(pattern.fullmatch(p.name).group(1)), reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, incomplete[::-1]
+        incomplete.append((path, problem))
+    return None, incomplete[::-1]
+
+
+def resume_advice(output_dir) -> str:
+    """What to resume from after training stopped: the last checkpoint a run can resume from, or that there is none."""
+    last, _ = last_complete_checkpoint(output_dir)
+    if last is None:
+        return f"train again: there is no checkpoint to resume from in {output_dir}"
+    return f"resume from {last} (resume_from_checkpoint={str(last)!r})"
+
+
+def check_resumable(checkpoint: Path) -> None:
+    """Refuse an explicit `resume_from_checkpoint` that a killed run left incomplete, naming what to pass."""
+    problem = checkpoint_problem(checkpoint) if checkpoint.is_dir() else None
+    if problem is None:
+        return  # a complete checkpoint, or not a folder at all (the Trainer's and `_load_from_checkpoint`'s errors)
+    last, _ = last_complete_checkpoint(checkpoint.parent)
+    what = (f"pass resume_from_checkpoint={last}, the last complete checkpoint in {checkpoint.parent}" if last else
+            f"{checkpoint.parent} holds no complete checkpoint: train without resume_from_checkpoint")
+    raise ValueError(f"{checkpoint} is incomplete ({problem}): it is not a checkpoint the trainer finished writing (a "
+                     f"run stopped while saving leaves it so), so training cannot resume from it; {what}")
 
 
 def head_options(args: CausalHeadArguments) -> dict:
@@ -486,6 +600,10 @@ def load_adapter_tensors(model: CausalQwenForCausalLM, weights_file: str) -> Non
         if value.shape != params[key].shape:
             raise ValueError(f"{weights_file} holds {key} of shape {tuple(value.shape)}, the model's is "
                              f"{tuple(params[key].shape)}: resume with the heads configuration it was trained with")
+    bad = sorted(k for k, v in tensors.items() if not all_finite(v))
+    if bad:
+        raise ValueError(f"{weights_file}: {bad} hold NaN or infinite values, so training cannot resume from it: "
+                         "resume from an earlier checkpoint")
     tensors = {k: distribute_like(v, params[k]) for k, v in tensors.items()}
     model.load_state_dict(tensors, strict=False)  # raises on a shape mismatch
 
@@ -514,7 +632,8 @@ def load_backbone_lora(model: CausalQwenForCausalLM, checkpoint: str) -> None:
 
 __all__ = [
     "AdapterCheckpointMixin", "CausalHeadArguments", "HeadLearningRatesMixin", "LossMetricsMixin", "calibrate_threshold",
-    "calibrate_threshold_on_features", "learning_rate_ratio",
+    "calibrate_threshold_on_features", "check_output_dir", "check_resumable", "last_complete_checkpoint",
+    "learning_rate_ratio", "resume_advice",
     "configure_backbone", "freeze_unreachable_parameters", "head_options", "prepare_causal_model",
     "unreachable_parameters",
 ]

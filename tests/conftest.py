@@ -4,6 +4,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,29 @@ def run_processes(commands: list[tuple[list[str], dict]], *, cwd=None, timeout: 
         pytest.fail(f"{what} timed out after {timeout:.0f} s (a process waited for another, or for a lock)\n"
                     + "\n".join(tails))
     return results
+
+
+KILL_MID_SWAP = """
+import os, sys
+import torch
+from causalqwen_adapter import CausalQwenForCausalLM
+import causalqwen_adapter.adapter_io as m
+model = CausalQwenForCausalLM.from_base(sys.argv[1])
+with torch.no_grad():
+    model.action.b_noise.add_(1.0)  # the new save differs from the old
+real, calls = os.replace, []
+def die(src, dst):
+    calls.append(dst)
+    if len(calls) == 3:
+        os.kill(os.getpid(), 9)
+    real(src, dst)
+m.os.replace = die
+model.save_pretrained(sys.argv[2])
+"""
+
+
+def kill_save_mid_swap(base: Path, folder: Path) -> None:
+    """Save fresh heads of `base` over the adapter in `folder` in another process, killed (SIGKILL, no chance to undo)
+    at its third file move: config.json and one file set aside, the new file not yet in."""
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_SWAP, str(base), str(folder)], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]

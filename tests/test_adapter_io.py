@@ -20,7 +20,7 @@ from transformers.dynamic_module_utils import get_relative_imports
 import causalqwen_adapter.adapter_io as adapter_io
 from causalqwen_adapter import CausalQwenForCausalLM, dispatch
 
-from conftest import TINY_VOCAB, save_tiny_qwen2
+from conftest import TINY_VOCAB, kill_save_mid_swap, save_tiny_qwen2
 
 ADAPTER_KEYS = {
     "abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight", "abduction.scale.bias",
@@ -384,20 +384,7 @@ def test_interrupted_save_leaves_nothing_that_loads_wrong(tied_base, tmp_path, m
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
     # killed mid-swap (no chance to undo): config.json went aside first, so the folder refuses to load
-    script = (
-        "import os, sys\n"
-        "from causalqwen_adapter import CausalQwenForCausalLM\n"
-        "import causalqwen_adapter.adapter_io as m\n"
-        "model = CausalQwenForCausalLM.from_base(sys.argv[1])\n"
-        "real, calls = os.replace, []\n"
-        "def die(src, dst):\n"
-        "    calls.append(dst)\n"
-        "    if len(calls) == 3: os.kill(os.getpid(), 9)\n"
-        "    real(src, dst)\n"
-        "m.os.replace = die\n"
-        "model.save_pretrained(sys.argv[2])\n"
-    )
-    subprocess.run([sys.executable, "-c", script, str(tied_base), str(tmp_path / "old")], check=False)
+    kill_save_mid_swap(tied_base, tmp_path / "old")
     with pytest.raises(OSError, match="no config.json"):
         CausalQwenForCausalLM.from_pretrained(tmp_path / "old")
 
