@@ -275,16 +275,18 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
                     "input_ids + numeric_values, e.g. dataset.map(lambda x: encode_with_numbers(tokenizer, x['text'], "
                     "num_token_id)) from causalqwen_adapter.numeric"
                 )
-        self.data_collator = NumericCollator(
-            self.data_collator, truncation_mode=self.args.truncation_mode, padding_free=self.padding_free
-        )
+        num_token_id = model.config.num_token_id
+        self.data_collator = NumericCollator(self.data_collator, truncation_mode=self.args.truncation_mode,
+                                             padding_free=self.padding_free, num_token_id=num_token_id)
+        for name, dataset in datasets.items():
+            _check_numeric_rows(dataset, num_token_id, name)
         if fresh_heads and isinstance(self.train_dataset, Dataset):
             table = self.train_dataset.with_format("arrow").data
             ids = pc.list_flatten(table.column("input_ids"))
             values = pc.list_flatten(table.column("numeric_values"))
             if len(ids) != len(values):
                 raise ValueError("the train dataset's numeric_values do not line up with its input_ids (lengths differ)")
-            targets = pc.filter(values, pc.equal(ids, model.config.num_token_id)).to_numpy(zero_copy_only=False)
+            targets = pc.filter(values, pc.equal(ids, num_token_id)).to_numpy(zero_copy_only=False)
             median, scale = numeric_statistics(torch.tensor(targets))
             model.numeric.reset_parameters(median, scale)
             logger.info(f"Numeric head initialised from {len(targets)} <NUM> values: Cauchy({median:g}, {scale:g})")
@@ -375,6 +377,32 @@ def _as_causal_config(args, model) -> CausalSFTConfig:
         values["hub_token"] = args.hub_token  # to_dict hides it
         return CausalSFTConfig(**{k: v for k, v in values.items() if k in CausalSFTConfig.__dataclass_fields__})
     raise TypeError(f"args must be a CausalSFTConfig (or TrainingArguments), got {type(args).__name__}")
+
+
+def _check_numeric_rows(dataset, num_token_id: int, split: str) -> None:
+    """Before training, naming the example: one numeric value per token, 0 wherever the token is not <NUM> (the
+    collator checks each batch as it comes; streaming datasets are checked there only)."""
+    if not isinstance(dataset, Dataset) or not {"input_ids", "numeric_values"} <= set(dataset.column_names):
+        return
+    table = dataset.with_format("arrow").data
+    ids, values = table.column("input_ids"), table.column("numeric_values")
+    short = pc.less(pc.list_value_length(values), pc.list_value_length(ids))
+    if pc.any(short).as_py():
+        row = pc.index(short, True).as_py()
+        raise ValueError(f"{split} example {row} has {len(dataset[row]['numeric_values'])} numeric_values for "
+                         f"{len(dataset[row]['input_ids'])} input_ids: pass one value per token (0 where the token "
+                         "is not <NUM>; encode_with_numbers lines them up)")
+    lengths_match = pc.equal(pc.list_value_length(values), pc.list_value_length(ids))
+    if not pc.all(lengths_match).as_py():  # longer value rows: the collator aligns them per batch
+        return
+    flat_ids, flat_values = pc.list_flatten(ids), pc.list_flatten(values)
+    stray = pc.and_(pc.not_equal(flat_values, 0), pc.not_equal(flat_ids, num_token_id))
+    if pc.any(stray).as_py():
+        position = pc.index(stray, True).as_py()
+        row = pc.list_parent_indices(ids)[position].as_py()
+        raise ValueError(f"{split} example {row} has the value {flat_values[position].as_py()} at a token that is not "
+                         f"<NUM> ({flat_ids[position].as_py()}): a value counts only at a <NUM> token ({num_token_id}); "
+                         "set the others to 0 (encode_with_numbers lines them up)")
 
 
 def _check_targets(dataset, vocab_size: int, split: str, *, require_targets: bool) -> None:
