@@ -56,7 +56,7 @@ def check_number(name: str, value, *, minimum=None, strict: bool = False, intege
     if not math.isfinite(value) or (minimum is not None and (value <= minimum if strict else value < minimum)):
         raise ValueError(f"{name} must be {expected}, got {value}")
     if dtype is not None and not integer and dtype.is_floating_point and not math.isfinite(
-            torch.tensor(value, dtype=torch.float64).to(dtype).item()):
+            torch.tensor(value, dtype=torch.float64, device="cpu").to(dtype).item()):
         raise ValueError(f"{name} must be {expected} in {str(dtype).removeprefix('torch.')} (the dtype it is computed "
                          f"in, whose largest value is {torch.finfo(dtype).max:.4g}), got {value:g}")
     return value
