@@ -20,7 +20,7 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, Qwen2Fo
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils import cached_file
 
-from .configuration_causalqwen import CausalQwenConfig
+from .configuration_causalqwen import CausalQwenConfig, check_number
 from .model_card import check_push, upload_adapter_folder, write_model_card
 from .sharding import gathered_tensors
 
@@ -289,6 +289,9 @@ class CausalAdapterMixin:
         config = cls.config_class(
             base_model_name_or_path=base_name, base_model_revision=revision, text_config=base.config, **config_overrides
         )
+        heads_dtype = base.model.norm.weight.dtype  # the init values must fit the heads' dtype (float16: 65504)
+        for name in ("gamma_init", "b_noise_init", "ovr_threshold_init"):
+            check_number(name, getattr(config, name), dtype=heads_dtype)
         lm_head = base.get_output_embeddings()
         model = cls._assemble(config, base.model, None if config.text_config.tie_word_embeddings else lm_head)
         with torch.no_grad():

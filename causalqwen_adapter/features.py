@@ -29,6 +29,7 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 from transformers.utils import logging
 
 from .adapter_io import all_finite, base_config_dict
+from .configuration_causalqwen import check_number
 from .devices import resolve_device
 from .modeling_causalqwen import CausalQwenForCausalLM
 
@@ -75,8 +76,7 @@ def extract_features(
     if feature_dtype not in _FEATURE_DTYPES:
         raise ValueError(f"feature_dtype must be one of {', '.join(_FEATURE_DTYPES)}, got {feature_dtype!r}")
     for name, value in (("max_length", max_length), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_number(name, value, minimum=1, integer=True)
     target = Path(output_dir)
     if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(f"{target} already exists: pass overwrite=True (--overwrite) or choose another folder")

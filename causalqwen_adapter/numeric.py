@@ -71,6 +71,9 @@ def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_
         if not math.isfinite(value):  # "1e400" parses as inf, which would turn every score into NaN
             raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float64: "
                              "rewrite it (or scale the data) so every value is finite")
+        if abs(value) > torch.finfo(torch.float32).max:  # finite here, inf where φ(v) is computed
+            raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float32, "
+                             "the dtype <NUM> values are computed in: rewrite it (or scale the data)")
         input_ids += [*piece, num_token_id]
         values += [0.0] * len(piece) + [value]
         position = match.end()

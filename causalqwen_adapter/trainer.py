@@ -24,6 +24,7 @@ from trl import SFTConfig, SFTTrainer
 
 from .adapter_io import check_not_foreign
 from .cauchy import INFERENCE_MODES
+from .configuration_causalqwen import check_number
 from .data import check_text_dataset
 from .evaluation import EvaluationAccumulator, score_positions
 from .numeric import NumericCollator, numeric_statistics
@@ -122,8 +123,8 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
         if self.dataloader_pin_memory is None:
             self.dataloader_pin_memory = torch.cuda.is_available()
         super().__post_init__()
-        if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be a positive integer, got {self.loss_chunk_size}")
+        if self.loss_chunk_size is not None:
+            check_number("loss_chunk_size", self.loss_chunk_size, minimum=1, integer=True)
         bad = [m for m in self.eval_inference_modes if m not in INFERENCE_MODES]
         if bad:
             raise ValueError(f"eval_inference_modes has unknown mode(s) {bad}: choose from {', '.join(INFERENCE_MODES)}")
@@ -406,7 +407,7 @@ def _check_numeric_rows(dataset, num_token_id: int, split: str) -> None:
 
 
 def _check_targets(dataset, vocab_size: int, split: str, *, require_targets: bool) -> None:
-    """Before training: every target must index the vocabulary, and training needs at least one target.
+    """Before training: every target and input id must index the vocabulary, and training needs a target.
 
     Targets are the labels after the causal shift (position t predicts t + 1), so a label at position 0 never
     trains. Streaming datasets cannot be scanned here; the loss checks their labels batch by batch.
@@ -418,6 +419,16 @@ def _check_targets(dataset, vocab_size: int, split: str, *, require_targets: boo
         return  # a custom collator builds the batches; nothing to scan
     num_targets, offset = 0, 0
     for table in dataset.with_format("arrow").iter(batch_size=4096):
+        if column != "input_ids" and "input_ids" in table.column_names:  # the embedding lookup would fail raw
+            ids = pc.list_flatten(table.column("input_ids"))
+            bounds = pc.min_max(ids) if len(ids) else None
+            if bounds is not None and (bounds["min"].as_py() < 0 or bounds["max"].as_py() >= vocab_size):
+                bad = pc.or_(pc.less(ids, 0), pc.greater_equal(ids, vocab_size))
+                row = pc.filter(pc.list_parent_indices(table.column("input_ids")), bad)[0].as_py()
+                raise ValueError(
+                    f"{split} example {offset + row} has input id {pc.filter(ids, bad)[0].as_py()}, outside the "
+                    f"model's vocabulary [0, {vocab_size}): the tokenizer does not belong to this base"
+                )
         shifted = pc.list_slice(table.column(column), 1)
         values = pc.list_flatten(shifted)
         keep = pc.not_equal(values, -100)

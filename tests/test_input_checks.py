@@ -320,3 +320,40 @@ def test_push_refuses_an_auto_map_outside_the_folder_before_any_network_call(tie
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert f"auto_map names {reference!r} for AutoModel: the remote code must be a module of the folder itself" in err
+
+
+def test_the_siblings_check_the_same_way(tied_base, sft_base, tmp_path):
+    from datasets import Dataset
+
+    from causalqwen_adapter.numeric import encode_with_numbers
+    from causalqwen_adapter.trainer import CausalSFTTrainer
+
+    # fresh heads' init values in the heads' own dtype
+    with pytest.raises(ValueError, match=r"gamma_init must be a finite number in float16 .*got 100000"):
+        CausalQwenForCausalLM.from_base(tied_base, dtype=torch.float16, gamma_init=1e5)
+
+    class Words:  # the smallest tokenizer encode_with_numbers needs
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [7] * len(text.split())}
+
+    with pytest.raises(ValueError, match="'1e39' at character 6 does not fit a float32, the dtype <NUM> values are"):
+        encode_with_numbers(Words(), "costs 1e39 now", NUM)
+    # the trainer's pre-tokenized input ids, beside in-vocabulary labels
+    args = CausalSFTConfig(str(tmp_path / "out"), report_to="none", use_cpu=True, save_strategy="no",
+                           disable_tqdm=True)
+    data = Dataset.from_dict({"input_ids": [[3, 4, 5], [3, 900, 5]], "labels": [[3, 4, 5], [3, 4, 5]]})
+    with pytest.raises(ValueError, match=r"train example 1 has input id 900, outside the model's vocabulary \[0, 128\)"):
+        CausalSFTTrainer(str(sft_base), args=args, train_dataset=data)
+    with pytest.raises(ValueError, match=r"loss_chunk_size must be a positive integer, got 0.5 \(float\)"):
+        CausalSFTConfig(str(tmp_path / "out"), report_to="none", use_cpu=True, loss_chunk_size=0.5)
+    # a numeric trainer's data: one value per token, 0 off <NUM>, checked before training and naming the example
+    rows = {"input_ids": [[3, NUM, 9], [3, NUM, 9]], "numeric_values": [[0.0, 2.0, 0.0], [0.0, 2.0, 1.5]]}
+    with pytest.raises(ValueError, match=r"train example 1 has the value 1.5 at a token that is not <NUM> \(9\)"):
+        CausalSFTTrainer(str(sft_base), args=CausalSFTConfig(str(tmp_path / "num"), report_to="none", use_cpu=True,
+                                                             numeric=True, num_token_id=NUM, save_strategy="no"),
+                         train_dataset=Dataset.from_dict(rows))
+    rows["numeric_values"][1] = [0.0, 2.0]
+    with pytest.raises(ValueError, match="train example 1 has 2 numeric_values for 3 input_ids"):
+        CausalSFTTrainer(str(sft_base), args=CausalSFTConfig(str(tmp_path / "num"), report_to="none", use_cpu=True,
+                                                             numeric=True, num_token_id=NUM, save_strategy="no"),
+                         train_dataset=Dataset.from_dict(rows))
