@@ -40,8 +40,8 @@ def check_number(name: str, value, *, minimum=None, strict: bool = False, intege
 
     Expected: a real number (not a string, a bool or a list; an integer with `integer`), finite, and at least
     `minimum` (above it with `strict`). NaN passes every `< 0` check, so finiteness is checked first. With `dtype`,
-    the number must also be finite once cast to the dtype it is computed in: 1e39 is a finite float64 but inf in
-    float32 and bfloat16, and would reach the scores as inf or NaN.
+    it must also lie within the range of the dtype it is computed in: 1e39 is a finite float64 but inf in float32
+    and bfloat16, and would reach the scores as inf or NaN.
     """
     bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum}"
     if integer:
@@ -55,8 +55,8 @@ def check_number(name: str, value, *, minimum=None, strict: bool = False, intege
     value = int(value) if integer else float(value)
     if not math.isfinite(value) or (minimum is not None and (value <= minimum if strict else value < minimum)):
         raise ValueError(f"{name} must be {expected}, got {value}")
-    if dtype is not None and not integer and dtype.is_floating_point and not math.isfinite(
-            torch.tensor(value, dtype=torch.float64, device="cpu").to(dtype).item()):
+    # no tensor built: this runs at every decoding step, and configs are built under the meta device too
+    if dtype is not None and not integer and dtype.is_floating_point and abs(value) > torch.finfo(dtype).max:
         raise ValueError(f"{name} must be {expected} in {str(dtype).removeprefix('torch.')} (the dtype it is computed "
                          f"in, whose largest value is {torch.finfo(dtype).max:.4g}), got {value:g}")
     return value
