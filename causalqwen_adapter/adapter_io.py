@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, GenerationConfig, Qwen2ForCausalLM, Qwen2Model
+from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, Qwen2ForCausalLM, Qwen2Model
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
-from .configuration_causalqwen import CausalQwenConfig
+from .configuration_causalqwen import CausalQwenConfig, check_number
 from .model_card import CARD_NAME, check_push, upload_adapter_folder, write_model_card
 from .sharding import gathered_tensors
 
@@ -46,11 +46,31 @@ def reject_unknown(kwargs: dict, allowed: tuple, where: str) -> None:
 
 
 def check_is_qwen2(base_config, name) -> None:
-    if getattr(base_config, "model_type", None) != "qwen2":
+    """A base config (object or config.json's dict) must be Qwen2's."""
+    if isinstance(base_config, dict):
+        model_type = base_config.get("model_type")
+    else:
+        model_type = getattr(base_config, "model_type", type(base_config).__name__)
+    if model_type != "qwen2":
         raise ValueError(
-            f"{name} is a {getattr(base_config, 'model_type', type(base_config).__name__)!r} checkpoint, not Qwen2: "
+            f"{name} is a {model_type!r} checkpoint, not Qwen2: "
             "CausalQwen heads attach to Qwen2-architecture bases (Qwen2, Qwen2.5, Qwen2.5-Coder, ...)"
         )
+
+
+def base_config_dict(name: str, what: str, revision=None, **hub_kwargs) -> dict:
+    """config.json of what is meant as a base, read without running any code (an adapter's `auto_map` would have
+    transformers ask whether to run the folder's code): a missing folder is named, and an adapter is refused."""
+    check_found(name, what, BASE_HINT)
+    config_dict, _ = PreTrainedConfig.get_config_dict(name, revision=revision, **hub_kwargs)
+    if config_dict.get("model_type") == CausalQwenConfig.model_type:
+        raise ValueError(
+            f"{what} {name!r} is a CausalQwen adapter, not a base: pass the Qwen2 base it attaches to (its config "
+            f"names {config_dict.get('base_model_name_or_path')!r}). To load the adapter itself, use "
+            f"CausalQwenForCausalLM.from_pretrained({name!r}) (or AutoModelForCausalLM.from_pretrained(..., "
+            "trust_remote_code=True))"
+        )
+    return config_dict
 
 
 def check_base_matches(config: CausalQwenConfig, base_config, base_name) -> None:
@@ -89,10 +109,11 @@ def load_backbone(config, base_model, base_model_revision, dtype, device_map, lo
     revision = base_model_revision if base_model is not None else config.base_model_revision
     if not name:
         raise ValueError("the adapter's config names no base (base_model_name_or_path is empty): pass base_model=...")
-    name = base_reference(name, "base_model" if base_model is not None else "the adapter's base")
+    what = "base_model" if base_model is not None else "the adapter's base"
+    name = base_reference(name, what)
     hub = {k: v for k, v in loader_kwargs.items() if k in HUB_KWARGS}
+    check_is_qwen2(base_config_dict(name, what, revision, **hub), name)
     base_config = AutoConfig.from_pretrained(name, revision=revision, **hub)
-    check_is_qwen2(base_config, name)
     check_base_matches(config, base_config, name)
     loader = Qwen2ForCausalLM if wants_lm_head else Qwen2Model
     loaded = loader.from_pretrained(
@@ -172,13 +193,26 @@ def base_reference(name: str, what: str) -> str:
     here rather than a network lookup."""
     if not name or os.path.isdir(name):
         return os.path.abspath(name) if name else name
-    # A Hub id is `name` or `org/name`; anything else is meant as a path.
+    check_found(name, what, BASE_HINT + " (base_model=... when loading an adapter)")
+    return name
+
+
+# What to pass instead of a path that does not exist (`check_found`).
+BASE_HINT = "Pass an existing Qwen2 folder or a Hub id"
+ADAPTER_HINT = "Pass the folder save_pretrained wrote, or the adapter's Hub id"
+MODEL_HINT = "Pass an existing Qwen2 base or CausalQwen adapter folder, or a Hub id"
+
+
+def check_found(name: str, what: str, hint: str) -> None:
+    """A name meant as a local path must be an existing folder: a Hub id is `name` or `org/name`, anything else
+    (`/abs`, `./rel`, `~/x`, `a/b/c`) is a path, which the Hub lookup would answer with "Repo id must be in the
+    form ..."."""
+    if os.path.isdir(name):
+        return
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.isabs(name):
         raise FileNotFoundError(
-            f"{what} {name!r} was not found: no folder {os.path.abspath(os.path.expanduser(name))!r}. Pass an "
-            "existing Qwen2 folder or a Hub id (base_model=... when loading an adapter)."
+            f"{what} {name!r} was not found: no folder {os.path.abspath(os.path.expanduser(name))!r}. {hint}."
         )
-    return name
 
 
 def _umask() -> int:
@@ -267,7 +301,10 @@ def check_not_foreign(target: Path, other_names: tuple[str, ...] = ()) -> None:
 
 
 __all__ = [
-    "ADAPTER_WEIGHTS_NAME", "BASE_PREFIXES", "HUB_KWARGS", "LORA_FOLDER", "base_reference", "check_base_matches", "check_config_overrides", "check_is_qwen2", "check_keys", "adapter_file_names", "check_not_foreign", "install_folder", "interrupted_swap", "is_adapter_folder", "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown",
+    "ADAPTER_HINT", "ADAPTER_WEIGHTS_NAME", "BASE_HINT", "BASE_PREFIXES", "MODEL_HINT", "HUB_KWARGS", "LORA_FOLDER",
+    "adapter_file_names", "base_config_dict", "base_reference", "check_base_matches", "check_found",
+    "check_config_overrides", "check_is_qwen2", "check_keys", "check_not_foreign", "install_folder", "interrupted_swap",
+    "is_adapter_folder", "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown",
     "stale_save_folders",
 ]
 
@@ -296,7 +333,7 @@ class CausalAdapterMixin:
         check_config_overrides(config_overrides)
         if isinstance(base, (str, os.PathLike)):
             base_name = base_reference(str(base), "base")
-            check_is_qwen2(AutoConfig.from_pretrained(base_name, revision=revision, **hub_kwargs), base_name)
+            check_is_qwen2(base_config_dict(base_name, "base", revision, **hub_kwargs), base_name)
             base = Qwen2ForCausalLM.from_pretrained(base_name, revision=revision, dtype=dtype, device_map=device_map, **hub_kwargs)
         elif isinstance(base, Qwen2ForCausalLM):
             base_name = base_reference(base.config.name_or_path, "base")
@@ -308,6 +345,9 @@ class CausalAdapterMixin:
         config = cls.config_class(
             base_model_name_or_path=base_name, base_model_revision=revision, text_config=base.config, **config_overrides
         )
+        heads_dtype = base.model.norm.weight.dtype  # the init values must fit the heads' dtype (float16: 65504)
+        for name in ("gamma_init", "b_noise_init", "ovr_threshold_init"):
+            check_number(name, getattr(config, name), dtype=heads_dtype)
         lm_head = base.get_output_embeddings()
         model = cls._assemble(config, base.model, None if config.text_config.tie_word_embeddings else lm_head)
         with torch.no_grad():
@@ -467,6 +507,7 @@ class CausalAdapterMixin:
         if model_args:
             raise TypeError(f"{cls.__name__}.from_pretrained takes no extra positional arguments, got {model_args}")
         adapter = str(pretrained_model_name_or_path)
+        check_found(adapter, "adapter", ADAPTER_HINT)
         hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
         hub_kwargs = {k: v for k, v in hub_kwargs.items() if v is not None}
         if "torch_dtype" in kwargs:

@@ -1,10 +1,16 @@
 """CausalQwen configuration: the base Qwen2 config as a sub-config plus the causal-head fields.
 
-Shipped as remote code: imports only the standard library and transformers.
+Also the checks every entry point runs on the numbers and choices a caller hands over (`check_number`,
+`check_choice`), so that a setting is refused the same way wherever it enters: as a config field, a trainer
+argument, a recipe flag or a per-call option.
+
+Shipped as remote code: imports only the standard library, torch and transformers.
 """
 
 import math
+import numbers
 
+import torch
 from transformers import PreTrainedConfig, Qwen2Config
 
 from .cauchy import INFERENCE_MODES
@@ -19,6 +25,48 @@ QWEN2_VOCAB_SIZE = 151936
 QWEN2_RESERVED_ROWS = 271
 # The absolute threshold where the demo base's standard-mode argmax agrees best with its own (BENCHMARKS.md).
 ABSOLUTE_THRESHOLD_INIT = 16.0
+# The numbers of the config: each must be finite in float32, the widest dtype the heads compute in (bfloat16 has the
+# same range), and at least its minimum where one is given (the bounds of `check_number`).
+AT_LEAST_0 = {"minimum": 0}
+NUMBER_FIELDS = {"gamma_init": {"minimum": 0, "strict": True}, "b_noise_init": {}, "ovr_threshold_init": {},
+                 "causal_temperature": AT_LEAST_0, "softmax_loss_weight": AT_LEAST_0, "numeric_loss_weight": AT_LEAST_0,
+                 "distill_tail_weight": AT_LEAST_0}
+INTEGER_FIELDS = ("causal_size", "action_lora_rank")
+
+
+def check_number(name: str, value, *, minimum=None, strict: bool = False, integer: bool = False,
+                 dtype: torch.dtype | None = torch.float32):
+    """`value` as a plain int or float, or a ValueError naming `name`, the value and what is expected.
+
+    Expected: a real number (not a string, a bool or a list; an integer with `integer`), finite, and at least
+    `minimum` (above it with `strict`). NaN passes every `< 0` check, so finiteness is checked first. With `dtype`,
+    it must also lie within the range of the dtype it is computed in: 1e39 is a finite float64 but inf in float32
+    and bfloat16, and would reach the scores as inf or NaN.
+    """
+    bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum}"
+    if integer:
+        expected = "a positive integer" if minimum == 1 and not strict else f"an integer{bound}"
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    else:
+        expected = f"a finite number{bound}"
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    value = int(value) if integer else float(value)
+    if not math.isfinite(value) or (minimum is not None and (value <= minimum if strict else value < minimum)):
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    # no tensor built: this runs at every decoding step, and configs are built under the meta device too
+    if dtype is not None and not integer and dtype.is_floating_point and abs(value) > torch.finfo(dtype).max:
+        raise ValueError(f"{name} must be {expected} in {str(dtype).removeprefix('torch.')} (the dtype it is computed "
+                         f"in, whose largest value is {torch.finfo(dtype).max:.4g}), got {value:g}")
+    return value
+
+
+def check_choice(name: str, value, choices) -> str:
+    """`value` if it is one of `choices`, else a ValueError naming `name`, the value and the allowed ones."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
+    return value
 
 
 class CausalQwenConfig(PreTrainedConfig):
@@ -107,42 +155,19 @@ class CausalQwenConfig(PreTrainedConfig):
             self._attn_implementation = base_attn
         if self.causal_size is None:
             self.causal_size = self.text_config.hidden_size
-        if self.inference_mode not in INFERENCE_MODES:
-            raise ValueError(
-                f"inference_mode={self.inference_mode!r} is not a mode: choose one of {', '.join(INFERENCE_MODES)}"
-            )
+        for name, choices in CONFIG_CHOICES.items():
+            check_choice(name, getattr(self, name), choices)
         if self.ovr_threshold_init is None:
             self.ovr_threshold_init = math.log(0.5) if self.ovr_relative_threshold else ABSOLUTE_THRESHOLD_INIT
-        # NaN passes every `< 0` check and turns every score into NaN: each number is checked to be finite.
-        for name in ("gamma_init", "b_noise_init", "ovr_threshold_init", "causal_temperature", "softmax_loss_weight",
-                     "numeric_loss_weight", "distill_tail_weight"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if not self.gamma_init > 0:
-            raise ValueError(f"gamma_init must be > 0 (it is the initial Cauchy scale of U), got {self.gamma_init}")
-        if self.causal_temperature < 0:
-            raise ValueError(f"causal_temperature must be >= 0, got {self.causal_temperature}")
-        if self.causal_size < 1:
-            raise ValueError(f"causal_size must be a positive integer, got {self.causal_size}")
-        if self.action_weight not in ACTION_WEIGHTS:
-            raise ValueError(f"action_weight={self.action_weight!r}: choose one of {', '.join(ACTION_WEIGHTS)}")
+        for name, bounds in NUMBER_FIELDS.items():
+            setattr(self, name, check_number(name, getattr(self, name), **bounds))
+        for name in INTEGER_FIELDS:
+            check_number(name, getattr(self, name), minimum=1, integer=True)
         if self.action_weight != "full" and self.causal_size != self.text_config.hidden_size:
             raise ValueError(
                 f"action_weight={self.action_weight!r} reuses the base's [vocab × hidden] output weights, so "
                 f"causal_size must equal the hidden size {self.text_config.hidden_size} (got {self.causal_size})"
             )
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
-        if self.ovr_distribution not in OVR_DISTRIBUTIONS:
-            raise ValueError(
-                f"ovr_distribution={self.ovr_distribution!r}: choose one of {', '.join(OVR_DISTRIBUTIONS)}"
-            )
-        if self.distill_tail_weight < 0:
-            raise ValueError(f"distill_tail_weight must be >= 0, got {self.distill_tail_weight}")
-        if not self.softmax_loss_weight >= 0:
-            raise ValueError(f"softmax_loss_weight must be a finite number >= 0, got {self.softmax_loss_weight}")
-        if self.action_lora_rank < 1:
-            raise ValueError(f"action_lora_rank must be a positive integer, got {self.action_lora_rank}")
         if self.numeric:
             vocab = self.text_config.vocab_size
             if self.num_token_id is None and vocab == QWEN2_VOCAB_SIZE:
@@ -152,10 +177,9 @@ class CausalQwenConfig(PreTrainedConfig):
                     f"numeric=True needs num_token_id: the id of an unused row of this {vocab}-token vocabulary "
                     "that <NUM> maps to (the default V − 271 applies to the 151936-row Qwen2 vocabulary only)"
                 )
+            check_number("num_token_id", self.num_token_id, minimum=0, integer=True)
             if not 0 <= self.num_token_id < vocab:
                 raise ValueError(f"num_token_id={self.num_token_id} is outside the vocabulary [0, {vocab})")
-            if self.numeric_loss_weight < 0:
-                raise ValueError(f"numeric_loss_weight must be >= 0, got {self.numeric_loss_weight}")
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
@@ -173,4 +197,4 @@ class CausalQwenConfig(PreTrainedConfig):
         return self.text_config.vocab_size
 
 
-__all__ = ["CausalQwenConfig"]
+__all__ = ["CausalQwenConfig", "check_choice", "check_number"]

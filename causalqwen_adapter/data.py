@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .configuration_causalqwen import check_number
+
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 FORMATS = ("text", "prompt/completion", "messages")
 
@@ -21,6 +23,11 @@ def load_text_dataset(name: str, config: str | None = None, streaming: bool = Fa
         builder = _FILE_BUILDERS.get(path.suffix)
         if builder is None:
             raise ValueError(f"{name}: unsupported data file type {path.suffix!r}; use one of {', '.join(_FILE_BUILDERS)}")
+        size = path.stat().st_size
+        if size == 0 or (size < 4096 and not path.read_bytes().strip()):
+            # datasets would raise a bare StopIteration while guessing the columns
+            raise ValueError(f"{name} is empty ({size} bytes): no rows to read. Give a file with one "
+                             "example per line (.jsonl) or a table with a header")
         return load_dataset(builder, data_files=str(path), streaming=streaming)
     return load_dataset(name, name=config, streaming=streaming)
 
@@ -93,6 +100,7 @@ def tokenize_for_evaluation(dataset, tokenizer, max_length: int | None = None) -
 
 def batches(rows: list[dict], batch_size: int, pad_token_id: int = 0):
     """Right-padded tensors of `input_ids`, `labels` (−100 at padding) and `attention_mask`, `batch_size` rows each."""
+    check_number("batch_size", batch_size, minimum=1, integer=True)
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         width = max(len(r["input_ids"]) for r in chunk)

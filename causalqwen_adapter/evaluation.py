@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .cauchy import INFERENCE_MODES
+from .configuration_causalqwen import check_number
 
 ECE_BINS = 15
 TOP_K_CALIBRATION = 10
@@ -137,6 +138,16 @@ def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk
     input_ids = batch["input_ids"]
     labels = batch.get("labels")
     labels = input_ids if labels is None else labels
+    vocab = model.config.get_text_config().vocab_size
+    for name, ids in (("input_ids", input_ids), ("labels", labels)):
+        bad = (ids < 0) | (ids >= vocab)
+        if name == "labels":
+            bad &= ids != -100
+        if bad.any():  # the embedding lookup or the gather would fail with a bare IndexError
+            row, column = (i.item() for i in bad.nonzero()[0])
+            raise ValueError(f"{name} of row {row} holds token id {ids[row, column].item()} at position {column}, "
+                             f"outside the model's vocabulary [0, {vocab}): the ids were not made by this base's "
+                             "tokenizer")
     targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
     if batch.get("attention_mask") is not None:  # neither a padding token nor a padding position is scored
         mask = batch["attention_mask"].bool()
@@ -181,6 +192,8 @@ def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, caus
     A plain causal LM is scored once, as `softmax`; a CausalQwen model in every mode of `modes`. The batches' tensors
     are moved to the model's device.
     """
+    if causal_temperature is not None:  # checked before any batch is scored, even where no mode reads it
+        check_number("causal_temperature", causal_temperature, minimum=0)
     is_causal = hasattr(model, "causal_heads")
     kinds = list(modes) if is_causal else [SOFTMAX]
     for mode in kinds:

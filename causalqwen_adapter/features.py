@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset, Features, IterableDataset, Sequence, Value, concatenate_datasets, load_from_disk
 from datasets.arrow_writer import ArrowWriter
-from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 from transformers.utils import logging
 
-from .adapter_io import stale_save_folders
+from .adapter_io import all_finite, base_config_dict, stale_save_folders
+from .configuration_causalqwen import check_number
 from .devices import resolve_device
 from .modeling_causalqwen import CausalQwenForCausalLM
 
@@ -75,8 +76,7 @@ def extract_features(
     if feature_dtype not in _FEATURE_DTYPES:
         raise ValueError(f"feature_dtype must be one of {', '.join(_FEATURE_DTYPES)}, got {feature_dtype!r}")
     for name, value in (("max_length", max_length), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_number(name, value, minimum=1, integer=True)
     target = Path(output_dir)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} is a file, not a folder: the features are a folder, and extract_features "
@@ -170,6 +170,12 @@ def _write_rows(teacher, sequences, batch_size, top_k, features, arrow_file: Pat
 
     with ArrowWriter(features=features, path=str(arrow_file)) as writer:
         for z, ids, probs in _teacher_rows(teacher, counted(), batch_size, top_k):
+            if not (all_finite(z) and all_finite(probs)):  # NaN weights give NaN features, and heads that learn NaN
+                raise ValueError(
+                    "the teacher's hidden states or next-token probabilities hold NaN or infinite values: its "
+                    f"weights are corrupt, or its activations overflow {str(teacher.dtype).removeprefix('torch.')}. "
+                    "Nothing was written; check the teacher's weights (or extract with dtype='float32')"
+                )
             if store_dtype == torch.float16 and z.abs().max() > torch.finfo(torch.float16).max:
                 raise ValueError("a hidden state does not fit in float16: extract with feature_dtype='float32'")
             writer.write_batch({
@@ -275,11 +281,10 @@ def features_info(path) -> dict:
 
 def _load_teacher(teacher, dtype, revision) -> Qwen2ForCausalLM:
     if isinstance(teacher, (str, os.PathLike)):
-        config = AutoConfig.from_pretrained(str(teacher), revision=revision)
-        if config.model_type != "qwen2":
+        model_type = base_config_dict(str(teacher), "teacher", revision).get("model_type")
+        if model_type != "qwen2":
             raise ValueError(
-                f"{teacher} is a {config.model_type!r} checkpoint: the teacher must be the Qwen2 base the heads "
-                "attach to"
+                f"{teacher} is a {model_type!r} checkpoint: the teacher must be the Qwen2 base the heads attach to"
             )
         teacher = Qwen2ForCausalLM.from_pretrained(str(teacher), revision=revision, dtype=dtype)
     elif not isinstance(teacher, Qwen2ForCausalLM):

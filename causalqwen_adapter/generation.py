@@ -11,6 +11,10 @@ import torch
 
 from .heads import check_numeric_values
 
+# The CausalQwen options of generate(), carried in the generation loop's model kwargs to every forward.
+GENERATE_OPTIONS = ("inference_mode", "causal_temperature", "noise_sharing", "causal_noise", "numeric_values",
+                    "numeric_record")
+
 
 class CausalGenerationMixin:
     """Mixed into `CausalQwenForCausalLM` ahead of transformers' `GenerationMixin`, whose hooks it extends."""
@@ -40,6 +44,10 @@ class CausalGenerationMixin:
         mode, _ = self._resolve_mode(
             kwargs.get("inference_mode"), kwargs.get("causal_temperature"), kwargs.get("noise_sharing", "step")
         )
+        prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        if torch.is_tensor(prompt) and prompt.shape[-1] == 0 and kwargs.get("inputs_embeds") is None:
+            raise ValueError(f"the prompt has no tokens (input_ids of shape {tuple(prompt.shape)}): pass at least one "
+                             "token, e.g. the tokenizer's bos or a chat template's header")
         ignored = []
         if kwargs.get("causal_temperature") is not None and mode in ("compatible", "causal"):
             ignored.append("causal_temperature")
@@ -63,24 +71,30 @@ class CausalGenerationMixin:
         if (kwargs.get("num_beams") or config.num_beams or 1) != 1:
             raise ValueError("numeric models generate with num_beams=1 (greedy or sampling): beams would reorder "
                              "the sequences without their <NUM> values")
+        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+            raise ValueError("numeric models generate without assistant_model or prompt_lookup_num_tokens: draft "
+                             "tokens would come without their <NUM> values")
         values = kwargs.pop("numeric_values", None)
         if values is None:
             values = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        elif values.shape == input_ids.shape:
-            check_numeric_values(values)
-        if values.shape != input_ids.shape:
-            raise ValueError(f"numeric_values has shape {tuple(values.shape)}, input_ids {tuple(input_ids.shape)}: "
-                             "pass one value per prompt token (0 where the token is not <NUM>)")
+        values = check_numeric_values(values, input_ids.shape, "input_ids", input_ids, self.config.num_token_id)
         # This call's values, grown step by step in the generation loop's model kwargs (which generate() does not
         # return): a per-call record, so concurrent calls on one model do not mix.
-        record = {"values": values.float()}
-        out = generate(inputs, generation_config, numeric_values=values.float(), numeric_record=record, **kwargs)
+        record = {"values": values}
+        out = generate(inputs, generation_config, numeric_values=values, numeric_record=record, **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         generated = record["values"]
         if not isinstance(out, torch.Tensor):
             generated = generated[:, : sequences.shape[1]]
             out["numeric_values"] = torch.where(sequences == self.config.num_token_id, generated, 0.0)
         return out
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        # Assisted decoding hands the loop's model kwargs to the assistant's generate(), which would refuse this
+        # model's options: the options score this model's tokens; the assistant drafts with its own defaults.
+        if isinstance(kwargs.get("model_kwargs"), dict):
+            kwargs["model_kwargs"] = {k: v for k, v in kwargs["model_kwargs"].items() if k not in GENERATE_OPTIONS}
+        return super()._get_candidate_generator(*args, **kwargs)
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)

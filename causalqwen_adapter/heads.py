@@ -203,13 +203,8 @@ class NumericHead(HeadModule):
     def embed(self, inputs_embeds: torch.Tensor, numeric_values: torch.Tensor) -> torch.Tensor:
         """e = embed(token) + φ(v)·d, for one value per token (checked: same shape, finite). Reads d: call it through
         `read` under sharded training."""
-        if numeric_values.shape != inputs_embeds.shape[:-1]:
-            raise ValueError(
-                f"numeric_values has shape {tuple(numeric_values.shape)}, the input tokens "
-                f"{tuple(inputs_embeds.shape[:-1])}: pass one value per token (0 where the token is not <NUM>)"
-            )
-        check_numeric_values(numeric_values)
-        phi = signed_log1p(numeric_values.to(device=inputs_embeds.device, dtype=torch.float32)).unsqueeze(-1)
+        values = check_numeric_values(numeric_values, inputs_embeds.shape[:-1])
+        phi = signed_log1p(values.to(inputs_embeds.device)).unsqueeze(-1)
         return inputs_embeds + (phi * self.direction.float()).to(inputs_embeds.dtype)
 
     def forward(self, loc_U: torch.Tensor, scale_U: torch.Tensor | None = None, read=None):
@@ -252,12 +247,65 @@ class NumericHead(HeadModule):
         self.log_scale.fill_(math.log(scale))
 
 
-def check_numeric_values(numeric_values: torch.Tensor) -> None:
-    """Every `<NUM>` value must be finite (a NaN would turn every later score into NaN)."""
-    if not torch.isfinite(numeric_values).all():
-        bad = numeric_values[~torch.isfinite(numeric_values)][0].item()
-        raise ValueError(f"numeric_values holds {bad}: every <NUM> value must be a finite number (0 where the token is "
-                         "not <NUM>)")
+def check_finite_tensor(name: str, tensor, dtype: torch.dtype, expected: str) -> torch.Tensor:
+    """`tensor` cast to `dtype`, the dtype it is computed in, or a ValueError naming `name`: not a tensor, or a value
+    that is not finite there (1e39 is a finite float64 but inf in float32). `expected` says what it should be."""
+    if not torch.is_tensor(tensor):
+        raise ValueError(f"{name} must be a torch.Tensor ({expected}), got a {type(tensor).__name__}: pass "
+                         f"torch.tensor(...)")
+    cast = tensor.to(dtype)
+    bad = ~torch.isfinite(cast)
+    if bad.any():
+        index = tuple(i.item() for i in bad.nonzero()[0])
+        value = tensor[index].item()
+        where = f" at {list(index)}" if index else ""
+        reason = "" if not math.isfinite(value) else (
+            f", which is {cast[index].item()} in {str(dtype).removeprefix('torch.')}, the dtype it is computed in")
+        raise ValueError(f"{name} holds {value}{where}{reason}: {expected}, every value a finite number")
+    return cast
 
 
-__all__ = ["AbductionNetwork", "ActionNetwork", "NumericHead", "OvRClassifier", "check_numeric_values"]
+def check_numeric_values(numeric_values, shape=None, against: str = "the input tokens", input_ids=None,
+                         num_token_id: int | None = None) -> torch.Tensor:
+    """The `<NUM>` values as float32, where φ(v) is computed: a tensor of `shape` (one value per token of `against`),
+    every value finite (a NaN would turn every later score into NaN) and, given the tokens, 0 wherever the token is not
+    `<NUM>` (one rule for forward, generate and the collator: a value counts only at a `<NUM>`)."""
+    expected = "one value per token, 0 where the token is not <NUM>"
+    if torch.is_tensor(numeric_values) and shape is not None and tuple(numeric_values.shape) != tuple(shape):
+        raise ValueError(f"numeric_values has shape {tuple(numeric_values.shape)}, {against} {tuple(shape)}: pass "
+                         f"{expected}")
+    values = check_finite_tensor("numeric_values", numeric_values, torch.float32, expected)
+    if input_ids is not None and num_token_id is not None:
+        stray = (values != 0) & (input_ids.to(values.device) != num_token_id)
+        if stray.any():
+            index = tuple(i.item() for i in stray.nonzero()[0])
+            raise ValueError(
+                f"numeric_values holds {values[index].item()} at {list(index)}, where the token is "
+                f"{input_ids[index].item()}, not <NUM> ({num_token_id}): a value counts only at a <NUM> token; set "
+                "the others to 0 (encode_with_numbers lines them up)"
+            )
+    return values
+
+
+def check_causal_noise(noise, positions, causal_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The `sampling` mode's ε given by a caller, as `dtype`: [*positions, C] for one ε per position, or 1 in a
+    position dimension after the first for one ε shared along it ([batch, 1, C]: one per sequence). A larger or
+    missing dimension would broadcast into other sequences' scores, so it is refused."""
+    want = (*positions, causal_size)
+    if torch.is_tensor(noise):
+        shape = tuple(noise.shape)
+        fits = (len(shape) == len(want) and shape[-1] == causal_size and (not positions or shape[0] == want[0])
+                and all(n in (1, p) for n, p in zip(shape[1:-1], want[1:-1])))
+        if not fits:
+            raise ValueError(
+                f"causal_noise has shape {shape}, the scored positions need {want} (one ε per position) or "
+                f"{(*want[:1], *[1] * (len(want) - 2), causal_size)} (one per sequence): pass ε ~ Cauchy(0, 1) of "
+                "that shape (causal_size last)"
+            )
+    return check_finite_tensor("causal_noise", noise, dtype, f"ε ~ Cauchy(0, 1) of shape {want}")
+
+
+__all__ = [
+    "AbductionNetwork", "ActionNetwork", "NumericHead", "OvRClassifier", "check_causal_noise", "check_finite_tensor",
+    "check_numeric_values",
+]

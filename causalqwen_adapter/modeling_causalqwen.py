@@ -10,7 +10,6 @@ Shipped as remote code: imports only the standard library, torch, transformers, 
 huggingface_hub (a transformers dependency).
 """
 
-import math
 import weakref
 from dataclasses import dataclass, fields
 
@@ -30,10 +29,18 @@ from .cauchy import (
     ovr_probs,
     sample_standard_cauchy,
 )
-from .configuration_causalqwen import CausalQwenConfig
+from .configuration_causalqwen import OVR_DISTRIBUTIONS, CausalQwenConfig, check_choice, check_number
 from .dispatch import run_operator
 from .generation import CausalGenerationMixin
-from .heads import AbductionNetwork, ActionNetwork, NumericHead, OvRClassifier, fused_decode_applies
+from .heads import (
+    AbductionNetwork,
+    ActionNetwork,
+    NumericHead,
+    OvRClassifier,
+    check_causal_noise,
+    check_numeric_values,
+    fused_decode_applies,
+)
 from .lm_loss import chunked_lm_loss
 from .losses import DecisionHead, log_partition, topk_mse_loss
 
@@ -178,12 +185,19 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         )
 
     def embed_numbers(self, input_ids, inputs_embeds, numeric_values):
-        """(input_ids, inputs_embeds) for the backbone: with `numeric_values`, e = embed(token) + φ(v)·d."""
+        """(input_ids, inputs_embeds) for the backbone: with `numeric_values`, e = embed(token) + φ(v)·d.
+
+        A value counts at a `<NUM>` token only, and must be 0 at every other token (docs/design.md, Numbers): the
+        tokens say where the numbers are, so values need `input_ids`."""
         if numeric_values is None:
             return input_ids, inputs_embeds
         if not self.config.numeric:
             raise ValueError("numeric_values were given but this model has numeric=False: drop them, or build the "
                              "heads with numeric=True")
+        if input_ids is None:
+            raise ValueError("numeric_values need the input as input_ids (which positions are <NUM> is read from the "
+                             "tokens): pass input_ids instead of inputs_embeds")
+        check_numeric_values(numeric_values, input_ids.shape, "the input tokens", input_ids, self.config.num_token_id)
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
         return None, self.numeric.read(lambda numeric, embeds: numeric.embed(embeds, numeric_values), inputs_embeds)
@@ -197,7 +211,12 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
             loc_U, scale_U)
 
     def causal_heads(self, z, inference_mode="standard", causal_temperature=1.0, noise=None):
-        """z ↦ (loc_U, scale_U, loc_S, scale_S): abduction, then the action network's noise fusion and linear law."""
+        """z ↦ (loc_U, scale_U, loc_S, scale_S): abduction, then the action network's noise fusion and linear law.
+        The mode, the temperature and the noise ε (`sampling`) are checked here, where every caller enters."""
+        inference_mode, causal_temperature = self._resolve_mode(inference_mode, causal_temperature)
+        if noise is not None and inference_mode == "sampling":
+            noise = check_causal_noise(noise, z.shape[:-1], self.config.causal_size, self.action.bias.dtype)
+            noise = noise.to(z.device)
         z = z.to(self.action.bias.dtype)
         loc_U, scale_U = self.abduction(z)
         loc_S, scale_S = self.action(loc_U, scale_U, inference_mode, causal_temperature, noise)
@@ -215,6 +234,8 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         at the first call), else a compiled one."""
         if inference_mode == "compatible":
             return loc_S
+        # The config is a plain object: a value set after loading is checked where it is used.
+        check_choice("ovr_distribution", self.config.ovr_distribution, OVR_DISTRIBUTIONS)
         return self.ovr.read(lambda ovr, loc, scale: self._decision_scores(loc, scale, ovr, log_P), loc_S, scale_S)
 
     def _decision_scores(self, loc_S, scale_S, ovr, log_P):
@@ -230,12 +251,10 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
     def _resolve_mode(self, inference_mode, causal_temperature, noise_sharing="step"):
         mode = self.config.inference_mode if inference_mode is None else inference_mode
         temperature = self.config.causal_temperature if causal_temperature is None else causal_temperature
-        if mode not in INFERENCE_MODES:
-            raise ValueError(f"inference_mode={mode!r} is not a mode: choose one of {', '.join(INFERENCE_MODES)}")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"causal_temperature must be a finite number >= 0, got {temperature}")
-        if noise_sharing not in NOISE_SHARING:
-            raise ValueError(f"noise_sharing={noise_sharing!r}: choose one of {', '.join(NOISE_SHARING)}")
+        check_choice("inference_mode", mode, INFERENCE_MODES)
+        # in the dtype T·|b_noise| is computed in: 1e39 is a finite float64, and inf in float32 or bfloat16
+        temperature = check_number("causal_temperature", temperature, minimum=0, dtype=self.action.bias.dtype)
+        check_choice("noise_sharing", noise_sharing, NOISE_SHARING)
         return mode, temperature
 
     def _sampling_noise(self, z, mode, noise_sharing, causal_noise):
@@ -244,7 +263,7 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         if mode != "sampling":
             return None
         if causal_noise is not None:
-            return causal_noise.to(z.device, self.action.bias.dtype)
+            return causal_noise  # checked by causal_heads, where every caller's ε enters
         batch, length = z.shape[:2]
         shape = (batch, 1 if noise_sharing == "sequence" else length, self.config.causal_size)
         return sample_standard_cauchy(shape, dtype=self.action.bias.dtype, device=z.device)

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers.utils import logging
 
+from .heads import check_numeric_values
+
 logger = logging.get_logger(__name__)
 
 NUM_TOKEN = "<NUM>"
@@ -69,6 +71,9 @@ def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_
         if not math.isfinite(value):  # "1e400" parses as inf, which would turn every score into NaN
             raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float64: "
                              "rewrite it (or scale the data) so every value is finite")
+        if abs(value) > torch.finfo(torch.float32).max:  # finite here, inf where φ(v) is computed
+            raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float32, "
+                             "the dtype <NUM> values are computed in: rewrite it (or scale the data)")
         input_ids += [*piece, num_token_id]
         values += [0.0] * len(piece) + [value]
         position = match.end()
@@ -113,27 +118,24 @@ def numeric_statistics(values: Iterable[float] | torch.Tensor) -> tuple[float, f
 
 class NumericCollator:
     """Wraps a TRL collator: `numeric_values` follow `input_ids` through truncation, padding (0) and padding-free
-    concatenation, so batch["numeric_values"] lines up with batch["input_ids"] position by position."""
+    concatenation, so batch["numeric_values"] lines up with batch["input_ids"] position by position.
 
-    def __init__(self, collator, *, truncation_mode: str = "keep_start", padding_free: bool = False):
+    Each example's values are checked as the model reads them (`heads.check_numeric_values`): one per token (at least
+    as many as the possibly truncated `input_ids`), finite in float32 and, given `num_token_id`, 0 off `<NUM>`."""
+
+    def __init__(self, collator, *, truncation_mode: str = "keep_start", padding_free: bool = False,
+                 num_token_id: int | None = None):
         self.collator = collator
         self.truncation_mode = truncation_mode
         self.padding_free = padding_free
+        self.num_token_id = num_token_id
 
     def __call__(self, examples: list[dict]) -> dict:
-        for example in examples:
-            if "numeric_values" in example and not all(math.isfinite(v) for v in example["numeric_values"]):
-                raise ValueError("an example's numeric_values holds a non-finite number: every <NUM> value must be "
-                                 "finite (drop or fix the row)")
         if any("numeric_values" not in example for example in examples):
             raise ValueError("a numeric model trains on examples with numeric_values beside input_ids (build them with "
                              "causalqwen_adapter.numeric.encode_with_numbers)")
+        rows = [self._values(i, example) for i, example in enumerate(examples)]
         batch = self.collator([{k: v for k, v in example.items() if k != "numeric_values"} for example in examples])
-        rows = []
-        for example in examples:
-            values = torch.as_tensor(example["numeric_values"], dtype=torch.float32).flatten()
-            n = len(example["input_ids"])  # TRL truncates input_ids and labels, not our column
-            rows.append(values[:n] if self.truncation_mode == "keep_start" else values[len(values) - n :])
         if self.padding_free:
             rows = [torch.cat(rows)]
         width = batch["input_ids"].shape[1]
@@ -142,6 +144,24 @@ class NumericCollator:
             padded[i, : len(row)] = row[:width]
         batch["numeric_values"] = padded
         return batch
+
+    def _values(self, i: int, example: dict) -> torch.Tensor:
+        """Example i's values for its (possibly truncated) input_ids, checked."""
+        ids = torch.as_tensor(example["input_ids"])
+        try:
+            values = torch.as_tensor(example["numeric_values"], dtype=torch.float64).flatten()
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"example {i} of the batch: numeric_values must be a list of numbers, one per token "
+                             f"({err})") from None
+        n = len(ids)  # TRL truncates input_ids and labels, not our column
+        if len(values) < n:
+            raise ValueError(f"example {i} of the batch has {len(values)} numeric_values for {n} input_ids: pass one "
+                             "value per token (0 where the token is not <NUM>; encode_with_numbers lines them up)")
+        values = values[:n] if self.truncation_mode == "keep_start" else values[len(values) - n :]
+        try:
+            return check_numeric_values(values, ids.shape, "the input_ids", ids, self.num_token_id)
+        except ValueError as err:
+            raise ValueError(f"example {i} of the batch: {err}") from None
 
 
 __all__ = [

@@ -22,6 +22,7 @@ from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
 from .cauchy import INFERENCE_MODES
+from .configuration_causalqwen import check_number
 from .data import check_text_dataset
 from .evaluation import EvaluationAccumulator, score_positions
 from .numeric import NumericCollator, numeric_statistics
@@ -121,8 +122,8 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
         if self.dataloader_pin_memory is None:
             self.dataloader_pin_memory = torch.cuda.is_available()
         super().__post_init__()
-        if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be a positive integer, got {self.loss_chunk_size}")
+        if self.loss_chunk_size is not None:
+            check_number("loss_chunk_size", self.loss_chunk_size, minimum=1, integer=True)
         bad = [m for m in self.eval_inference_modes if m not in INFERENCE_MODES]
         if bad:
             raise ValueError(f"eval_inference_modes has unknown mode(s) {bad}: choose from {', '.join(INFERENCE_MODES)}")
@@ -273,16 +274,18 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
                     "input_ids + numeric_values, e.g. dataset.map(lambda x: encode_with_numbers(tokenizer, x['text'], "
                     "num_token_id)) from causalqwen_adapter.numeric"
                 )
-        self.data_collator = NumericCollator(
-            self.data_collator, truncation_mode=self.args.truncation_mode, padding_free=self.padding_free
-        )
+        num_token_id = model.config.num_token_id
+        self.data_collator = NumericCollator(self.data_collator, truncation_mode=self.args.truncation_mode,
+                                             padding_free=self.padding_free, num_token_id=num_token_id)
+        for name, dataset in datasets.items():
+            _check_numeric_rows(dataset, num_token_id, name)
         if fresh_heads and isinstance(self.train_dataset, Dataset):
             table = self.train_dataset.with_format("arrow").data
             ids = pc.list_flatten(table.column("input_ids"))
             values = pc.list_flatten(table.column("numeric_values"))
             if len(ids) != len(values):
                 raise ValueError("the train dataset's numeric_values do not line up with its input_ids (lengths differ)")
-            targets = pc.filter(values, pc.equal(ids, model.config.num_token_id)).to_numpy(zero_copy_only=False)
+            targets = pc.filter(values, pc.equal(ids, num_token_id)).to_numpy(zero_copy_only=False)
             median, scale = numeric_statistics(torch.tensor(targets))
             model.numeric.reset_parameters(median, scale)
             logger.info(f"Numeric head initialised from {len(targets)} <NUM> values: Cauchy({median:g}, {scale:g})")
@@ -375,8 +378,34 @@ def _as_causal_config(args, model) -> CausalSFTConfig:
     raise TypeError(f"args must be a CausalSFTConfig (or TrainingArguments), got {type(args).__name__}")
 
 
+def _check_numeric_rows(dataset, num_token_id: int, split: str) -> None:
+    """Before training, naming the example: one numeric value per token, 0 wherever the token is not <NUM> (the
+    collator checks each batch as it comes; streaming datasets are checked there only)."""
+    if not isinstance(dataset, Dataset) or not {"input_ids", "numeric_values"} <= set(dataset.column_names):
+        return
+    table = dataset.with_format("arrow").data
+    ids, values = table.column("input_ids"), table.column("numeric_values")
+    short = pc.less(pc.list_value_length(values), pc.list_value_length(ids))
+    if pc.any(short).as_py():
+        row = pc.index(short, True).as_py()
+        raise ValueError(f"{split} example {row} has {len(dataset[row]['numeric_values'])} numeric_values for "
+                         f"{len(dataset[row]['input_ids'])} input_ids: pass one value per token (0 where the token "
+                         "is not <NUM>; encode_with_numbers lines them up)")
+    lengths_match = pc.equal(pc.list_value_length(values), pc.list_value_length(ids))
+    if not pc.all(lengths_match).as_py():  # longer value rows: the collator aligns them per batch
+        return
+    flat_ids, flat_values = pc.list_flatten(ids), pc.list_flatten(values)
+    stray = pc.and_(pc.not_equal(flat_values, 0), pc.not_equal(flat_ids, num_token_id))
+    if pc.any(stray).as_py():
+        position = pc.index(stray, True).as_py()
+        row = pc.list_parent_indices(ids)[position].as_py()
+        raise ValueError(f"{split} example {row} has the value {flat_values[position].as_py()} at a token that is not "
+                         f"<NUM> ({flat_ids[position].as_py()}): a value counts only at a <NUM> token ({num_token_id}); "
+                         "set the others to 0 (encode_with_numbers lines them up)")
+
+
 def _check_targets(dataset, vocab_size: int, split: str, *, require_targets: bool) -> None:
-    """Before training: every target must index the vocabulary, and training needs at least one target.
+    """Before training: every target and input id must index the vocabulary, and training needs a target.
 
     Targets are the labels after the causal shift (position t predicts t + 1), so a label at position 0 never
     trains. Streaming datasets cannot be scanned here; the loss checks their labels batch by batch.
@@ -388,6 +417,16 @@ def _check_targets(dataset, vocab_size: int, split: str, *, require_targets: boo
         return  # a custom collator builds the batches; nothing to scan
     num_targets, offset = 0, 0
     for table in dataset.with_format("arrow").iter(batch_size=4096):
+        if column != "input_ids" and "input_ids" in table.column_names:  # the embedding lookup would fail raw
+            ids = pc.list_flatten(table.column("input_ids"))
+            bounds = pc.min_max(ids) if len(ids) else None
+            if bounds is not None and (bounds["min"].as_py() < 0 or bounds["max"].as_py() >= vocab_size):
+                bad = pc.or_(pc.less(ids, 0), pc.greater_equal(ids, vocab_size))
+                row = pc.filter(pc.list_parent_indices(table.column("input_ids")), bad)[0].as_py()
+                raise ValueError(
+                    f"{split} example {offset + row} has input id {pc.filter(ids, bad)[0].as_py()}, outside the "
+                    f"model's vocabulary [0, {vocab_size}): the tokenizer does not belong to this base"
+                )
         shifted = pc.list_slice(table.column(column), 1)
         values = pc.list_flatten(shifted)
         keep = pc.not_equal(values, -100)

@@ -24,8 +24,23 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
-from .adapter_io import BASE_PREFIXES, LORA_FOLDER, all_finite, check_not_foreign, is_adapter_folder
-from .configuration_causalqwen import CONFIG_CHOICES, CausalQwenConfig
+from .adapter_io import (
+    BASE_PREFIXES,
+    LORA_FOLDER,
+    MODEL_HINT,
+    all_finite,
+    check_found,
+    check_not_foreign,
+    is_adapter_folder,
+)
+from .configuration_causalqwen import (
+    CONFIG_CHOICES,
+    INTEGER_FIELDS,
+    NUMBER_FIELDS,
+    CausalQwenConfig,
+    check_choice,
+    check_number,
+)
 from .model_card import write_model_card
 from .modeling_causalqwen import CausalQwenForCausalLM
 from .sharding import distribute_like, local_shard
@@ -88,6 +103,23 @@ class CausalHeadArguments:
         default=1.0,
         metadata={"help": "Learning rate of the learnable per-token thresholds C_k as a multiple of learning_rate."},
     )
+
+    def __post_init__(self):
+        # Up front, naming the field: a bad value would otherwise surface after the model is loaded (the config's own
+        # checks), or steps into training (a NaN rate, a negative one that ascends the gradient).
+        for name in ("learning_rate", "location_lr_ratio", "threshold_lr_ratio"):
+            if hasattr(self, name):
+                setattr(self, name, check_number(name, getattr(self, name), minimum=0))
+        for name, bounds in NUMBER_FIELDS.items():
+            if getattr(self, name, None) is not None:
+                check_number(name, getattr(self, name), **bounds)
+        for name in (*INTEGER_FIELDS, "num_token_id"):
+            if getattr(self, name, None) is not None:
+                check_number(name, getattr(self, name), minimum=0 if name == "num_token_id" else 1, integer=True)
+        for name, choices in CONFIG_CHOICES.items():
+            if getattr(self, name, None) is not None:
+                check_choice(name, getattr(self, name), choices)
+        super().__post_init__()
 
 
 class LossMetricsMixin:
@@ -553,6 +585,7 @@ def _load_model(name: str, args) -> CausalQwenForCausalLM:
     dtype = kwargs.pop("dtype", "float32")
     if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
         dtype = getattr(torch, dtype)
+    check_found(name, "model", MODEL_HINT)
     config, _ = PreTrainedConfig.get_config_dict(name, revision=revision)
     model_type = config.get("model_type")
     if model_type == CausalQwenForCausalLM.config_class.model_type:

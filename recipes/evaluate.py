@@ -19,8 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedConfig
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.cauchy import INFERENCE_MODES
-from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
+from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS, check_choice, check_number
 from causalqwen_adapter.data import batches, load_text_dataset, tokenize_for_evaluation
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.evaluation import evaluate, markdown_table, reliability_diagram
@@ -62,12 +63,25 @@ def load_model(name: str, dtype):
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), name
 
 
-def main(args: EvaluationArguments) -> dict:
+def check_arguments(args: EvaluationArguments) -> None:
+    """Every argument, before any model or data is loaded (the library checks them again where they enter)."""
     bad = [m for m in args.modes if m not in INFERENCE_MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}: choose from {', '.join(INFERENCE_MODES)}")
-    if args.ovr_distribution not in (None, *OVR_DISTRIBUTIONS):
-        raise ValueError(f"ovr_distribution={args.ovr_distribution!r}: choose one of {', '.join(OVR_DISTRIBUTIONS)}")
+    if args.ovr_distribution is not None:
+        check_choice("ovr_distribution", args.ovr_distribution, OVR_DISTRIBUTIONS)
+    if args.causal_temperature is not None:
+        check_number("causal_temperature", args.causal_temperature, minimum=0)
+    for name in ("batch_size", "max_length"):
+        check_number(name, getattr(args, name), minimum=1, integer=True)
+    if args.max_rows is not None:
+        check_number("max_rows", args.max_rows, minimum=1, integer=True)
+    for name in args.models:
+        check_found(name, "model", MODEL_HINT)
+
+
+def main(args: EvaluationArguments) -> dict:
+    check_arguments(args)
     device = resolve_device(args.device)  # before any loading: a wrong --device fails at once
     output_dir = Path(args.output_dir)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)

@@ -14,7 +14,9 @@ import torch
 from transformers import AutoTokenizer, TextStreamer
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.adapter_io import ADAPTER_HINT, check_found
 from causalqwen_adapter.cauchy import INFERENCE_MODES
+from causalqwen_adapter.configuration_causalqwen import check_number
 from causalqwen_adapter.devices import add_device_argument, resolve_device
 from causalqwen_adapter.numeric import add_num_token, decode_with_numbers, encode_with_numbers
 
@@ -46,9 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     add_device_argument(parser)
     args = parser.parse_args(argv)
 
-    try:
-        device = resolve_device(args.device)  # before loading: a wrong --device fails at once
-    except ValueError as err:
+    if not args.prompt.strip():
+        parser.error("--prompt is empty: give the text the model should answer or continue")
+    try:  # before loading: a wrong argument fails at once
+        device = resolve_device(args.device)
+        check_found(args.adapter, "adapter", ADAPTER_HINT)
+        if args.causal_temperature is not None:
+            check_number("--causal-temperature", args.causal_temperature, minimum=0)
+        check_number("--max-new-tokens", args.max_new_tokens, minimum=1, integer=True)
+    except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     if args.seed is not None:
         torch.manual_seed(args.seed)

@@ -12,6 +12,7 @@ passed, else HF_TOKEN, else the one `hf auth login` stored.
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -48,11 +49,22 @@ def adapter_files(folder: Path) -> list[str]:
     _check_adapter_tensors(folder / WEIGHTS, config)
 
     code = []
-    for reference in config.get("auto_map", {}).values():
-        module = folder / (reference.split("--")[-1].rsplit(".", 1)[0] + ".py")
+    for key, reference in (config.get("auto_map") or {}).items():
+        # "module.Class" of a file in the folder itself; a path or "repo--module.Class" would load code from elsewhere
+        if not isinstance(reference, str) or not re.fullmatch(r"[A-Za-z_]\w*\.[A-Za-z_]\w*", reference):
+            raise ValueError(
+                f"{folder}/config.json's auto_map names {reference!r} for {key}: the remote code must be a module of "
+                "the folder itself ('module.Class', e.g. 'modeling_causalqwen.CausalQwenForCausalLM'). Save the "
+                "adapter again with save_pretrained"
+            )
+        module = folder / (reference.rsplit(".", 1)[0] + ".py")
         if not module.is_file():
             raise ValueError(f"{folder} lacks {module.name}, named in config.json's auto_map: save the adapter again")
-        code += [module] + [Path(p) for p in get_relative_import_files(module)]
+        try:
+            code += [module] + [Path(p) for p in get_relative_import_files(module)]
+        except FileNotFoundError as err:
+            raise ValueError(f"{folder} lacks {Path(err.filename or '?').name}, which the remote code imports: save "
+                             "the adapter again") from None
     if not code:
         raise ValueError(f"{folder}/config.json has no auto_map: the repo could not be loaded with trust_remote_code")
     for module in code:

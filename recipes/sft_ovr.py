@@ -31,6 +31,7 @@ from accelerate import PartialState
 from transformers import AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
+from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.data import load_text_dataset
 from causalqwen_adapter.numeric import add_num_token, encode_with_numbers
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
@@ -40,6 +41,7 @@ def check_model_args(model_args: ModelConfig) -> None:
     """TRL's model flags that a causal-heads run cannot honour are refused, not ignored."""
     if model_args.model_name_or_path is None:
         raise ValueError("--model_name_or_path is required: a Qwen2 base (Hub id or folder) or a CausalQwen adapter")
+    check_found(model_args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise ValueError(
             "--load_in_4bit/--load_in_8bit are not supported: the heads compute in float32 on the backbone's hidden "

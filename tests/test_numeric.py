@@ -141,7 +141,7 @@ def test_bad_numeric_inputs(numeric_base, model):
         CausalQwenConfig(text_config=tiny_qwen2_config(), numeric=True)
     with pytest.raises(ValueError, match=r"num_token_id=128 is outside the vocabulary \[0, 128\)"):
         CausalQwenConfig(text_config=tiny_qwen2_config(), numeric=True, num_token_id=TINY_VOCAB)
-    with pytest.raises(ValueError, match="numeric_loss_weight must be >= 0"):
+    with pytest.raises(ValueError, match="numeric_loss_weight must be a finite number >= 0, got -1"):
         CausalQwenConfig(text_config=tiny_qwen2_config(), numeric=True, num_token_id=NUM, numeric_loss_weight=-1)
     qwen = CausalQwenConfig(text_config=tiny_qwen2_config(vocab_size=151936), numeric=True)
     assert qwen.num_token_id == 151665
