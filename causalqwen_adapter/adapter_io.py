@@ -22,7 +22,7 @@ from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .configuration_causalqwen import CausalQwenConfig, check_number
-from .model_card import CARD_NAME, check_push, upload_adapter_folder, write_model_card
+from .model_card import CARD_NAME, write_model_card
 from .sharding import gathered_tensors
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
@@ -480,12 +480,15 @@ class CausalAdapterMixin:
         as one commit on `revision` (created from main when missing) or as a pull request (`create_pr`). The repo
         id and the token are checked before anything is written or sent. Returns huggingface_hub's `CommitInfo`.
         """
-        token = check_push(repo_id, token=token, revision=revision, create_pr=create_pr)
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp) / repo_id.split("/")[-1]  # the card names the folder; the upload retargets it
-            self.save_pretrained(folder)
-            return upload_adapter_folder(folder, repo_id, token=token, private=private, revision=revision,
-                                         commit_message=commit_message, create_pr=create_pr)
+        try:  # sharing belongs to the installed package: the remote code carries no upload code
+            from causalqwen_adapter.hub import push_adapter
+        except ImportError:
+            raise ImportError(
+                "push_to_hub uploads with the causalqwen-adapter package, which is not installed here: "
+                "pip install causalqwen-adapter (or save_pretrained the adapter and upload the folder yourself)"
+            ) from None
+        return push_adapter(self, repo_id, private=private, token=token, revision=revision,
+                            commit_message=commit_message, create_pr=create_pr)
 
     # ------------------------------------------------------------------ loading
 

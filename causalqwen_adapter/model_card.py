@@ -25,10 +25,8 @@ import re
 from pathlib import Path
 
 from huggingface_hub import (
-    HfApi,
     ModelCard,
     ModelCardData,
-    get_token,
     hf_hub_download,
     metadata_load,
     try_to_load_from_cache,
@@ -42,7 +40,6 @@ TEMPLATE_NAME = "adapter_card.md.j2"
 CARD_NAME = "README.md"
 WEIGHTS_NAME = "model.safetensors"
 TAGS = ["causalqwen", "ovr", "cauchy", "qwen2"]
-DEFAULT_COMMIT_MESSAGE = "Upload CausalQwen adapter"
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                        "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 # Framework versions named in the card; the package itself only when it is installed.
@@ -270,65 +267,4 @@ def _framework_versions() -> list[tuple[str, str]]:
     return versions
 
 
-# --------------------------------------------------------------------------------------- upload
-
-
-def check_push(repo_id: str, *, token=None, revision: str | None = None, create_pr: bool = False) -> str:
-    """Validate a push before anything is written or sent; returns the token to use.
-
-    The token is the one passed, else `HF_TOKEN`, else the one `hf auth login` stored.
-    """
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise ValueError(
-            f"{repo_id!r} is not a valid Hub repo id: use 'name' or 'namespace/name' (letters, digits, '-', '_', '.'), "
-            f"e.g. 'your-username/my-causal-adapter'. ({err})"
-        ) from None
-    if token is None or token is True:
-        token = get_token()
-    if not token:
-        raise ValueError(
-            f"no Hugging Face token to push {repo_id!r} with: pass token=..., set HF_TOKEN, or run `hf auth login`. "
-            "Nothing was uploaded."
-        )
-    if create_pr and revision not in (None, "main"):
-        raise ValueError(
-            f"create_pr=True opens the pull request against main; drop revision={revision!r} (huggingface_hub's "
-            "upload_folder does not open pull requests against other branches)"
-        )
-    return token
-
-
-# Remote files of an earlier push that go when the new adapter lacks them (patterns of huggingface_hub's
-# `upload_folder(delete_patterns=...)`, matched with fnmatch: `*` spans folders).
-STALE_FILE_PATTERNS = ["lora/*", "*.py"]
-
-
-def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, revision=None, commit_message=None,
-                          create_pr: bool = False):
-    """Create the repo if needed and upload `folder` (a disposable copy: its card is retargeted) in one commit.
-
-    The same commit deletes what an earlier push left that this adapter does not have: a `lora/` folder (the loader
-    would apply a stale backbone LoRA to these heads) and remote-code `.py` files. Other files in the repo (a
-    tokenizer, results) are kept. Returns huggingface_hub's `CommitInfo`. Run `check_push` first.
-    """
-    folder = Path(folder)
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id  # "name" → "user/name"
-    card = folder / CARD_NAME
-    if card.is_file():
-        card.write_text(retarget_model_card(card.read_text(encoding="utf-8"), repo_id), encoding="utf-8")
-    if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
-    return api.upload_folder(
-        repo_id=repo_id,
-        folder_path=folder,
-        revision=revision,
-        commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
-        create_pr=create_pr,
-        delete_patterns=STALE_FILE_PATTERNS,  # files this folder uploads are overwritten, never deleted
-    )
-
-
-__all__ = ["write_model_card", "render_model_card", "retarget_model_card", "check_push", "upload_adapter_folder"]
+__all__ = ["write_model_card", "render_model_card", "retarget_model_card"]

@@ -23,7 +23,8 @@ from safetensors import safe_open
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
-from causalqwen_adapter.model_card import CARD_NAME, check_push, render_model_card, upload_adapter_folder
+from causalqwen_adapter.hub import check_push, upload_adapter_folder
+from causalqwen_adapter.model_card import CARD_NAME, render_model_card
 
 WEIGHTS = "model.safetensors"
 OPTIONAL = ("generation_config.json", CARD_NAME)

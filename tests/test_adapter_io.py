@@ -64,19 +64,22 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     }
     assert config["base_model_name_or_path"] == str(trained_like.config.base_model_name_or_path)
     assert config["text_config"]["model_type"] == "qwen2"
-    # the remote code imports nothing of this package
+    # the remote code imports nothing of this package, but for sharing (push_to_hub), which asks for it
     for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py",
                  "heads.py", "adapter_io.py", "generation.py", "lm_loss.py", "dispatch.py", "sharding.py"):
-        assert "causalqwen_adapter" not in (folder / name).read_text()
+        text = (folder / name).read_text().replace("from causalqwen_adapter.hub import push_adapter", "")
+        assert "causalqwen_adapter" not in text, name
 
 
 NATIVE_CODE = re.compile(
     r"^\s*(import|from)\s+(ctypes|subprocess|cffi)\b|cpp_extension|load_library|CDLL|#include|TORCH_LIBRARY", re.M)
+UPLOAD_CODE = re.compile(r"HfApi|upload_folder|upload_file|create_repo|create_commit")
 
 
 def test_the_folder_ships_no_native_code(trained_like, tmp_path):
     """Remote code is plain PyTorch: no C or C++ source, no library, no file of the CPU kernels, and no Python file
-    that imports ctypes or subprocess, loads a library or builds an extension, or imports the package's kernels."""
+    that imports ctypes or subprocess, loads a library or builds an extension, or imports the package's kernels; and
+    no Hub upload code (sharing belongs to the installed package)."""
     folder = tmp_path / "adapter"
     trained_like.save_pretrained(folder)
     files = [p for p in folder.rglob("*") if p.is_file()]
@@ -85,6 +88,7 @@ def test_the_folder_ships_no_native_code(trained_like, tmp_path):
     for path in (p for p in files if p.suffix == ".py"):
         text = path.read_text()
         assert not NATIVE_CODE.search(text), (path.name, NATIVE_CODE.search(text).group(0))
+        assert not UPLOAD_CODE.search(text), (path.name, UPLOAD_CODE.search(text).group(0))
         assert "cpu_kernels" not in text and not {"cpu_kernels", "ops"} & set(get_relative_imports(path)), path.name
 
 
@@ -218,6 +222,10 @@ NO_COMPILER_SCRIPT = inspect.getsource(_generate_and_train) + inspect.getsource(
     _decode_as_a_large_model(model, setattr)
     result = _generate_and_train(model, input_ids)
     result["log"] = [m for m in messages if "causalqwen::" in m]
+    try:  # sharing needs the package: the folder carries no upload code
+        model.push_to_hub("user/tiny", token="hf_x")
+    except ImportError as err:
+        result["push"] = str(err)
     torch.save(result, out)
     """
 )
@@ -251,6 +259,7 @@ def test_remote_code_without_a_compiler_runs_the_torch_reference(trained_like, t
     said = [m.split(" on ")[0] for m in got["log"]]  # once per operator: "<name> on cpu <dtype> tensors: ..."
     assert sorted(said) == ["block_logsumexp", "cauchy_linear", "ovr_scores"], got["log"]
     assert all("the torch code (no causalqwen::" in m for m in got["log"]), got["log"]
+    assert "pip install causalqwen-adapter" in got["push"]
 
 
 def _publish_to_offline_cache(cache: Path, repo_id: str, folder: Path, commit: str) -> None:

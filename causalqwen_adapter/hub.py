@@ -1,0 +1,88 @@
+"""Sharing an adapter on the Hugging Face Hub: the checks before a push and the upload itself.
+
+Installed package only: the adapter folder's remote code carries no upload code, and a remote-code model's
+`push_to_hub` asks for this package (adapter_io.py). `recipes/push_to_hub.py` uses the same functions for a folder.
+"""
+
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import HfApi, get_token
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from .model_card import CARD_NAME, retarget_model_card
+
+DEFAULT_COMMIT_MESSAGE = "Upload CausalQwen adapter"
+
+
+def check_push(repo_id: str, *, token=None, revision: str | None = None, create_pr: bool = False) -> str:
+    """Validate a push before anything is written or sent; returns the token to use.
+
+    The token is the one passed, else `HF_TOKEN`, else the one `hf auth login` stored.
+    """
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(
+            f"{repo_id!r} is not a valid Hub repo id: use 'name' or 'namespace/name' (letters, digits, '-', '_', '.'), "
+            f"e.g. 'your-username/my-causal-adapter'. ({err})"
+        ) from None
+    if token is None or token is True:
+        token = get_token()
+    if not token:
+        raise ValueError(
+            f"no Hugging Face token to push {repo_id!r} with: pass token=..., set HF_TOKEN, or run `hf auth login`. "
+            "Nothing was uploaded."
+        )
+    if create_pr and revision not in (None, "main"):
+        raise ValueError(
+            f"create_pr=True opens the pull request against main; drop revision={revision!r} (huggingface_hub's "
+            "upload_folder does not open pull requests against other branches)"
+        )
+    return token
+
+
+# Remote files of an earlier push that go when the new adapter lacks them (patterns of huggingface_hub's
+# `upload_folder(delete_patterns=...)`, matched with fnmatch: `*` spans folders).
+STALE_FILE_PATTERNS = ["lora/*", "*.py"]
+
+
+def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, revision=None, commit_message=None,
+                          create_pr: bool = False):
+    """Create the repo if needed and upload `folder` (a disposable copy: its card is retargeted) in one commit.
+
+    The same commit deletes what an earlier push left that this adapter does not have: a `lora/` folder (the loader
+    would apply a stale backbone LoRA to these heads) and remote-code `.py` files. Other files in the repo (a
+    tokenizer, results) are kept. Returns huggingface_hub's `CommitInfo`. Run `check_push` first.
+    """
+    folder = Path(folder)
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id  # "name" → "user/name"
+    card = folder / CARD_NAME
+    if card.is_file():
+        card.write_text(retarget_model_card(card.read_text(encoding="utf-8"), repo_id), encoding="utf-8")
+    if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        revision=revision,
+        commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
+        create_pr=create_pr,
+        delete_patterns=STALE_FILE_PATTERNS,  # files this folder uploads are overwritten, never deleted
+    )
+
+
+def push_adapter(model, repo_id: str, *, private=None, token=None, revision=None, commit_message=None,
+                 create_pr: bool = False):
+    """`model.push_to_hub`: saves the adapter into a temporary folder and uploads that folder in one commit (see
+    `CausalAdapterMixin.push_to_hub`)."""
+    token = check_push(repo_id, token=token, revision=revision, create_pr=create_pr)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / repo_id.split("/")[-1]  # the card names the folder; the upload retargets it
+        model.save_pretrained(folder)
+        return upload_adapter_folder(folder, repo_id, token=token, private=private, revision=revision,
+                                     commit_message=commit_message, create_pr=create_pr)
+
+
+__all__ = ["check_push", "upload_adapter_folder", "push_adapter"]
