@@ -65,7 +65,8 @@ def check_supported_base(base_config, name) -> None:
     """Refuse, from its config alone, a base the heads cannot start from exactly: not a decoder-only causal LM, or
     logits that are not its output layer applied to its final hidden state."""
     model_type = getattr(base_config, "model_type", None) or type(base_config).__name__
-    what = f"{name} is a {model_type!r} checkpoint ({', '.join(getattr(base_config, 'architectures', None) or [])})"
+    architectures = ", ".join(getattr(base_config, "architectures", None) or [])
+    what = f"{name} is a {model_type!r} checkpoint" + (f" ({architectures})" if architectures else "")
     if getattr(base_config, "is_encoder_decoder", False):
         raise ValueError(f"{what}, an encoder-decoder model: CausalQwen heads attach to {SUPPORTED_BASES}")
     if getattr(base_config, "sub_configs", None):
