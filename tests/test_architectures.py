@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
+from causalqwen_adapter.features import extract_features
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
 from conftest import PAIRS, tiny_tokenizer
@@ -232,6 +233,26 @@ def test_tied_and_lora_action_weights(bases, arch, action_weight, prompt, tmp_pa
     before, after = _outputs(model, prompt), _outputs(loaded, prompt)
     for key in before:
         assert torch.equal(before[key], after[key]), key
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
+def test_features_of_any_base(bases, arch, tmp_path):
+    """Distillation's teacher is the base of any architecture: the stored z is its final hidden state and the
+    stored top-K its softmax, sequence by sequence."""
+    sequences = [[5, 9, 17, 3, 44, 60, 2, 8], [7, 8], [100, 101, 102, 103, 104]]
+    store = extract_features(str(bases[arch]), Dataset.from_dict({"input_ids": sequences}), tmp_path / "store",
+                             top_k=5, batch_size=2, dtype=torch.float32).with_format("torch")
+    base = _base(bases[arch])
+    rows = iter(store)
+    for seq in sequences:
+        with torch.no_grad():
+            out = base(torch.tensor([seq]), output_hidden_states=True)
+        probs, ids = torch.softmax(out.logits[0], -1).topk(5, -1)
+        for position in range(len(seq)):
+            row = next(rows)
+            torch.testing.assert_close(row["hidden_state"], out.hidden_states[-1][0, position])
+            assert torch.equal(row["topk_ids"], ids[position].int())
+            torch.testing.assert_close(row["topk_probs"], probs[position])
 
 
 def test_numbers_on_a_scaled_embedding(bases, prompt):
