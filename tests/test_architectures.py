@@ -108,6 +108,8 @@ def test_fresh_heads_are_the_base(bases, arch, prompt):
     assert model._no_split_modules == set(base._no_split_modules) and model._no_split_modules
     with torch.no_grad():
         torch.testing.assert_close(model(prompt, inference_mode="compatible").logits, base(prompt).logits)
+    report = model.verify_initialization(prompt, base_model=base)
+    assert report["feature_diff"] < 1e-6 and report["logits_diff"] < 1e-6, report
     expected = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
     got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
                          inference_mode="compatible")
