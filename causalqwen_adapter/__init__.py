@@ -1,4 +1,4 @@
-"""causalqwen-adapter: causal (Cauchy, one-vs-rest) heads as an adapter on any Qwen2 checkpoint."""
+"""causalqwen-adapter: causal (Cauchy, one-vs-rest) heads as an adapter on a decoder-only causal LM (Qwen2, Llama, ...)."""
 
 from . import (
     cpu_kernels,  # noqa: F401  registers the causalqwen operators' CPU kernels (built on first use)

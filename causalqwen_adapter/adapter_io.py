@@ -17,8 +17,17 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, Qwen2ForCausalLM, Qwen2Model
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .configuration_causalqwen import CausalQwenConfig, check_number
@@ -45,16 +54,108 @@ def reject_unknown(kwargs: dict, allowed: tuple, where: str) -> None:
         raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
 
 
-def check_is_qwen2(base_config, name) -> None:
-    """A base config (object or config.json's dict) must be Qwen2's."""
-    if isinstance(base_config, dict):
-        model_type = base_config.get("model_type")
-    else:
-        model_type = getattr(base_config, "model_type", type(base_config).__name__)
-    if model_type != "qwen2":
+SUPPORTED_BASES = ("decoder-only causal LMs that transformers' AutoModelForCausalLM loads, with an output layer that "
+                   "is one [vocab × hidden] linear map of the final hidden state (Qwen2, Qwen3, Llama, Mistral, "
+                   "Gemma 3 text, Phi-3, ...)")
+# Config fields of bases whose logits are not lm_head(z), and the value at which they are: the heads start from a copy
+# of the output layer, so loc_S would not be the base's logits.
+LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": (None, "soft-caps its logits, cap·tanh(logits/cap)"),  # Gemma 2, VaultGemma
+    "logits_soft_cap": (None, "soft-caps its logits, cap·tanh(logits/cap)"),  # RecurrentGemma
+    "logit_scale": (1.0, "multiplies its logits by it"),  # Cohere
+    "logits_scaling": (1.0, "scales its logits (or final hidden state) by it"),  # Granite, MiniCPM3, HyperCLOVA X
+    "lm_head_multiplier": (1.0, "multiplies its logits by it"),  # Falcon-H1
+    "output_multiplier": (1.0, "multiplies its logits by it"),
+}
+
+
+def check_supported_base(base_config, name) -> None:
+    """Refuse, from its config alone, a base the heads cannot start from exactly: not a decoder-only causal LM, or
+    logits that are not its output layer applied to its final hidden state."""
+    model_type = getattr(base_config, "model_type", None) or type(base_config).__name__
+    architectures = ", ".join(getattr(base_config, "architectures", None) or [])
+    what = f"{name} is a {model_type!r} checkpoint" + (f" ({architectures})" if architectures else "")
+    if getattr(base_config, "is_encoder_decoder", False):
+        raise ValueError(f"{what}, an encoder-decoder model: CausalQwen heads attach to {SUPPORTED_BASES}")
+    if getattr(base_config, "sub_configs", None):
         raise ValueError(
-            f"{name} is a {model_type!r} checkpoint, not Qwen2: "
-            "CausalQwen heads attach to Qwen2-architecture bases (Qwen2, Qwen2.5, Qwen2.5-Coder, ...)"
+            f"{what}, a composite model (vision-language or other multimodal, with sub-configs "
+            f"{sorted(base_config.sub_configs)}): CausalQwen heads attach to {SUPPORTED_BASES}. Pass a text-only "
+            "checkpoint of its language model"
+        )
+    # Encoder families (BERT, RoBERTa, ...) declare is_decoder and default it to False; decoder-only LMs do not.
+    if getattr(base_config, "is_decoder", None) is False:
+        raise ValueError(f"{what}, an encoder (bidirectional attention): CausalQwen heads attach to {SUPPORTED_BASES}")
+    if type(base_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"{what}, which AutoModelForCausalLM does not load: CausalQwen heads attach to {SUPPORTED_BASES}")
+    for field, (neutral, effect) in LOGIT_TRANSFORMS.items():
+        value = getattr(base_config, field, None)
+        if value is not None and value != neutral:
+            raise ValueError(
+                f"{what} has {field}={value}: its forward {effect}, so its logits are not its output layer applied to "
+                f"the final hidden state and fresh heads could not start at the base's logits (loc_S = W_A z). "
+                f"CausalQwen heads attach to {SUPPORTED_BASES}"
+            )
+
+
+def base_is_tied(base_config) -> bool:
+    """Whether the base's output layer is its input embedding."""
+    return bool(getattr(base_config, "tie_word_embeddings", False))
+
+
+def causal_lm_parts(base, name) -> tuple[nn.Module, nn.Linear]:
+    """(backbone, output layer) of a loaded causal LM: the module at its `base_model_prefix` (whose last hidden state
+    is z) and the [V × H] linear layer its logits come from, W_A's initial value."""
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(f"{name}: expected a transformers causal LM (a *ForCausalLM), got {type(base).__name__}")
+    check_supported_base(base.config, name)
+    backbone, lm_head = base.base_model, base.get_output_embeddings()
+    if backbone is base or lm_head is None:
+        raise TypeError(
+            f"{name} is a {type(base).__name__}, a model without a language-model output layer: pass the base's causal "
+            "LM (AutoModelForCausalLM.from_pretrained, a *ForCausalLM), or its folder or Hub id"
+        )
+    shape = (base.config.vocab_size, base.config.hidden_size)
+    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+    if not isinstance(lm_head, nn.Linear) or not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+        raise ValueError(
+            f"{name} ({type(base).__name__}): its output layer is a {type(lm_head).__name__} with weight "
+            f"{None if weight is None else tuple(weight.shape)}, not one [vocab × hidden] = {list(shape)} linear map: "
+            f"W_A cannot copy it. CausalQwen heads attach to {SUPPORTED_BASES}"
+        )
+    if bias is not None and tuple(bias.shape) != shape[:1]:
+        raise ValueError(f"{name}: its output layer's bias has shape {tuple(bias.shape)}, not [{shape[0]}]")
+    return backbone, lm_head
+
+
+@torch.no_grad()
+def check_logits_are_output_layer(base, backbone, lm_head, name) -> None:
+    """Run the base once on a few tokens and check that its logits are its output layer applied to its backbone's
+    last hidden state: what the heads copy. Catches what no config field names (a scale, a cap or a norm after the
+    output layer in the base's forward). Skipped where the weights are not here (meta, a ZeRO-3 partition)."""
+    weight = lm_head.weight
+    if weight.device.type == "meta" or hasattr(weight, "ds_id"):
+        return
+    seen = {}
+
+    def keep(module, args, output):
+        seen["z"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    embeddings = backbone.get_input_embeddings().weight
+    ids = torch.arange(min(4, base.config.vocab_size), device=embeddings.device)[None]
+    hook = backbone.register_forward_hook(keep)
+    try:
+        logits = base(input_ids=ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    # What W_A copies: the layer's weight and bias as a plain linear map (not the module's own forward)
+    expected = torch.nn.functional.linear(seen["z"].to(weight), weight, lm_head.bias).float()
+    tolerance = 4 * torch.finfo(weight.dtype).eps * expected.abs().max().clamp_min(1.0)  # kernels may differ
+    if logits.shape != expected.shape or not torch.allclose(logits.float(), expected, rtol=0, atol=tolerance):
+        raise ValueError(
+            f"{name} ({type(base).__name__}): its logits are not its output layer applied to the final hidden state "
+            "(its forward transforms them: a cap, a scale, a norm), so fresh heads could not start at the base's "
+            f"logits. CausalQwen heads attach to {SUPPORTED_BASES}"
         )
 
 
@@ -65,7 +166,7 @@ def base_config_dict(name: str, what: str, revision=None, **hub_kwargs) -> dict:
     config_dict, _ = PreTrainedConfig.get_config_dict(name, revision=revision, **hub_kwargs)
     if config_dict.get("model_type") == CausalQwenConfig.model_type:
         raise ValueError(
-            f"{what} {name!r} is a CausalQwen adapter, not a base: pass the Qwen2 base it attaches to (its config "
+            f"{what} {name!r} is a CausalQwen adapter, not a base: pass the base it attaches to (its config "
             f"names {config_dict.get('base_model_name_or_path')!r}). To load the adapter itself, use "
             f"CausalQwenForCausalLM.from_pretrained({name!r}) (or AutoModelForCausalLM.from_pretrained(..., "
             "trust_remote_code=True))"
@@ -74,6 +175,12 @@ def base_config_dict(name: str, what: str, revision=None, **hub_kwargs) -> dict:
 
 
 def check_base_matches(config: CausalQwenConfig, base_config, base_name) -> None:
+    have, want = getattr(base_config, "model_type", None), config.text_config.model_type
+    if have != want:
+        raise ValueError(
+            f"base checkpoint {base_name} is a {have!r} model, the adapter was built on a {want!r} base: "
+            "pass the base the adapter was trained on (base_model=...)"
+        )
     for field in ("hidden_size", "vocab_size"):
         have, want = getattr(base_config, field), getattr(config.text_config, field)
         if have != want:
@@ -95,15 +202,19 @@ def check_keys(found: set, expected: set, where) -> None:
 def load_backbone(config, base_model, base_model_revision, dtype, device_map, loader_kwargs):
     """(decoder, lm_head or None, name) of the base. The lm_head is loaded only when the adapter uses
     the base's own output weights ("tied"/"lora" action weights on an untied base)."""
-    wants_lm_head = config.action_weight != "full" and not config.text_config.tie_word_embeddings
-    if isinstance(base_model, Qwen2ForCausalLM):
-        return base_model.model, base_model.lm_head if wants_lm_head else None, base_model.config.name_or_path
-    if isinstance(base_model, Qwen2Model) and not wants_lm_head:
-        return base_model, None, base_model.config.name_or_path
+    wants_lm_head = config.action_weight != "full" and not base_is_tied(config.text_config)
+    if isinstance(base_model, PreTrainedModel):
+        name = base_model.config.name_or_path
+        if base_model.base_model is not base_model:  # a causal LM: its backbone, and its output layer when used
+            backbone, lm_head = causal_lm_parts(base_model, name)
+            return backbone, lm_head if wants_lm_head else None, name
+        if not wants_lm_head:  # already the backbone (AutoModel)
+            check_supported_base(base_model.config, name)
+            return base_model, None, name
     if base_model is not None and not isinstance(base_model, (str, os.PathLike)):
         raise TypeError(
-            f"base_model must be a Hub id, a folder or a loaded Qwen2ForCausalLM{'' if wants_lm_head else '/Qwen2Model'}, "
-            f"got {type(base_model).__name__}"
+            f"base_model must be a Hub id, a folder or a loaded causal LM (a *ForCausalLM"
+            f"{'' if wants_lm_head else ', or its backbone'}), got {type(base_model).__name__}"
         )
     name = str(base_model) if base_model is not None else config.base_model_name_or_path
     revision = base_model_revision if base_model is not None else config.base_model_revision
@@ -112,16 +223,20 @@ def load_backbone(config, base_model, base_model_revision, dtype, device_map, lo
     what = "base_model" if base_model is not None else "the adapter's base"
     name = base_reference(name, what)
     hub = {k: v for k, v in loader_kwargs.items() if k in HUB_KWARGS}
-    check_is_qwen2(base_config_dict(name, what, revision, **hub), name)
+    base_config_dict(name, what, revision, **hub)  # a missing folder or an adapter: refused before any code runs
     base_config = AutoConfig.from_pretrained(name, revision=revision, **hub)
+    check_supported_base(base_config, name)
     check_base_matches(config, base_config, name)
-    loader = Qwen2ForCausalLM if wants_lm_head else Qwen2Model
-    loaded = loader.from_pretrained(
-        name, config=base_config, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs
-    )
+    kwargs = dict(config=base_config, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs)
     if wants_lm_head:
-        return loaded.model, loaded.lm_head, name
-    return loaded, None, name
+        return (*causal_lm_parts(AutoModelForCausalLM.from_pretrained(name, **kwargs), name), name)
+    backbone, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
+    if info["missing_keys"]:  # the checkpoint is not this backbone's: never run on freshly initialised weights
+        raise ValueError(
+            f"{name}: AutoModel built a {type(backbone).__name__} whose weights {sorted(info['missing_keys'])[:5]} "
+            "are not in the checkpoint: pass a base whose backbone AutoModel loads (base_model=...)"
+        )
+    return backbone, None, name
 
 
 def load_backbone_lora(backbone, adapter: str, hub_kwargs: dict) -> None:
@@ -198,9 +313,9 @@ def base_reference(name: str, what: str) -> str:
 
 
 # What to pass instead of a path that does not exist (`check_found`).
-BASE_HINT = "Pass an existing Qwen2 folder or a Hub id"
+BASE_HINT = "Pass an existing base folder or a Hub id (base_model=... when loading an adapter)"
 ADAPTER_HINT = "Pass the folder save_pretrained wrote, or the adapter's Hub id"
-MODEL_HINT = "Pass an existing Qwen2 base or CausalQwen adapter folder, or a Hub id"
+MODEL_HINT = "Pass an existing base or CausalQwen adapter folder, or a Hub id"
 
 
 def check_found(name: str, what: str, hint: str) -> None:
@@ -302,10 +417,10 @@ def check_not_foreign(target: Path, other_names: tuple[str, ...] = ()) -> None:
 
 __all__ = [
     "ADAPTER_HINT", "ADAPTER_WEIGHTS_NAME", "BASE_HINT", "BASE_PREFIXES", "MODEL_HINT", "HUB_KWARGS", "LORA_FOLDER",
-    "adapter_file_names", "base_config_dict", "base_reference", "check_base_matches", "check_found",
-    "check_config_overrides", "check_is_qwen2", "check_keys", "check_not_foreign", "install_folder", "interrupted_swap",
-    "is_adapter_folder", "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown",
-    "stale_save_folders",
+    "SUPPORTED_BASES", "adapter_file_names", "base_config_dict", "base_is_tied", "base_reference", "causal_lm_parts",
+    "check_base_matches", "check_config_overrides", "check_found", "check_keys", "check_logits_are_output_layer",
+    "check_not_foreign", "check_supported_base", "install_folder", "interrupted_swap", "is_adapter_folder",
+    "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown", "stale_save_folders",
 ]
 
 
@@ -324,32 +439,39 @@ class CausalAdapterMixin:
 
     @classmethod
     def from_base(cls, base, *, revision=None, dtype="auto", device_map=None, **config_overrides):
-        """Attach fresh causal heads (seed initialisation) to a Qwen2 base.
+        """Attach fresh causal heads (seed initialisation) to a base: any decoder-only causal LM that transformers'
+        `AutoModelForCausalLM` loads (`SUPPORTED_BASES`). The heads wrap its backbone and copy its output layer.
 
-        `base` is a Hub id, a local folder, or a loaded `Qwen2ForCausalLM`. `config_overrides` are
-        `CausalQwenConfig` fields (`causal_size`, `gamma_init`, ...); Hub options go to the base loader.
+        `base` is a Hub id, a local folder, or a loaded causal LM (a `*ForCausalLM`). `config_overrides` are
+        `CausalQwenConfig` fields (`causal_size`, `gamma_init`, ...); Hub options go to the base loader. A base whose
+        logits are not its output layer applied to its final hidden state is refused (`check_supported_base`,
+        `check_logits_are_output_layer`): the heads could not start where it is.
         """
         hub_kwargs = {k: config_overrides.pop(k) for k in HUB_KWARGS if k in config_overrides and k != "revision"}
         check_config_overrides(config_overrides)
         if isinstance(base, (str, os.PathLike)):
             base_name = base_reference(str(base), "base")
-            check_is_qwen2(base_config_dict(base_name, "base", revision, **hub_kwargs), base_name)
-            base = Qwen2ForCausalLM.from_pretrained(base_name, revision=revision, dtype=dtype, device_map=device_map, **hub_kwargs)
-        elif isinstance(base, Qwen2ForCausalLM):
+            base_config_dict(base_name, "base", revision, **hub_kwargs)  # a missing folder or an adapter: refused
+            base_config = AutoConfig.from_pretrained(base_name, revision=revision, **hub_kwargs)
+            check_supported_base(base_config, base_name)
+            base = AutoModelForCausalLM.from_pretrained(base_name, config=base_config, revision=revision, dtype=dtype,
+                                                        device_map=device_map, **hub_kwargs)
+        elif isinstance(base, PreTrainedModel):
             base_name = base_reference(base.config.name_or_path, "base")
         else:
             raise TypeError(
-                f"base must be a Hub id, a local folder or a loaded Qwen2ForCausalLM, got {type(base).__name__}; "
-                "CausalQwen attaches to Qwen2-architecture checkpoints only"
+                f"base must be a Hub id, a local folder or a loaded causal LM (a transformers *ForCausalLM), got "
+                f"{type(base).__name__}; CausalQwen heads attach to {SUPPORTED_BASES}"
             )
+        backbone, lm_head = causal_lm_parts(base, base_name)
+        check_logits_are_output_layer(base, backbone, lm_head, base_name)
         config = cls.config_class(
             base_model_name_or_path=base_name, base_model_revision=revision, text_config=base.config, **config_overrides
         )
-        heads_dtype = base.model.norm.weight.dtype  # the init values must fit the heads' dtype (float16: 65504)
-        for name in ("gamma_init", "b_noise_init", "ovr_threshold_init"):
-            check_number(name, getattr(config, name), dtype=heads_dtype)
-        lm_head = base.get_output_embeddings()
-        model = cls._assemble(config, base.model, None if config.text_config.tie_word_embeddings else lm_head)
+        for name in ("gamma_init", "b_noise_init", "ovr_threshold_init"):  # they must fit the heads' dtype (fp16: 65504)
+            check_number(name, getattr(config, name), dtype=lm_head.weight.dtype)
+        tied = base_is_tied(config.text_config)
+        model = cls._assemble(config, backbone, None if tied else lm_head)
         with torch.no_grad():
             model.abduction.reset_parameters(config.gamma_init)
             weight = lm_head.weight
@@ -365,7 +487,7 @@ class CausalAdapterMixin:
         # For verify_initialization, outside the module tree, never saved. Held strongly only when the model keeps
         # its weight anyway (tied embedding, or W_A bound to it); an untied base's own V×H matrix beside a "full"
         # W_A copy lives only as long as the caller keeps the base.
-        shared = config.text_config.tie_word_embeddings or config.action_weight != "full"
+        shared = tied or config.action_weight != "full"
         model.__dict__["_base_lm_head"] = lm_head if shared else weakref.ref(lm_head)
         return model
 
@@ -374,7 +496,10 @@ class CausalAdapterMixin:
         """Build the model around a loaded backbone; the heads are allocated but not initialised."""
         with torch.device("meta"):  # no wasted initialisation of vocabulary-sized heads
             model = cls(config, backbone=backbone, lm_head=lm_head if config.action_weight != "full" else None)
-        anchor = backbone.norm.weight
+        # The heads read the final hidden state: on the device of the backbone's last parameter (its final norm), in
+        # the dtype of its embeddings (the model's; a norm may be kept in float32).
+        anchor = torch.empty(0, dtype=backbone.get_input_embeddings().weight.dtype,
+                             device=list(backbone.parameters())[-1].device)
         for name in ("abduction", "action", "ovr", "numeric")[: 4 if config.numeric else 3]:
             head = getattr(model, name).to(dtype=anchor.dtype)
             head.to_empty(device=anchor.device)
@@ -500,7 +625,7 @@ class CausalAdapterMixin:
 
         `pretrained_model_name_or_path` is an adapter folder or Hub id (files resolved through
         transformers' `cached_file`, so the Hub cache and `HF_HUB_OFFLINE=1` work). `base_model`
-        may be a Hub id, a folder or a loaded `Qwen2ForCausalLM`/`Qwen2Model`. The remaining keyword arguments
+        may be a Hub id, a folder, a loaded causal LM (`*ForCausalLM`) or its backbone. The remaining keyword arguments
         (`attn_implementation`, `low_cpu_mem_usage`, ...) go to the base's `from_pretrained`.
 
         `trust_remote_code`, `adapter_kwargs`, `code_revision`, `_from_auto` and `_commit_hash` are what transformers'

@@ -1,4 +1,4 @@
-"""CausalQwen configuration: the base Qwen2 config as a sub-config plus the causal-head fields.
+"""CausalQwen configuration: the base's config as a sub-config plus the causal-head fields.
 
 Also the checks every entry point runs on the numbers and choices a caller hands over (`check_number`,
 `check_choice`), so that a setting is refused the same way wherever it enters: as a config field, a trainer
@@ -11,7 +11,8 @@ import math
 import numbers
 
 import torch
-from transformers import PreTrainedConfig, Qwen2Config
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
 
 from .cauchy import INFERENCE_MODES
 
@@ -71,12 +72,13 @@ def check_choice(name: str, value, choices) -> str:
 
 class CausalQwenConfig(PreTrainedConfig):
     r"""
-    Configuration of a CausalQwen adapter: causal heads (abduction, action, OvR) on a Qwen2 base.
+    Configuration of a CausalQwen adapter: causal heads (abduction, action, OvR) on a decoder-only causal LM base.
 
     Args:
-        base_model_name_or_path (`str`): Hub id or local folder of the Qwen2 base the heads attach to.
+        base_model_name_or_path (`str`): Hub id or local folder of the base the heads attach to.
         base_model_revision (`str`, *optional*): revision of the base (branch, tag or commit).
-        text_config (`Qwen2Config` or `dict`): the base's config; `get_text_config()` returns it so that
+        text_config (`PreTrainedConfig` or `dict`): the base's config, of its own type (`Qwen2Config`,
+            `LlamaConfig`, ...; a dict without `model_type` is read as Qwen2's); `get_text_config()` returns it so that
             generation sees the decoder layout.
         causal_size (`int`, *optional*): size C of the individual U; defaults to the base hidden size H.
         gamma_init (`float`): initial scale of U, softplus(b_scale) = gamma_init. Small (1e-5): with a scale of
@@ -99,7 +101,7 @@ class CausalQwenConfig(PreTrainedConfig):
         numeric (`bool`): the numeric-aware extension (docs/design.md, Numbers): numbers enter as `<NUM>` tokens with a value
             (`numeric_values`), and a Cauchy regression head predicts the value of each `<NUM>`.
         num_token_id (`int`, *optional*): the id of `<NUM>`, a reserved (unused) row of the base vocabulary;
-            defaults to V − 271 (151665) for the 151936-row Qwen2 vocabulary, required otherwise.
+            defaults to V − 271 (151665) for the 151936-row vocabulary of a Qwen2 base, required otherwise.
         numeric_loss_weight (`float`): λ, the weight of the Cauchy NLL of `<NUM>` values beside the OvR loss.
         objective (`str`): the training loss `forward(labels=...)` computes: "ovr" (the one-vs-rest loss of
             docs/design.md, Training losses) or "softmax" (the cross-entropy of softmax(loc_S), the baseline every OvR figure is
@@ -122,7 +124,8 @@ class CausalQwenConfig(PreTrainedConfig):
     """
 
     model_type = "causalqwen"
-    sub_configs_defaults = {"text_config": Qwen2Config}
+    # Any base's config, resolved by its model_type; adapters saved when Qwen2 was the only base read as before.
+    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="qwen2")}
     keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the KV cache (transformers < / ≥ 5.24)
 
     base_model_name_or_path: str | None = None
@@ -170,12 +173,18 @@ class CausalQwenConfig(PreTrainedConfig):
             )
         if self.numeric:
             vocab = self.text_config.vocab_size
-            if self.num_token_id is None and vocab == QWEN2_VOCAB_SIZE:
+            # Only Qwen2's vocabulary is known to keep unused rows (Qwen3's has the same size but uses them).
+            is_qwen2 = self.text_config.model_type == "qwen2"
+            if self.num_token_id is None and is_qwen2 and vocab == QWEN2_VOCAB_SIZE:
                 self.num_token_id = QWEN2_VOCAB_SIZE - QWEN2_RESERVED_ROWS  # the first reserved row, 151665
             if self.num_token_id is None:
                 raise ValueError(
-                    f"numeric=True needs num_token_id: the id of an unused row of this {vocab}-token vocabulary "
-                    "that <NUM> maps to (the default V − 271 applies to the 151936-row Qwen2 vocabulary only)"
+                    f"numeric=True needs num_token_id on this {self.text_config.model_type!r} base: no row of its "
+                    f"{vocab}-token vocabulary is known to be unused (the default V − 271 applies to the 151936-row "
+                    "Qwen2 vocabulary only). Pass num_token_id=<the id of a row the tokenizer never produces, e.g. a "
+                    "reserved special token>; if the vocabulary has none, add a token to the tokenizer and resize the "
+                    "base's embeddings yourself (resize_token_embeddings) and save it before attaching heads: the "
+                    "heads never change the base"
                 )
             check_number("num_token_id", self.num_token_id, minimum=0, integer=True)
             if not 0 <= self.num_token_id < vocab:

@@ -31,7 +31,7 @@ from .training import (
 class CausalDistillConfig(CausalHeadArguments, TrainingArguments):
     r"""
     Configuration of [`CausalDistillTrainer`]: transformers' [`~transformers.TrainingArguments`] plus the head
-    options (used when the trainer builds fresh heads on a Qwen2 base).
+    options (used when the trainer builds fresh heads on a base).
     """
 
     model_init_kwargs: dict | str | None = field(
@@ -60,7 +60,7 @@ class CausalDistillTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterChec
     [`~transformers.Trainer`]; stage 2 of offline distillation.
 
     Args:
-        model (`str`, `CausalQwenForCausalLM` or `Qwen2ForCausalLM`): an adapter (its heads keep training) or the Qwen2
+        model (`str`, `CausalQwenForCausalLM` or a base `*ForCausalLM`): an adapter (its heads keep training) or the
             base the features were extracted from (fresh heads from the config's head fields).
         args ([`CausalDistillConfig`], *optional*)
         train_dataset, eval_dataset: feature stores: a folder written by [`extract_features`] or the `Dataset`

@@ -3,7 +3,7 @@
 For each scored position (a target token y after the causal shift) a model gives logits s_k over the vocabulary; its
 next-token distribution is q = softmax(s) (what greedy decoding maximises and sampling draws from):
 
-- a softmax model (the Qwen2 base, or an adapter's `compatible` mode): s = its logits, and its per-token
+- a softmax model (the base, or an adapter's `compatible` mode): s = its logits, and its per-token
   probabilities are p_k = q_k (they sum to 1);
 - an OvR mode (`standard`, `causal`, `sampling`): s = the mode's logits (the config's `ovr_distribution`:
   loc_S + log P_k, or log P_k), and its per-token probabilities are p_k = P_k, the one-vs-rest probabilities of

@@ -1,6 +1,6 @@
 """Stage 1 of offline distillation (docs/design.md, Offline distillation): the teacher's features, extracted once.
 
-`extract_features` runs the frozen Qwen2 teacher over a corpus and stores, for every real token, the final hidden
+`extract_features` runs the frozen teacher (the base) over a corpus and stores, for every real token, the final hidden
 state z and the teacher's top-K next-token ids and softmax probabilities, as a `datasets` folder
 (`Dataset.save_to_disk` layout, memory-mapped when read back) plus `causalqwen_features.json` naming the teacher
 and the sha256 of every shard. `load_features` reads a store back (checking the shards), and
@@ -25,10 +25,17 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset, Features, IterableDataset, Sequence, Value, concatenate_datasets, load_from_disk
 from datasets.arrow_writer import ArrowWriter
-from transformers import AutoTokenizer, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging
 
-from .adapter_io import all_finite, base_config_dict, stale_save_folders
+from .adapter_io import (
+    all_finite,
+    base_config_dict,
+    causal_lm_parts,
+    check_logits_are_output_layer,
+    check_supported_base,
+    stale_save_folders,
+)
 from .configuration_causalqwen import check_number
 from .devices import resolve_device
 from .modeling_causalqwen import CausalQwenForCausalLM
@@ -59,7 +66,8 @@ def extract_features(
     """Run the frozen teacher over `dataset` and write its features to `output_dir`; returns the stored dataset.
 
     Args:
-        teacher: a `Qwen2ForCausalLM` or its folder / Hub id (loaded in `dtype`, at `revision`).
+        teacher: the base as a loaded causal LM (a `*ForCausalLM` of any architecture `from_base` takes) or its
+            folder / Hub id (loaded in `dtype`, at `revision`).
         dataset: a `datasets.Dataset` / `IterableDataset` with a `text_field` column (tokenized here, truncated to
             `max_length`) or an `input_ids` column, or a list of strings.
         tokenizer: defaults to the teacher's.
@@ -279,16 +287,17 @@ def features_info(path) -> dict:
     return json.loads((Path(path) / FEATURES_CONFIG_NAME).read_text())
 
 
-def _load_teacher(teacher, dtype, revision) -> Qwen2ForCausalLM:
+def _load_teacher(teacher, dtype, revision) -> PreTrainedModel:
+    """The teacher as a causal LM whose softmax is that of its output layer on z: what the heads are distilled to."""
     if isinstance(teacher, (str, os.PathLike)):
-        model_type = base_config_dict(str(teacher), "teacher", revision).get("model_type")
-        if model_type != "qwen2":
-            raise ValueError(
-                f"{teacher} is a {model_type!r} checkpoint: the teacher must be the Qwen2 base the heads attach to"
-            )
-        teacher = Qwen2ForCausalLM.from_pretrained(str(teacher), revision=revision, dtype=dtype)
-    elif not isinstance(teacher, Qwen2ForCausalLM):
-        raise TypeError(f"teacher must be a Qwen2ForCausalLM or its folder / Hub id, got {type(teacher).__name__}")
+        base_config_dict(str(teacher), "teacher", revision)  # a missing folder or an adapter: refused
+        check_supported_base(AutoConfig.from_pretrained(str(teacher), revision=revision), str(teacher))
+        teacher = AutoModelForCausalLM.from_pretrained(str(teacher), revision=revision, dtype=dtype)
+    elif not isinstance(teacher, PreTrainedModel):
+        raise TypeError(f"teacher must be a loaded causal LM (a *ForCausalLM) or its folder / Hub id, got "
+                        f"{type(teacher).__name__}")
+    backbone, lm_head = causal_lm_parts(teacher, teacher.name_or_path)
+    check_logits_are_output_layer(teacher, backbone, lm_head, teacher.name_or_path)
     return teacher.eval()
 
 
@@ -329,6 +338,7 @@ def _token_sequences(dataset, tokenizer, text_field, max_length, teacher_name, r
 def _teacher_rows(teacher, sequences, batch_size: int, top_k: int, head_rows: int = 512):
     """Per sequence: (z [L, H] float32, top-K ids [L, K], top-K probabilities [L, K] float32)."""
     device = teacher.device
+    backbone, lm_head = teacher.base_model, teacher.get_output_embeddings()  # checked by _load_teacher
     batch: list[list[int]] = []
 
     def run(batch):
@@ -343,12 +353,12 @@ def _teacher_rows(teacher, sequences, batch_size: int, top_k: int, head_rows: in
             bad = ids[(ids < 0) | (ids >= vocab)][0].item()
             raise ValueError(f"token id {bad} is outside the teacher's vocabulary [0, {vocab}): the input_ids were not "
                              "made by this base's tokenizer")
-        z = teacher.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        z = backbone(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         for i, seq in enumerate(batch):
             zi = z[i, : len(seq)]
             top_ids, top_probs = [], []
             for r in range(0, len(seq), head_rows):  # [rows × V] logits a block at a time
-                probs = torch.softmax(teacher.lm_head(zi[r : r + head_rows]).float(), dim=-1)
+                probs = torch.softmax(lm_head(zi[r : r + head_rows]).float(), dim=-1)
                 p, k = probs.topk(top_k, dim=-1)
                 top_ids.append(k)
                 top_probs.append(p)

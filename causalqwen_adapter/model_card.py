@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 TEMPLATE_NAME = "adapter_card.md.j2"
 CARD_NAME = "README.md"
 WEIGHTS_NAME = "model.safetensors"
-TAGS = ["causalqwen", "ovr", "cauchy", "qwen2"]
+TAGS = ["causalqwen", "ovr", "cauchy"]  # and the base's model type
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                        "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 # Framework versions named in the card; the package itself only when it is installed.
@@ -85,6 +85,10 @@ def write_model_card(model, folder, model_id: str | None = None) -> Path | None:
     return path
 
 
+def _unique(items: list) -> list:
+    return list(dict.fromkeys(items))
+
+
 def render_model_card(folder, config: dict, *, model_id: str, training_summary: dict | None = None,
                       weights: dict | None = None) -> str:
     """The card text for the adapter folder `folder` with `config.json`'s dict.
@@ -111,7 +115,7 @@ def render_model_card(folder, config: dict, *, model_id: str, training_summary: 
         license_name=base_card.get("license_name"),
         license_link=base_card.get("license_link"),
         datasets=hub_datasets or None,
-        tags=TAGS + [t for t in (training_summary or {}).get("tags", []) if t not in TAGS],
+        tags=_unique(TAGS + [text_config.get("model_type") or "qwen2"] + (training_summary or {}).get("tags", [])),
     )
     weights = weights or _safetensors_summary(folder / WEIGHTS_NAME)
     lora = folder / "lora"

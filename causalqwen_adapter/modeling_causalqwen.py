@@ -1,4 +1,4 @@
-"""CausalQwen: causal heads (abduction → action → OvR) on a frozen Qwen2 backbone (docs/design.md).
+"""CausalQwen: causal heads (abduction → action → OvR) on the frozen backbone of a decoder-only LM (docs/design.md).
 
 Read top to bottom: the outputs, then the model (the heads' scores per inference mode, `forward` with its losses).
 The head modules are in `heads.py`; building, saving and loading the adapter in `adapter_io.py`
@@ -16,11 +16,11 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel, Qwen2Model
+from transformers import AutoModel, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils import logging
 
-from .adapter_io import CausalAdapterMixin
+from .adapter_io import CausalAdapterMixin, base_is_tied
 from .cauchy import (
     INFERENCE_MODES,
     CompiledKernel,
@@ -112,7 +112,7 @@ class CausalQwenPreTrainedModel(PreTrainedModel):
     config: CausalQwenConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["Qwen2DecoderLayer"]
+    _no_split_modules = None  # the backbone's own (its decoder layer), gathered by post_init from the child
     _skip_keys_device_placement = [CACHE_NAME]
     _supports_flash_attn = True
     _supports_sdpa = True
@@ -133,16 +133,16 @@ class CausalQwenPreTrainedModel(PreTrainedModel):
 
 
 class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
-    """Qwen2 backbone + causal heads; returns the Cauchy parameters of U and S (what `AutoModel` loads)."""
+    """The base's backbone + causal heads; returns the Cauchy parameters of U and S (what `AutoModel` loads)."""
 
-    def __init__(self, config: CausalQwenConfig, backbone: Qwen2Model | None = None, lm_head: nn.Linear | None = None):
+    def __init__(self, config: CausalQwenConfig, backbone: nn.Module | None = None, lm_head: nn.Linear | None = None):
         super().__init__(config)
         text = config.text_config
         for loaded in (backbone, lm_head):
             # Already-loaded base modules: mark them so post_init's weight initialisation leaves them alone.
             for module in loaded.modules() if loaded is not None else ():
                 module._is_hf_initialized = True
-        self.model = backbone if backbone is not None else Qwen2Model(text)
+        self.model = backbone if backbone is not None else AutoModel.from_config(text)
         self.model.requires_grad_(False)  # frozen by default: the heads are what trains
         self.abduction = AbductionNetwork(text.hidden_size, config.causal_size)
         self.action = ActionNetwork(config.causal_size, text.vocab_size, config.action_weight, config.action_lora_rank)
@@ -152,8 +152,8 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
             self.numeric = NumericHead(text.hidden_size, config.causal_size)
         if config.action_weight != "full":
             # W_base is the base's output embedding: the input embedding when tied, else its lm_head (frozen, not saved).
-            if text.tie_word_embeddings:
-                owner = self.model.embed_tokens
+            if base_is_tied(text):
+                owner = self.model.get_input_embeddings()
             else:
                 self.lm_head = lm_head if lm_head is not None else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
                 self.lm_head.requires_grad_(False)
@@ -162,10 +162,10 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self):
-        return self.model.embed_tokens
+        return self.model.get_input_embeddings()
 
     def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
+        self.model.set_input_embeddings(value)
 
     # ------------------------------------------------------------------ forward
 
@@ -199,7 +199,8 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
                              "tokens): pass input_ids instead of inputs_embeds")
         check_numeric_values(numeric_values, input_ids.shape, "the input tokens", input_ids, self.config.num_token_id)
         if inputs_embeds is None:
-            inputs_embeds = self.model.embed_tokens(input_ids)
+            # The backbone's own embedding module (Gemma's scales by √H inside it), so v = 0 is the base's input.
+            inputs_embeds = self.model.get_input_embeddings()(input_ids)
         return None, self.numeric.read(lambda numeric, embeds: numeric.embed(embeds, numeric_values), inputs_embeds)
 
     def numeric_prediction(self, loc_U, scale_U, mode="standard", temperature=1.0, noise=None):
@@ -301,7 +302,7 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
     def verify_initialization(self, input_ids, attention_mask=None, base_model=None) -> dict[str, float]:
         """How far the fresh CausalQwen is from its base (docs/design.md, Action network: the invariant).
 
-        Compares against `base_model` when given (a separately loaded `Qwen2ForCausalLM`), else
+        Compares against `base_model` when given (a separately loaded base causal LM), else
         against the base lm_head kept by `from_base` on the shared backbone.
         """
         z = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -317,7 +318,7 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
             if lm_head is None:
                 raise ValueError(
                     "no base output layer to compare against (the model was not built by from_base, or its untied "
-                    "base was released): pass base_model=<the Qwen2ForCausalLM base>"
+                    "base was released): pass base_model=<the base causal LM>"
                 )
             z_base = z
             base_logits = lm_head(z.to(lm_head.weight.dtype))

@@ -6,7 +6,7 @@ assistant-only masks, packing, the collator, logging, `accelerate launch`. What 
 - the loss is the model's: `CausalQwenForCausalLM.forward(labels=...)` computes the loss its config names (the OvR
   loss, in token × vocabulary tiles, or the softmax baseline) and returns its metrics; `compute_loss` calls it,
   checks it and logs the metrics;
-- the model: a `CausalQwenForCausalLM`, built from a Qwen2 base (fresh heads) or loaded from an adapter folder;
+- the model: a `CausalQwenForCausalLM`, built from a base (fresh heads) or loaded from an adapter folder;
   the backbone stays frozen (optionally with LoRA on it);
 - checkpoints and `save_model` hold adapter folders (heads only), and resuming loads those tensors back.
 """
@@ -46,7 +46,7 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
     r"""
     Configuration of [`CausalSFTTrainer`]: TRL's [`~trl.SFTConfig`] plus the causal-head options.
 
-    The head hyper-parameters are used only when the trainer builds fresh heads (when `model` is a Qwen2 base);
+    The head hyper-parameters are used only when the trainer builds fresh heads (when `model` is a base);
     an adapter brings its own.
     """
 
@@ -70,7 +70,7 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
     freeze_backbone: bool = field(
         default=True,
         metadata={
-            "help": "Keep the base Qwen2 weights frozen, so only the causal heads train (and LoRA adapters on the "
+            "help": "Keep the base's weights frozen, so only the causal heads train (and LoRA adapters on the "
             "backbone, when a `peft_config` is given). An adapter folder never stores base weights, so training the "
             "full backbone is not supported: pass a LoRA `peft_config` to adapt it."
         },
@@ -134,8 +134,8 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
     Trains the causal heads of a [`CausalQwenForCausalLM`] with the one-vs-rest loss, as an [`~trl.SFTTrainer`].
 
     Args:
-        model (`str`, `CausalQwenForCausalLM` or `Qwen2ForCausalLM`):
-            A CausalQwen adapter (folder or Hub id, its config has `model_type: causalqwen`), a Qwen2 base (folder or
+        model (`str`, `CausalQwenForCausalLM` or a base `*ForCausalLM`):
+            A CausalQwen adapter (folder or Hub id, its config has `model_type: causalqwen`), a base (folder or
             Hub id; fresh heads are attached with the config's head fields), or a loaded model. Strings are loaded
             with `args.model_init_kwargs` (`dtype` defaults to float32, like TRL).
         args ([`CausalSFTConfig`], *optional*): the training configuration.

@@ -2,7 +2,7 @@
 metrics by name.
 
 - `CausalHeadArguments`: the head fields of `CausalSFTConfig` and `CausalDistillConfig` (used for fresh heads);
-- `prepare_causal_model`: the `model` argument (a Qwen2 base, an adapter, or a loaded model) as a
+- `prepare_causal_model`: the `model` argument (a base, an adapter, or a loaded model) as a
   `CausalQwenForCausalLM`, with the head parameters its configured loss can never reach frozen
   (`unreachable_parameters`); `configure_backbone`: frozen, or with LoRA;
 - `AdapterCheckpointMixin`: checkpoints, `save_model`, resuming and the model card as adapter folders; only finite
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import PreTrainedConfig, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
@@ -31,6 +31,7 @@ from .adapter_io import (
     all_finite,
     check_found,
     check_not_foreign,
+    check_supported_base,
     is_adapter_folder,
 )
 from .configuration_causalqwen import (
@@ -72,7 +73,7 @@ def config_argument(name: str, note: str = "", default=None):
 @dataclass
 class CausalHeadArguments:
     """The head options of the trainers' configs: `CausalQwenConfig` fields, used when a trainer builds fresh heads
-    (when `model` is a Qwen2 base; an adapter brings its own). Unset (None) means the config's value; each option is
+    (when `model` is a base; an adapter brings its own). Unset (None) means the config's value; each option is
     described once, in `CausalQwenConfig`'s docstring. The loss options and `ovr_distribution` apply to adapters too."""
 
     causal_size: int | None = config_argument("causal_size")
@@ -422,34 +423,34 @@ def head_options(args: CausalHeadArguments) -> dict:
 
 def prepare_causal_model(model, args, loss: str = "sft") -> tuple[CausalQwenForCausalLM, bool]:
     """The trainers' `model` argument as a `CausalQwenForCausalLM`, and whether its heads are fresh: an adapter
-    (folder, Hub id or loaded) keeps its heads; a Qwen2 base (folder, Hub id or loaded) gets fresh heads from the
+    (folder, Hub id or loaded) keeps its heads; a base (folder, Hub id or loaded causal LM) gets fresh heads from the
     config's head fields. The head parameters that `loss` (`"sft"`: `forward(labels=...)`; `"distill"`: the
     distillation loss), as the config sets it, can never reach are frozen (`freeze_unreachable_parameters`)."""
     fresh = False
     if isinstance(model, (str, os.PathLike)):
         model, fresh = _load_model(str(model), args)
-    elif isinstance(model, Qwen2ForCausalLM):
-        model, fresh = CausalQwenForCausalLM.from_base(model, **head_options(args)), True
+    elif isinstance(model, PreTrainedModel) and not isinstance(model, CausalQwenForCausalLM):
+        model, fresh = CausalQwenForCausalLM.from_base(model, **head_options(args)), True  # checks the base
     elif not isinstance(model, CausalQwenForCausalLM):
         raise TypeError(
-            f"model must be a CausalQwenForCausalLM, a Qwen2ForCausalLM, or a path/Hub id of either, got "
+            f"model must be a CausalQwenForCausalLM, a base causal LM (*ForCausalLM), or a path/Hub id of either, got "
             f"{type(model).__name__}"
         )
     if args.learnable_threshold and not model.config.learnable_threshold:
         raise ValueError(
             "learnable_threshold=True but this model's heads have a fixed threshold: it applies to fresh heads "
-            "only (pass the Qwen2 base instead of an adapter, or drop the option)"
+            "only (pass the base instead of an adapter, or drop the option)"
         )
     relative = getattr(args, "ovr_relative_threshold", None)
     if not fresh and relative is not None and relative != model.config.ovr_relative_threshold:
         raise ValueError(
             f"ovr_relative_threshold={relative} but this adapter's thresholds were trained with "
             f"ovr_relative_threshold={model.config.ovr_relative_threshold}: it applies to fresh heads only (pass the "
-            "Qwen2 base instead of an adapter, or drop the option)"
+            "base instead of an adapter, or drop the option)"
         )
     if args.numeric and not model.config.numeric:
         raise ValueError("numeric=True but this adapter's heads are not numeric: it applies to fresh heads only (pass "
-                         "the Qwen2 base instead of an adapter, or drop the option)")
+                         "the base instead of an adapter, or drop the option)")
     # The loss is the model's (forward(labels=...)): the trainer's choice goes into its config, saved with it.
     changed = False
     for name in ("objective", "softmax_loss_weight", "ovr_trains_location", "ovr_distribution", "distill_tail_weight"):
@@ -578,7 +579,7 @@ def calibrate_threshold_on_features(model: CausalQwenForCausalLM, z: torch.Tenso
 
 
 def _load_model(name: str, args) -> CausalQwenForCausalLM:
-    """An adapter (model_type causalqwen) loads with its heads; a Qwen2 base gets fresh heads from the config."""
+    """An adapter (model_type causalqwen) loads with its heads; a base gets fresh heads from the config."""
     kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
     kwargs.pop("trust_remote_code", None)  # the package's own code is used, not the folder's copy
     revision = kwargs.pop("revision", None)
@@ -591,9 +592,8 @@ def _load_model(name: str, args) -> CausalQwenForCausalLM:
     if model_type == CausalQwenForCausalLM.config_class.model_type:
         return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs), False
     heads = head_options(args)
-    if model_type != "qwen2":
-        return CausalQwenForCausalLM.from_base(name, revision=revision, **heads), True  # raises the not-Qwen2 error
-    base = Qwen2ForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
+    check_supported_base(AutoConfig.from_pretrained(name, revision=revision), name)  # before loading any weights
+    base = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
     return CausalQwenForCausalLM.from_base(base, revision=revision, **heads), True
 
 

@@ -1,7 +1,7 @@
 """Stage 2 of offline distillation: train the causal heads on stored teacher features (docs/design.md, Offline distillation).
 
 No transformer runs: each step scores the stored hidden states with the heads and fits the OvR probabilities of the
-teacher's top-K tokens to the teacher's (top-K MSE). The model is the Qwen2 base the features came from (fresh
+teacher's top-K tokens to the teacher's (top-K MSE). The model is the base the features came from (fresh
 heads) or a CausalQwen adapter to continue; the result is an adapter folder.
 
     python recipes/extract_features.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
@@ -26,7 +26,7 @@ from causalqwen_adapter.distill import CausalDistillConfig, CausalDistillTrainer
 @dataclass
 class DistillArguments:
     model_name_or_path: str = field(
-        metadata={"help": "The Qwen2 base the features were extracted from (fresh heads), or a CausalQwen adapter."}
+        metadata={"help": "The base the features were extracted from (fresh heads), or a CausalQwen adapter."}
     )
     features: str = field(metadata={"help": "Feature folder written by recipes/extract_features.py."})
     eval_features: str | None = field(default=None, metadata={"help": "Feature folder to evaluate on."})

@@ -4,7 +4,7 @@
         --dataset_name held_out.jsonl --modes compatible standard causal --max_length 160 \
         --output_dir out/eval --reliability_diagram
 
-Each model is a Qwen2 base (scored with its softmax) or a CausalQwen adapter (scored in each of `--modes`). The data
+Each model is a base causal LM (scored with its softmax) or a CausalQwen adapter (scored in each of `--modes`). The data
 is any format `sft_ovr.py` reads (`text`, `prompt`/`completion`, chat `messages`; a local file or a `datasets` name).
 Writes `metrics.json` and `metrics.md` (the table printed at the end) to `--output_dir`, and `reliability.png` with
 `--reliability_diagram` (needs matplotlib). The metrics are described in `causalqwen_adapter/evaluation.py`. The
@@ -29,7 +29,7 @@ from causalqwen_adapter.evaluation import evaluate, markdown_table, reliability_
 
 @dataclass
 class EvaluationArguments:
-    models: list[str] = field(metadata={"help": "Qwen2 bases and CausalQwen adapters (folders or Hub ids)."})
+    models: list[str] = field(metadata={"help": "Base causal LMs and CausalQwen adapters (folders or Hub ids)."})
     dataset_name: str = field(metadata={"help": "A local .jsonl/.json/.parquet/.csv file, or a `datasets` name."})
     output_dir: str = field(metadata={"help": "Where metrics.json, metrics.md (and reliability.png) are written."})
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of the dataset."})

@@ -1,4 +1,4 @@
-"""Stage 1 of offline distillation: store the frozen Qwen2 teacher's features (docs/design.md, Offline distillation).
+"""Stage 1 of offline distillation: store the frozen teacher's features (docs/design.md, Offline distillation).
 
 For every real token of the corpus: the final hidden state z and the teacher's top-K next-token ids and
 probabilities, in a `datasets` folder that `recipes/distill_heads.py` trains on (run this once, train many epochs).
@@ -30,7 +30,7 @@ from causalqwen_adapter.features import extract_features
 
 @dataclass
 class ExtractArguments:
-    model_name_or_path: str = field(metadata={"help": "The Qwen2 teacher: the base the heads attach to (Hub id or folder)."})
+    model_name_or_path: str = field(metadata={"help": "The teacher: the base the heads attach to (Hub id or folder)."})
     dataset_name: str = field(
         metadata={"help": "A `datasets` name on the Hub, or a local .jsonl/.json/.parquet/.csv file or data folder."}
     )

@@ -1,6 +1,6 @@
 """Train CausalQwen heads with the one-vs-rest loss: TRL's `sft` script, for causal heads.
 
-The model is a Qwen2 base (fresh heads are attached) or a CausalQwen adapter (training continues). The dataset is a
+The model is a base causal LM (fresh heads are attached) or a CausalQwen adapter (training continues). The dataset is a
 `datasets` name or a local .jsonl/.json/.parquet/.csv file or folder, in any format TRL's SFTTrainer reads: plain
 `text`, `prompt`/`completion` (loss on the completion only), or chat `messages`.
 
@@ -40,7 +40,7 @@ from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 def check_model_args(model_args: ModelConfig) -> None:
     """TRL's model flags that a causal-heads run cannot honour are refused, not ignored."""
     if model_args.model_name_or_path is None:
-        raise ValueError("--model_name_or_path is required: a Qwen2 base (Hub id or folder) or a CausalQwen adapter")
+        raise ValueError("--model_name_or_path is required: a base causal LM (Hub id or folder) or a CausalQwen adapter")
     check_found(model_args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise ValueError(

@@ -119,8 +119,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_base_with_tokenizer(folder: Path) -> Path:
-    """A tiny Qwen2 and a word-level tokenizer trained on the test sentences, saved together like a Hub base."""
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer trained on the test sentences, with a chat template."""
     words = [p + c for p, c in PAIRS] + ["user assistant system"]
     special = ["<unk>", "<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -132,6 +132,12 @@ def build_tiny_base_with_tokenizer(folder: Path) -> Path:
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_base_with_tokenizer(folder: Path) -> Path:
+    """A tiny Qwen2 and a word-level tokenizer trained on the test sentences, saved together like a Hub base."""
+    tokenizer = tiny_tokenizer()
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=TOKENIZER_BASE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -300,13 +300,13 @@ def test_base_with_other_hidden_or_vocab_size_is_refused(tied_base, tmp_path):
         CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter", base_model=big_vocab)
 
 
-def test_non_qwen2_base_in_adapter_config_is_refused(tied_base, tmp_path):
+def test_base_of_another_architecture_is_refused(tied_base, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "llama")
     CausalQwenForCausalLM.from_base(tied_base).save_pretrained(tmp_path / "adapter")
-    with pytest.raises(ValueError, match="not Qwen2"):
+    with pytest.raises(ValueError, match="is a 'llama' model, the adapter was built on a 'qwen2' base: pass the base"):
         CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter", base_model=tmp_path / "llama")
 
 

@@ -208,11 +208,12 @@ def test_bad_extraction_arguments(tiny_teacher, tmp_path, kwargs, data, error):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_teacher_must_be_qwen2(tmp_path):
-    (tmp_path / "gpt").mkdir()
-    (tmp_path / "gpt" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="'gpt2' checkpoint: the teacher must be the Qwen2 base"):
-        extract_features(str(tmp_path / "gpt"), ["a"], tmp_path / "store")
+def test_teacher_must_be_a_supported_base(tmp_path):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="'bert' checkpoint, an encoder .bidirectional attention.: CausalQwen heads"):
+        extract_features(str(tmp_path / "bert"), ["a"], tmp_path / "store")
+    assert not (tmp_path / "store").exists()
 
 
 def test_load_features_refuses_other_folders(tmp_path):

@@ -284,7 +284,7 @@ def test_from_base_keeps_no_second_copy_of_an_untied_output_layer(tmp_path, inpu
     del base
     gc.collect()
     assert lm_head() is None
-    with pytest.raises(ValueError, match="pass base_model=<the Qwen2ForCausalLM base>"):
+    with pytest.raises(ValueError, match="pass base_model=<the base causal LM>"):
         model.verify_initialization(input_ids)
     report = model.verify_initialization(input_ids, base_model=Qwen2ForCausalLM.from_pretrained(folder))
     assert report["logits_diff"] < 1e-6
@@ -321,15 +321,17 @@ def test_labels_outside_vocabulary_raise(tied_base, input_ids):
         model(input_ids, labels=labels)
 
 
-def test_non_qwen2_base_is_refused(tmp_path):
+def test_what_is_not_a_causal_lm_is_refused(tmp_path):
+    """A backbone without its output layer, or an object that is no model: the error says what to pass (other
+    architectures: tests/test_architectures.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="'llama' checkpoint, not Qwen2"):
-        CausalQwenForCausalLM.from_base(tmp_path)
-    with pytest.raises(TypeError, match="Qwen2ForCausalLM"):
-        CausalQwenForCausalLM.from_base(LlamaForCausalLM.from_pretrained(tmp_path))
+    with pytest.raises(TypeError, match="LlamaModel, a model without a language-model output layer: pass the base's"):
+        CausalQwenForCausalLM.from_base(LlamaForCausalLM.from_pretrained(tmp_path).model)
+    with pytest.raises(TypeError, match="a loaded causal LM .a transformers \\*ForCausalLM., got dict"):
+        CausalQwenForCausalLM.from_base({})
 
 
 def test_ovr_loss_without_location_gradient(tied_base, input_ids):
