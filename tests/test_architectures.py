@@ -261,6 +261,8 @@ def test_numbers_on_a_scaled_embedding(bases, prompt):
     """Gemma scales its input embedding by √H inside the embedding module: <NUM> values of 0 leave the base's input
     exactly, through the backbone's own embedding."""
     model = CausalQwenForCausalLM.from_base(bases["gemma3_text"], numeric=True, num_token_id=VOCAB - 1).eval()
+    prompt = prompt.clone()
+    prompt[:, 3] = VOCAB - 1  # a <NUM> token: values count there only
     with torch.no_grad():
         plain = model(prompt)
         zeros = model(prompt, numeric_values=torch.zeros(prompt.shape))
