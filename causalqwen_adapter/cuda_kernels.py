@@ -72,12 +72,14 @@ def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
 
     def loss_tile(loc, bias, lse, threshold, relative, scale, col, degenerate, ce, of, flags, d, g, rows_out, col_d,
                   col_t, threads):
-        # one [w] column sum (threads = 1): the C layout's [threads, w] rows are the CPU's
+        # The column sums' layout is [threads, w], summed by the caller after zeroing them: the kernel adds into the
+        # first row (the only one where threads = 1, as the loss passes it for a GPU)
         done = triton().loss_tile_triton(loc, bias, lse, threshold, relative, scale, col, degenerate, ce, of, flags,
-                                         d, g, rows_out, col_d.reshape(-1), col_t.reshape(-1))
+                                         d, g, rows_out, col_d.reshape(-1, loc.shape[1])[0],
+                                         col_t.reshape(-1, loc.shape[1])[0])
         if done is None:
-            raise RuntimeError("causalqwen::loss_tile: the Triton kernel does not take these arguments (threads must "
-                               f"be 1 and every tensor on one device, rows of unit stride); got threads={threads}")
+            raise RuntimeError("causalqwen::loss_tile: the Triton kernel does not take these arguments (every tensor "
+                               "on one device, rows of unit stride)")
 
     def block_logsumexp(loc, bias, store_bias, lse, threads):
         if triton().block_logsumexp_triton(loc, bias, store_bias, lse) is None:
