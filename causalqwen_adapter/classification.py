@@ -241,6 +241,31 @@ def classification_metrics(pred: torch.Tensor, target: torch.Tensor, confidence:
     return out
 
 
+def auroc(known: torch.Tensor, unknown: torch.Tensor) -> float:
+    """P(score of a known row > score of an unknown row) + ½ P(tie): the area under the ROC curve of telling known
+    rows (positives) from unknown ones by a score, higher meaning known."""
+    if len(known) == 0 or len(unknown) == 0:
+        raise ValueError("AUROC needs known and unknown rows: the split has no unknown class (lower the fraction of "
+                         "classes known in training) or no known one")
+    scores = torch.cat([known, unknown]).double()
+    # midranks of the ties, then the Mann–Whitney U statistic of the known rows
+    order = torch.argsort(scores, stable=True)
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    values, inverse = torch.unique(scores, return_inverse=True)
+    mean_rank = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, ranks)
+    mean_rank /= torch.bincount(inverse, minlength=len(values)).double()
+    u = mean_rank[inverse[: len(known)]].sum().item() - len(known) * (len(known) + 1) / 2
+    return u / (len(known) * len(unknown))
+
+
+def fpr_at_tpr(known: torch.Tensor, unknown: torch.Tensor, tpr: float = 0.95) -> float:
+    """The fraction of unknown rows accepted (score ≥ t) at the largest threshold t that accepts `tpr` of the known
+    rows."""
+    threshold = abstention_threshold(known, tpr)
+    return (unknown.double() >= threshold).double().mean().item()
+
+
 def reliability_bins(confidence: torch.Tensor, correct: torch.Tensor) -> tuple[list, list, list]:
     """(mean confidence, accuracy, count) of the non-empty bins of the ECE."""
     bins = _Bins()
@@ -249,7 +274,7 @@ def reliability_bins(confidence: torch.Tensor, correct: torch.Tensor) -> tuple[l
 
 
 __all__ = [
-    "ECE_BINS", "LabelScores", "LabelSet", "RULES", "abstention_threshold", "accuracy_coverage_curve",
-    "classification_metrics", "expected_calibration_error", "label_scores", "label_set", "macro_f1",
+    "ECE_BINS", "LabelScores", "LabelSet", "RULES", "abstention_threshold", "accuracy_coverage_curve", "auroc",
+    "classification_metrics", "fpr_at_tpr", "expected_calibration_error", "label_scores", "label_set", "macro_f1",
     "prompt_hidden_states", "rejection_scores", "reliability_bins", "tokenize_prompts",
 ]

@@ -14,7 +14,9 @@ from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.classification import (
     abstention_threshold,
     accuracy_coverage_curve,
+    auroc,
     classification_metrics,
+    fpr_at_tpr,
     label_scores,
     label_set,
     macro_f1,
@@ -193,6 +195,23 @@ def test_metrics_match_naive_loops(seed):
     assert macro_f1(torch.tensor([0, 0]), torch.tensor([0, 0])) == 1.0
     with pytest.raises(ValueError, match="coverage must be in"):
         abstention_threshold(validation, 0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_open_set_metrics_match_naive_loops(seed):
+    generator = torch.Generator().manual_seed(seed)
+    known = torch.randint(0, 12, (37,), generator=generator).double() / 4  # ties within and across the groups
+    unknown = torch.randint(0, 10, (23,), generator=generator).double() / 4
+    pairs = [(a, b) for a in known.tolist() for b in unknown.tolist()]
+    expected = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs) / len(pairs)
+    assert auroc(known, unknown) == pytest.approx(expected, abs=1e-12)
+    assert auroc(known + 10, unknown) == 1.0 and auroc(known, unknown + 10) == 0.0
+    # the largest threshold accepting 95 % of the known rows, then the unknown rows it accepts
+    candidates = sorted(set(known.tolist()), reverse=True)
+    t = next(c for c in candidates if sum(v >= c for v in known.tolist()) >= 0.95 * 37)
+    assert fpr_at_tpr(known, unknown, 0.95) == pytest.approx(sum(v >= t for v in unknown.tolist()) / 23, abs=1e-12)
+    with pytest.raises(ValueError, match="no unknown class"):
+        auroc(known, known[:0])
 
 
 # ---------------------------------------------------------------------------------------------- the recipe

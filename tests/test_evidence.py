@@ -37,7 +37,7 @@ def _moved(model, seed=0):
 
 
 def test_cached_features_are_the_backbones_states(base):
-    features = evidence.extract(base.model, PROMPTS, LABEL_IDS)
+    features = evidence.extract(base.model, PROMPTS, [LABEL_IDS] * len(PROMPTS))
     for n, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             alone = base.model(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]
@@ -53,7 +53,7 @@ def test_cached_loss_is_the_recipes_loss(base, heads):
     """heads_loss on the cached targets equals forward(labels=...) on prompt + label + EOS with the prompt masked,
     the loss the SFT trainer computes, over a batch of rows."""
     model = _moved(CausalQwenForCausalLM.from_base(base, **heads))
-    features = evidence.extract(base.model, PROMPTS, LABEL_IDS)
+    features = evidence.extract(base.model, PROMPTS, [LABEL_IDS] * len(PROMPTS))
     noisy = [2, 0, 1]
     rows = torch.tensor([2, 0, 1])
     z, targets = evidence.training_targets(features, noisy, rows, LABEL_IDS, EOS)
