@@ -268,7 +268,13 @@ def label_noise(args, settings, base, features, labels, eos, trainer_defaults) -
     K = len(labels.labels)
     clean_train, clean_val = features["train"]["label"].tolist(), features["validation"]["label"].tolist()
     all_rows = torch.arange(len(clean_train))
-    results = []
+    # fresh heads: loc_S is the base's logits, so the softmax rule is the base's zero-shot label-set accuracy
+    init = accuracies(CausalQwenForCausalLM.from_base(base).eval(), "ovr", features["test"]["z"],
+                      features["test"]["label"], labels)
+    print(f"{args.task} fresh heads (the base zero-shot), clean test {init}", flush=True)
+    results = [{"task": args.task, "noise": "none", "rate": 0.0, "arm": "fresh heads", "lr": 0.0, "seeds": [],
+                "test_accuracy": [init], **{f"{rule}_{stat}": value for rule, acc in init.items()
+                                            for stat, value in (("mean", acc), ("se", float("nan")))}}]
     for kind, rate in settings:
         for arm in args.arms:
             def run(seed, lr):
@@ -314,6 +320,8 @@ def open_set(model, arm, z, fine, known: list[int], val_z, val_fine, labels, cov
     val_known = torch.tensor([f in index for f in val_fine.tolist()])
     out = {}
     for name, score in rejection_scores(scores).items():
+        if name == "ovr_max_prob" and model.config.objective != "ovr":
+            continue  # scales the softmax objective never trained
         pred = scores.decide("ovr" if name == "ovr_max_prob" else "softmax")[0]
         threshold = abstention_threshold(rejection_scores(val_scores)[name][val_known], coverage)
         pred = torch.where(score >= threshold, pred, torch.full_like(pred, -1))

@@ -138,3 +138,47 @@ def test_stratified_split_keeps_every_row_once():
     for label, n in Counter(r["label"] for r in rows).items():
         assert Counter(r["label"] for r in splits["train"])[label] == round(0.7 * n)
     assert stratified_split(rows, "label", {"a": 0.5, "b": 0.5}, seed=1) == stratified_split(rows, "label", {"a": 0.5, "b": 0.5}, seed=1)
+
+
+def _tiny_features(base, n, classes, fine_count, seed):
+    """Features of random prompts on the tiny base, as cached_features stores them (coarse labels, a fine label)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 100, (int(torch.randint(2, 6, (1,), generator=generator)),), generator=generator).tolist()
+               for _ in range(n)]
+    fine = torch.randint(0, fine_count, (n,), generator=generator)
+    out = evidence.extract(base.model, prompts, [LABEL_IDS[:classes] + [60 + f] for f in fine.tolist()])
+    return {**out, "label": fine % classes, "fine": fine}
+
+
+def test_protocols_run_end_to_end_and_write_their_tables(base, tmp_path):
+    """Both protocols on the tiny base: every arm trains, the tables have one row per arm and setting (per score),
+    and accuracies, AUROCs and F1s are proportions."""
+    from argparse import Namespace
+
+    from causalqwen_adapter.classification import LabelSet
+    from causalqwen_adapter.trainer import CausalSFTConfig
+
+    features = {split: _tiny_features(base, n, 3, 6, seed) for seed, (split, n) in
+                enumerate({"train": 24, "validation": 12, "test": 18}.items())}
+    labels = LabelSet([" a", " b", " c"], LABEL_IDS)
+    args = Namespace(arms=list(evidence.ARMS), seeds=[0, 1], lrs=[1e-3, 1e-2], steps=2, batch_rows=4, out=str(tmp_path),
+                     task="tiny", quick=False, known=[0.5])
+    defaults = CausalSFTConfig("unused", report_to="none", use_cpu=True)
+    evidence.label_noise(args, [("none", 0.0), ("class", 0.4)], base, features, labels, EOS, defaults)
+    results = __import__("json").loads((tmp_path / "label_noise-tiny.json").read_text())["results"]
+    assert [(r["noise"], r["arm"]) for r in results] == [("none", "fresh heads")] + \
+        [(k, a) for k in ("none", "class") for a in evidence.ARMS]
+    for row in results[1:]:
+        assert row["lr"] in (1e-3, 1e-2) and len(row["test_accuracy"]) == 2
+        assert 0 <= row["softmax_mean"] <= 1 and ("ovr_mean" in row) == (row["arm"] not in ("softmax", "gce"))
+    assert (tmp_path / "label_noise-tiny.md").read_text().count("\n") == 2 + len(results)
+
+    fine = LabelSet([f" f{i}" for i in range(6)], [60 + i for i in range(6)])
+    args.arms = ["ovr", "softmax"]
+    evidence.unknown_classes(args, base, features, fine, 3, EOS, defaults)
+    results = __import__("json").loads((tmp_path / "unknown_classes-tiny.json").read_text())["results"]
+    assert {r["score"] for r in results if r["arm"] == "ovr"} == {"ovr_max_prob", "softmax_label_max", "softmax_vocab_top",
+                                                                  "softmax_vocab_label_mass", "energy", "max_logit"}
+    assert "ovr_max_prob" not in {r["score"] for r in results if r["arm"] == "softmax"}
+    for row in results:
+        assert 0 <= row["auroc"] <= 1 and 0 <= row["fpr_at_95_tpr"] <= 1 and 0 <= row["open_set_macro_f1"] <= 1
