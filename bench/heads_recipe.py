@@ -100,14 +100,16 @@ def evaluate_heads(model, z, targets, modes, distributions=("accept_once",), chu
     return {name[kind]: acc.compute() for kind, acc in accumulators.items()}
 
 
-def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio):
-    """AdamW with the trainer's per-role learning rates (see training.HeadLearningRatesMixin)."""
+def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio, fused=False):
+    """AdamW with the trainer's per-role learning rates (see training.HeadLearningRatesMixin); `fused`: torch's
+    one-kernel AdamW (the same update, about 10× faster on a 151,936 × 896 W_A on one CPU thread)."""
     groups = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         groups.setdefault(learning_rate_ratio(name, location_lr_ratio, threshold_lr_ratio), []).append(param)
-    return torch.optim.AdamW([{"params": p, "lr": learning_rate * r} for r, p in groups.items()], weight_decay=0.0)
+    return torch.optim.AdamW([{"params": p, "lr": learning_rate * r} for r, p in groups.items()], weight_decay=0.0,
+                             fused=fused)
 
 
 def main() -> None:

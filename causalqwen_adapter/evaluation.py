@@ -260,4 +260,17 @@ def reliability_diagram(accumulators: dict[str, dict[str, EvaluationAccumulator]
     plt.close(fig)
 
 
-__all__ = ["EvaluationAccumulator", "evaluate", "markdown_table", "reliability_diagram", "score_positions"]
+def load_model(name: str, dtype):
+    """(model, name of its base) for a CausalQwen adapter or any causal LM (a Qwen2 base), folder or Hub id."""
+    from transformers import AutoModelForCausalLM, PreTrainedConfig
+
+    from .modeling_causalqwen import CausalQwenForCausalLM
+
+    config, _ = PreTrainedConfig.get_config_dict(name)
+    if config.get("model_type") == CausalQwenForCausalLM.config_class.model_type:
+        model = CausalQwenForCausalLM.from_pretrained(name, dtype=dtype)
+        return model, model.config.base_model_name_or_path
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), name
+
+
+__all__ = ["EvaluationAccumulator", "evaluate", "load_model", "markdown_table", "reliability_diagram", "score_positions"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedConfig
+from transformers import AutoTokenizer, HfArgumentParser
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
@@ -24,7 +24,7 @@ from causalqwen_adapter.cauchy import INFERENCE_MODES
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS, check_choice, check_number
 from causalqwen_adapter.data import batches, load_text_dataset, tokenize_for_evaluation
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
-from causalqwen_adapter.evaluation import evaluate, markdown_table, reliability_diagram
+from causalqwen_adapter.evaluation import evaluate, load_model, markdown_table, reliability_diagram
 
 
 @dataclass
@@ -53,14 +53,6 @@ class EvaluationArguments:
     reliability_diagram: bool = field(default=False, metadata={"help": "Also write reliability.png."})
     seed: int = field(default=0, metadata={"help": "Seed of the sampling mode's noise."})
     device: str = field(default=AUTO, metadata={"help": DEVICE_HELP})
-
-
-def load_model(name: str, dtype):
-    config, _ = PreTrainedConfig.get_config_dict(name)
-    if config.get("model_type") == CausalQwenForCausalLM.config_class.model_type:
-        model = CausalQwenForCausalLM.from_pretrained(name, dtype=dtype)
-        return model, model.config.base_model_name_or_path
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), name
 
 
 def check_arguments(args: EvaluationArguments) -> None:
