@@ -295,9 +295,9 @@ class LocationScaleHead(torch.nn.Module):
     def nll(self, z, y):
         loc, scale = self(z)
         if self.family == "gaussian":
-            return -torch.distributions.Normal(loc, scale).log_prob(y)
+            return -torch.distributions.Normal(loc, scale, validate_args=False).log_prob(y)
         if self.family == "student_t":
-            return -torch.distributions.StudentT(self.df(), loc, scale).log_prob(y)
+            return -torch.distributions.StudentT(self.df(), loc, scale, validate_args=False).log_prob(y)
         from causalqwen_adapter.cauchy import cauchy_nll
 
         return cauchy_nll(y, loc, scale)
@@ -335,9 +335,9 @@ def score_head(head, z, y) -> dict:
     """Test metrics of a trained head; non-finite predictions score inf (a diverged run is a loss, not an error)."""
     with torch.no_grad():
         loc, scale = head(z)
+        if not (torch.isfinite(loc).all() and torch.isfinite(scale).all() and (scale > 0).all()):
+            return {"diverged": True, "score": float("inf")}
         nll = head.nll(z, y).double().mean().item()
-    if not (torch.isfinite(loc).all() and torch.isfinite(scale).all() and (scale > 0).all()):
-        return {"diverged": True, "score": float("inf")}
     law = head.law()
     intervals = {level: central_interval(head.family, loc, scale, level, law.get("df")) for level in LEVELS}
     return {"median_abs_error": median_absolute_error(loc, y), "nll": nll, **law, **interval_metrics(intervals, y)}

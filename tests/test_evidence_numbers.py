@@ -256,3 +256,12 @@ def test_protocol_runs_every_arm_and_condition_on_a_learnable_task():
     summary = evidence.summarize(results)
     table = evidence.markdown(summary)
     assert table.count("| cauchy |") == 2 and "Winkler 95%" in table
+
+
+def test_a_diverged_head_scores_inf_instead_of_raising():
+    torch.manual_seed(0)
+    z, y = torch.randn(16, 8), torch.randn(16)
+    head = evidence.LocationScaleHead(8, y, "gaussian")
+    with torch.no_grad():
+        head.log_scale.bias.fill_(float("nan"))
+    assert evidence.score_head(head, z, y) == {"diverged": True, "score": float("inf")}
