@@ -268,12 +268,12 @@ def test_a_diverged_head_scores_inf_instead_of_raising():
 
 
 def test_student_t_head_learns_the_tail_of_its_noise():
-    # ν starts at 4: it must leave it, down for Cauchy noise, up for Gaussian noise
+    # ν starts at 4: it must leave it within the budget, down for Cauchy noise, up for Gaussian noise
     torch.manual_seed(0)
     z = torch.randn(2000, 8)
     noise = {"cauchy": torch.distributions.Cauchy(0.0, 0.3).sample((2000,)), "gaussian": 0.3 * torch.randn(2000)}
     df = {}
     for name, eps in noise.items():
-        head = evidence.train_head("student_t", z, z[:, 0] + eps, lr=3e-3, steps=300, batch_size=256, seed=0)
+        head = evidence.train_head("student_t", z, z[:, 0] + eps, lr=1e-3, steps=200, batch_size=256, seed=0)
         df[name] = head.law()["df"]
     assert df["cauchy"] < 2.0 and df["gaussian"] > 8.0, df
