@@ -392,7 +392,11 @@ def split_and_corrupt(n: int, seed: int, fraction: float, train_share=0.6, valid
     return parts, shuffles
 
 
-def run_protocol(z, ratings, *, seeds, steps, batch_size, learning_rates, fraction, arms, log=print) -> list[dict]:
+def run_protocol(z, ratings, *, seeds, steps, batch_size, learning_rates, fraction, arms, select="score",
+                 log=print) -> list[dict]:
+    """One row per (seed, condition, arm): the test metrics at the learning rate whose validation `select` ("score",
+    the mean Winkler score, or "nll") is lowest; `candidates` keeps every rate's validation and test metrics, so
+    another rule can be applied to the JSON afterwards."""
     results = []
     for seed in range(seeds):
         (train, val, test), (shuffle_train, shuffle_val) = split_and_corrupt(len(ratings), seed, fraction)
@@ -403,16 +407,19 @@ def run_protocol(z, ratings, *, seeds, steps, batch_size, learning_rates, fracti
             row = {"seed": seed, "condition": condition, "arm": "constant", **score_constant(y_train, ratings[test])}
             results.append(row)
             for arm in arms:
-                picks = []
+                candidates = []
                 for lr in learning_rates:
                     head = train_head(arm, z[train], y_train, lr=lr, steps=steps, batch_size=batch_size, seed=seed)
-                    picks.append((score_head(head, z[val], y_val)["score"], lr, head))
-                best, lr, head = min(picks, key=lambda pick: pick[0])
-                row = {"seed": seed, "condition": condition, "arm": arm, "lr": lr, "validation_score": best,
-                       **score_head(head, z[test], ratings[test])}
+                    candidates.append({"lr": lr, "validation": score_head(head, z[val], y_val),
+                                       "test": score_head(head, z[test], ratings[test])})
+                best = min(candidates, key=lambda c: c["validation"].get(select, float("inf")))
+                row = {"seed": seed, "condition": condition, "arm": arm, "lr": best["lr"],
+                       "validation_" + select: best["validation"].get(select, float("inf")), **best["test"],
+                       "candidates": candidates}
                 results.append(row)
-                log(f"  seed {seed} {condition:>8} {arm:>11}: lr {lr:g}, test MedAE {row.get('median_abs_error', 'nan'):.3f}, "
-                    f"90% coverage {row.get('coverage_0.9', float('nan')):.3f}, mean Winkler {row['score']:.3f}")
+                log(f"  seed {seed} {condition:>8} {arm:>11}: lr {row['lr']:g}, test MedAE "
+                    f"{row.get('median_abs_error', float('nan')):.3f}, 90% coverage "
+                    f"{row.get('coverage_0.9', float('nan')):.3f}, mean Winkler {row['score']:.3f}")
     return results
 
 
@@ -471,6 +478,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rates", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2])
     parser.add_argument("--shuffle-fraction", type=float, default=0.2)
+    parser.add_argument("--select", choices=("score", "nll"), default="score",
+                        help="the validation metric that picks each arm's learning rate: mean Winkler score, or NLL")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--quick", action="store_true",
                         help="a subset under ~10 minutes: 200 texts, 3 seeds, 200 steps, two learning rates")
@@ -488,13 +497,14 @@ def main() -> None:
           "to extract)")
     began = time.perf_counter()
     results = run_protocol(z, ratings, seeds=args.seeds, steps=args.steps, batch_size=args.batch_size,
-                           learning_rates=args.learning_rates, fraction=args.shuffle_fraction, arms=args.arms)
+                           learning_rates=args.learning_rates, fraction=args.shuffle_fraction, arms=args.arms,
+                           select=args.select)
     summary = summarize(results)
     table = markdown(summary)
     meta = {"command": "python bench/evidence_numbers.py " + " ".join(sys.argv[1:]), "texts": len(ratings),
             "seeds": args.seeds, "steps": args.steps, "batch_size": args.batch_size,
-            "learning_rates": args.learning_rates, "shuffle_fraction": args.shuffle_fraction, "prompt": PROMPT,
-            "base": str(args.base), "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
+            "learning_rates": args.learning_rates, "shuffle_fraction": args.shuffle_fraction, "select": args.select,
+            "prompt": PROMPT, "base": str(args.base), "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "protocol_seconds": round(time.perf_counter() - began, 1),
             "extract_seconds_per_text": store["seconds"] / len(store["keys"])}

@@ -258,6 +258,19 @@ def test_protocol_runs_every_arm_and_condition_on_a_learnable_task():
     assert table.count("| cauchy |") == 2 and "Winkler 95%" in table
 
 
+@pytest.mark.parametrize("select", ["score", "nll"])
+def test_protocol_reports_the_rate_with_the_best_validation_metric(select):
+    torch.manual_seed(0)
+    z = torch.randn(120, 4)
+    ratings = z[:, 0] + 0.2 * torch.randn(120)
+    results = evidence.run_protocol(z, ratings, seeds=1, steps=20, batch_size=16, learning_rates=[1e-4, 1e-2, 1e-1],
+                                    fraction=0.2, arms=["cauchy", "gaussian"], select=select, log=lambda *_: None)
+    for row in (r for r in results if r["arm"] != "constant"):
+        scores = [c["validation"][select] for c in row["candidates"]]
+        best = row["candidates"][scores.index(min(scores))]
+        assert row["lr"] == best["lr"] and row["median_abs_error"] == best["test"]["median_abs_error"]
+
+
 def test_a_diverged_head_scores_inf_instead_of_raising():
     torch.manual_seed(0)
     z, y = torch.randn(16, 8), torch.randn(16)
