@@ -1,0 +1,517 @@
+"""Evidence: does the Cauchy `<NUM>` head give better numbers with intervals than the heads a user would pick instead?
+
+Task: VADER's human sentiment ratings (Hutto & Gilbert, ICWSM 2014; the `*_GroundTruth.txt` files of
+`additional_resources/hutto_ICWSM_2014.tar.gz` in the vaderSentiment 3.3.2 sdist): text → the mean rating of about ten
+people, in [−4, 4], 23,703 texts (tweets, movie and Amazon review snippets, New York Times editorial sentences).
+
+The frozen demo base runs once over a prompt per text; its final hidden state z at the prompt's last token (the
+position whose next token would be the answer's `<NUM>`) is cached under --cache. Every arm then trains on the same z,
+with the same optimiser, steps and learning-rate grid (picked per arm on validation):
+
+- `cauchy`: the package's numeric path as bench/numeric.py trains it: `AbductionNetwork` (identity location, its scale
+  path trained) and `NumericHead` (w, b, s trained) on the standard-mode fused individual, loss `cauchy_nll`, the
+  numeric term of `heads_loss` (the OvR term over the vocabulary is left out: it needs a [V × C] product per row and
+  trains nothing of the number's law but the same scale path);
+- `gaussian`: mean w·z + b, log-variance read from softplus(W z + c) (the size of the abduction scale path);
+- `student_t`: the same with a Student-t law and ν learned;
+- `cauchy_free`: the baselines' parametrisation with the Cauchy law (separates the law from the parametrisation);
+- `constant`: the training targets' empirical quantiles for every text (a floor every head should beat).
+
+Targets are clean, or with 20% of the training (and validation) targets permuted among their rows ("shuffled": a user
+has no clean labels to validate on); test targets are always clean. On test: the median absolute error of the
+predictive median, and for the 50/80/90/95% central intervals their coverage, mean width and interval (Winkler)
+score, each family through its exact quantiles. Mean ± standard error over seeds (each seed: split, initialisation,
+corruption).
+
+    python bench/evidence_numbers.py --base /work/demo-base --quick
+    python bench/evidence_numbers.py --base /work/demo-base --texts 1000 --seeds 5
+"""
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+GROUND_TRUTH_SUFFIX = "_GroundTruth.txt"
+INNER_ARCHIVE = "hutto_ICWSM_2014.tar.gz"
+PROMPT = 'Text: "{text}"\nSentiment of the text, from -4 (very negative) to 4 (very positive):'
+LEVELS = (0.5, 0.8, 0.9, 0.95)
+DF_LR_RATIO = 30.0  # the Student-t head's ν learns at this multiple of the head's learning rate
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+
+
+def parse_ground_truth(source: str, content: str) -> list[dict]:
+    """Rows of one `*_GroundTruth.txt`: `id<TAB>mean rating<TAB>text`. A missing or non-finite rating is refused,
+    naming the file, line and id (a NaN target would silently turn every loss into NaN)."""
+    rows = []
+    for number, line in enumerate(content.splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = line.split("\t", 2)
+        where = f"{source} line {number} (id {fields[0].strip()!r})"
+        if len(fields) < 3 or not fields[1].strip():
+            raise ValueError(f"{where}: no rating; each line must read id<TAB>rating<TAB>text")
+        try:
+            rating = float(fields[1])
+        except ValueError:
+            raise ValueError(f"{where}: rating {fields[1]!r} is not a number") from None
+        if not math.isfinite(rating):
+            raise ValueError(f"{where}: rating {fields[1]!r} is not a finite number")
+        rows.append({"source": source, "id": fields[0].strip(), "rating": rating, "text": fields[2].strip()})
+    return rows
+
+
+def read_vader_ratings(path) -> list[dict]:
+    """Every `*_GroundTruth.txt` row of a tar: the vaderSentiment sdist (read through its nested
+    `hutto_ICWSM_2014.tar.gz`) or that inner archive itself. Sorted by (file, line order)."""
+    return _read_tar(tarfile.open(path, "r:*"))
+
+
+def _read_tar(archive: tarfile.TarFile) -> list[dict]:
+    rows = []
+    with archive:
+        for member in sorted(archive.getmembers(), key=lambda m: m.name):
+            if not member.isfile():
+                continue
+            if member.name.endswith(INNER_ARCHIVE):
+                rows += _read_tar(tarfile.open(fileobj=io.BytesIO(archive.extractfile(member).read()), mode="r:*"))
+            elif member.name.endswith(GROUND_TRUTH_SUFFIX):
+                name = Path(member.name).name
+                rows += parse_ground_truth(name, archive.extractfile(member).read().decode("utf-8"))
+    if not rows:
+        raise ValueError(f"no *{GROUND_TRUTH_SUFFIX} file in the archive: pass the vaderSentiment sdist or {INNER_ARCHIVE}")
+    return rows
+
+
+# --- features ---------------------------------------------------------------------------------------------------
+
+
+def feature_cache_path(cache: Path, base: str) -> Path:
+    key = hashlib.sha256(f"{Path(base).resolve()}\n{PROMPT}".encode()).hexdigest()[:12]
+    return cache / f"vader-z-{key}.pt"
+
+
+def extract_features(base: str, rows: list[dict], texts: int, cache: Path, batch_size: int = 16) -> dict:
+    """z at the last prompt token for the first `texts` rows of a fixed permutation (seed 0) of all rows; resumes a
+    partial cache (saved after every batch), so a long extraction can be stopped and continued."""
+    path = feature_cache_path(cache, base)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    store = torch.load(path) if path.exists() else {"prompt": PROMPT, "base": str(base), "keys": [], "z": [],
+                                                   "rating": [], "seconds": 0.0}
+    if len(store["keys"]) >= texts:
+        return store
+    from transformers import AutoTokenizer, Qwen2Model
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.padding_side = "left"  # the last position is every row's prompt end; RoPE sees relative positions only
+    model = Qwen2Model.from_pretrained(base, dtype=torch.float32).eval()
+    todo = [rows[i] for i in order[len(store["keys"]) : texts]]
+    for start in range(0, len(todo), batch_size * 4):
+        # sort a window by length so a batch pads little; the store keeps the permutation's order
+        window = todo[start : start + batch_size * 4]
+        prompts = [PROMPT.format(text=r["text"]) for r in window]
+        lengths = [len(tokenizer(p).input_ids) for p in prompts]
+        by_length = sorted(range(len(window)), key=lengths.__getitem__)
+        z = torch.empty(len(window), model.config.hidden_size)
+        began = time.perf_counter()
+        with torch.inference_mode():
+            for b in range(0, len(window), batch_size):
+                idx = by_length[b : b + batch_size]
+                enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True)
+                z[idx] = model(**enc).last_hidden_state[:, -1].float()
+        store["seconds"] += time.perf_counter() - began
+        store["keys"] += [f"{r['source']}:{r['id']}" for r in window]
+        store["rating"] += [r["rating"] for r in window]
+        store["z"] = torch.cat([torch.as_tensor(store["z"]).reshape(-1, z.shape[1]), z])
+        tmp = path.with_suffix(".tmp")
+        torch.save(store, tmp)
+        os.replace(tmp, path)
+        print(f"  extracted {len(store['keys'])}/{texts} texts, {store['seconds'] / len(store['keys']):.2f} s/text",
+              flush=True)
+    return store
+
+
+# --- predictive laws: quantiles and metrics ---------------------------------------------------------------------
+
+
+def standard_quantile(family: str, p: float, df: float | None = None) -> float:
+    """The p-quantile of the standard law (location 0, scale 1) of `family`, in float64."""
+    if not 0 < p < 1:
+        raise ValueError(f"a quantile level must lie in (0, 1), got {p}")
+    if family == "cauchy":
+        return math.tan(math.pi * (p - 0.5))
+    if family == "gaussian":
+        return math.sqrt(2.0) * torch.special.erfinv(torch.tensor(2 * p - 1, dtype=torch.float64)).item()
+    if family == "student_t":
+        return student_t_quantile(p, df)
+    raise ValueError(f"unknown family {family!r}: choose cauchy, gaussian or student_t")
+
+
+def student_t_quantile(p: float, df: float, points: int = 4001) -> float:
+    """Quantile of Student's t with `df` degrees of freedom (no closed form for a general ν, no scipy here).
+
+    With t = √ν·tan θ the CDF is ½ + c_ν ∫₀^θ cos^(ν−1) φ dφ, c_ν = Γ((ν+1)/2) / (√π Γ(ν/2)): a bounded integrand
+    on a finite range for ν ≥ 1, integrated by Simpson's rule; θ is found by bisection.
+    """
+    if not df > 0:
+        raise ValueError(f"Student-t degrees of freedom must be > 0, got {df}")
+    if p == 0.5:
+        return 0.0
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    target = abs(p - 0.5)
+
+    def half_mass(theta: float) -> float:
+        phi = torch.linspace(0.0, theta, points, dtype=torch.float64)
+        f = torch.cos(phi) ** (df - 1)
+        h = theta / (points - 1)
+        return c * h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum()).item()
+
+    lo, hi = 0.0, math.pi / 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if half_mass(mid) < target else (lo, mid)
+    return math.copysign(math.sqrt(df) * math.tan((lo + hi) / 2), p - 0.5)
+
+
+def central_interval(family: str, loc: torch.Tensor, scale: torch.Tensor, level: float, df: float | None = None):
+    """(lower, upper) of the central `level` interval of loc + scale·X, X the standard law: its (1 ∓ level)/2
+    quantiles."""
+    q = standard_quantile(family, (1 + level) / 2, df)
+    loc, scale = loc.double(), scale.double()
+    return loc - scale * q, loc + scale * q
+
+
+def coverage(lower: torch.Tensor, upper: torch.Tensor, y: torch.Tensor) -> float:
+    """Share of targets inside [lower, upper]."""
+    y = y.double()
+    return ((lower <= y) & (y <= upper)).double().mean().item()
+
+
+def mean_width(lower: torch.Tensor, upper: torch.Tensor) -> float:
+    return (upper.double() - lower.double()).mean().item()
+
+
+def interval_score(lower: torch.Tensor, upper: torch.Tensor, y: torch.Tensor, level: float) -> float:
+    """Mean Winkler score of central `level` intervals: width + (2/α)·distance outside, α = 1 − level (lower is better;
+    a proper score for the (α/2, 1 − α/2) quantiles)."""
+    alpha = 1 - level
+    lower, upper, y = lower.double(), upper.double(), y.double()
+    below = (lower - y).clamp_min(0)
+    above = (y - upper).clamp_min(0)
+    return (upper - lower + 2 / alpha * (below + above)).mean().item()
+
+
+def median_absolute_error(median: torch.Tensor, y: torch.Tensor) -> float:
+    return (median.double() - y.double()).abs().median().item()
+
+
+def mean_and_standard_error(values) -> tuple[float, float]:
+    values = [float(v) for v in values]
+    if len(values) < 2:
+        return values[0], float("nan")
+    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+
+
+# --- arms -------------------------------------------------------------------------------------------------------
+
+
+class PackageCauchyHead(torch.nn.Module):
+    """The package's numeric path on z: AbductionNetwork → standard-mode noise fusion → NumericHead, fresh as
+    `from_base(numeric=True)` makes it (the config's γ₀ and b_noise, b = median, exp(s) = IQR/2 of the targets)."""
+
+    family = "cauchy"
+
+    def __init__(self, hidden_size: int, targets: torch.Tensor):
+        super().__init__()
+        from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
+        from causalqwen_adapter.heads import AbductionNetwork, NumericHead
+        from causalqwen_adapter.numeric import numeric_statistics
+
+        config = CausalQwenConfig()
+        self.abduction = AbductionNetwork(hidden_size, hidden_size)
+        self.abduction.reset_parameters(config.gamma_init)
+        self.numeric = NumericHead(hidden_size, hidden_size)
+        self.numeric.reset_parameters(*numeric_statistics(targets))
+        self.register_buffer("b_noise", torch.full((hidden_size,), config.b_noise_init))  # the action network's, frozen
+        # what bench/numeric.py trains: the numeric head and the abduction scale path (d only matters for inputs)
+        for name, param in self.named_parameters():
+            param.requires_grad_(name.startswith(("numeric.", "abduction.scale.")) and name != "numeric.direction")
+
+    def forward(self, z):
+        loc_U, scale_U = self.abduction(z)
+        return self.numeric.predict(loc_U, scale_U, self.b_noise)
+
+    def nll(self, z, y):
+        from causalqwen_adapter.cauchy import cauchy_nll
+
+        return cauchy_nll(y, *self(z))
+
+    def law(self):
+        return {}
+
+
+class LocationScaleHead(torch.nn.Module):
+    """A head a user would write: location w·z + b, log-scale read from a softplus layer of the abduction scale path's
+    size, log σ = v·softplus(W z + c) + s; Gaussian (σ² the variance), Student-t (ν learned) or Cauchy."""
+
+    def __init__(self, hidden_size: int, targets: torch.Tensor, family: str, df_init: float = 4.0):
+        super().__init__()
+        self.family = family
+        targets = targets.double()
+        if family == "gaussian":  # what a user starts a Gaussian from: the mean and standard deviation
+            loc0, scale0 = targets.mean().item(), targets.std().item()
+        else:  # the heavy-tailed laws from the median and IQR/2, as the package's head
+            from causalqwen_adapter.numeric import numeric_statistics
+
+            loc0, scale0 = numeric_statistics(targets)
+        self.loc = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.xavier_uniform_(self.loc.weight, gain=0.01)
+        torch.nn.init.constant_(self.loc.bias, loc0)
+        self.hidden = torch.nn.Linear(hidden_size, hidden_size)
+        self.log_scale = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.xavier_uniform_(self.log_scale.weight, gain=0.01)
+        torch.nn.init.constant_(self.log_scale.bias, math.log(scale0))
+        if family == "student_t":  # ν = exp(ρ) > 0
+            self.log_df = torch.nn.Parameter(torch.tensor(math.log(df_init)))
+
+    def forward(self, z):
+        h = torch.nn.functional.softplus(self.hidden(z))
+        return self.loc(z).squeeze(-1), self.log_scale(h).squeeze(-1).exp()
+
+    def df(self):
+        return self.log_df.exp()
+
+    def nll(self, z, y):
+        loc, scale = self(z)
+        if self.family == "gaussian":
+            return -torch.distributions.Normal(loc, scale, validate_args=False).log_prob(y)
+        if self.family == "student_t":
+            return -torch.distributions.StudentT(self.df(), loc, scale, validate_args=False).log_prob(y)
+        from causalqwen_adapter.cauchy import cauchy_nll
+
+        return cauchy_nll(y, loc, scale)
+
+    def law(self):
+        return {"df": self.df().item()} if self.family == "student_t" else {}
+
+
+ARMS = {
+    "cauchy": lambda h, y: PackageCauchyHead(h, y),
+    "gaussian": lambda h, y: LocationScaleHead(h, y, "gaussian"),
+    "student_t": lambda h, y: LocationScaleHead(h, y, "student_t"),
+    "cauchy_free": lambda h, y: LocationScaleHead(h, y, "cauchy"),
+}
+
+
+def train_head(arm: str, z, y, *, lr: float, steps: int, batch_size: int, seed: int):
+    """Fresh head of `arm`, AdamW (no weight decay, constant rate, as bench/numeric.py trains the numeric head) on
+    minibatches of the mean NLL."""
+    torch.manual_seed(seed)
+    head = ARMS[arm](z.shape[1], y)
+    # ν is one scalar: at the head's rate Adam moves log ν by about lr a step, too little to leave its start
+    df = [p for name, p in head.named_parameters() if name == "log_df"]
+    rest = [p for name, p in head.named_parameters() if p.requires_grad and name != "log_df"]
+    groups = [{"params": rest}] + ([{"params": df, "lr": DF_LR_RATIO * lr}] if df else [])
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
+    batches = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(len(y), (batch_size,), generator=batches)
+        loss = head.nll(z[idx], y[idx]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if not torch.isfinite(loss):
+            break
+    return head.eval()
+
+
+def score_head(head, z, y) -> dict:
+    """Test metrics of a trained head; non-finite predictions score inf (a diverged run is a loss, not an error)."""
+    with torch.no_grad():
+        loc, scale = head(z)
+        if not (torch.isfinite(loc).all() and torch.isfinite(scale).all() and (scale > 0).all()):
+            return {"diverged": True, "score": float("inf")}
+        nll = head.nll(z, y).double().mean().item()
+    law = head.law()
+    intervals = {level: central_interval(head.family, loc, scale, level, law.get("df")) for level in LEVELS}
+    return {"median_abs_error": median_absolute_error(loc, y), "nll": nll, **law, **interval_metrics(intervals, y)}
+
+
+def interval_metrics(intervals: dict, y) -> dict:
+    """Coverage, mean width and Winkler score of each level's (lower, upper); `score`, their mean Winkler score, is
+    what the learning rate is picked by."""
+    out = {}
+    for level, (lower, upper) in intervals.items():
+        out[f"coverage_{level}"] = coverage(lower, upper, y)
+        out[f"width_{level}"] = mean_width(lower, upper)
+        out[f"winkler_{level}"] = interval_score(lower, upper, y, level)
+    out["score"] = statistics.fmean(out[f"winkler_{level}"] for level in intervals)
+    return out
+
+
+def score_constant(train_y, y) -> dict:
+    """Every text gets the training targets' median and empirical central intervals."""
+    train_y = train_y.double()
+    median = torch.full_like(y, train_y.median().item(), dtype=torch.float64)
+    intervals = {}
+    for level in LEVELS:
+        lo, hi = torch.quantile(train_y, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+        intervals[level] = torch.full_like(median, lo.item()), torch.full_like(median, hi.item())
+    return {"median_abs_error": median_absolute_error(median, y), **interval_metrics(intervals, y)}
+
+
+# --- protocol ---------------------------------------------------------------------------------------------------
+
+
+def split_and_corrupt(n: int, seed: int, fraction: float, train_share=0.6, validation_share=0.2):
+    """(train, validation, test) indices of a seeded split, and for the shuffled condition a permutation of the
+    training and validation targets: `fraction` of each part's rows, chosen at random, each get the target of another
+    chosen row (a cycle, so no chosen row keeps its own)."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=g)
+    n_train, n_val = int(n * train_share), int(n * validation_share)
+    parts = order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
+    shuffles = []
+    for part in parts[:2]:
+        chosen = torch.randperm(len(part), generator=g)[: round(fraction * len(part))]
+        mapping = torch.arange(len(part))
+        mapping[chosen] = chosen.roll(1)
+        shuffles.append(mapping)
+    return parts, shuffles
+
+
+def run_protocol(z, ratings, *, seeds, steps, batch_size, learning_rates, fraction, arms, select="score",
+                 log=print) -> list[dict]:
+    """One row per (seed, condition, arm): the test metrics at the learning rate whose validation `select` ("score",
+    the mean Winkler score, or "nll") is lowest; `candidates` keeps every rate's validation and test metrics, so
+    another rule can be applied to the JSON afterwards."""
+    results = []
+    for seed in range(seeds):
+        (train, val, test), (shuffle_train, shuffle_val) = split_and_corrupt(len(ratings), seed, fraction)
+        for condition in ("clean", "shuffled"):
+            y_train, y_val = ratings[train], ratings[val]
+            if condition == "shuffled":
+                y_train, y_val = y_train[shuffle_train], y_val[shuffle_val]
+            row = {"seed": seed, "condition": condition, "arm": "constant", **score_constant(y_train, ratings[test])}
+            results.append(row)
+            for arm in arms:
+                candidates = []
+                for lr in learning_rates:
+                    head = train_head(arm, z[train], y_train, lr=lr, steps=steps, batch_size=batch_size, seed=seed)
+                    candidates.append({"lr": lr, "validation": score_head(head, z[val], y_val),
+                                       "test": score_head(head, z[test], ratings[test])})
+                best = min(candidates, key=lambda c: c["validation"].get(select, float("inf")))
+                row = {"seed": seed, "condition": condition, "arm": arm, "lr": best["lr"],
+                       "validation_" + select: best["validation"].get(select, float("inf")), **best["test"],
+                       "candidates": candidates}
+                results.append(row)
+                log(f"  seed {seed} {condition:>8} {arm:>11}: lr {row['lr']:g}, test MedAE "
+                    f"{row.get('median_abs_error', float('nan')):.3f}, 90% coverage "
+                    f"{row.get('coverage_0.9', float('nan')):.3f}, mean Winkler {row['score']:.3f}")
+    return results
+
+
+METRICS = ["median_abs_error", "nll"] + [f"{m}_{lv}" for m in ("coverage", "width", "winkler") for lv in LEVELS]
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Mean ± standard error over seeds for each (condition, arm)."""
+    summary = []
+    for condition in ("clean", "shuffled"):
+        for arm in dict.fromkeys(r["arm"] for r in results):
+            rows = [r for r in results if r["condition"] == condition and r["arm"] == arm]
+            entry = {"condition": condition, "arm": arm, "seeds": len(rows),
+                     "diverged": sum(bool(r.get("diverged")) for r in rows)}
+            finite = [r for r in rows if not r.get("diverged")]
+            for metric in METRICS + ["df"]:
+                values = [r[metric] for r in finite if metric in r]
+                if values:
+                    entry[metric] = mean_and_standard_error(values)
+            entry["lr"] = sorted(r["lr"] for r in rows if "lr" in r)
+            summary.append(entry)
+    return summary
+
+
+def markdown(summary: list[dict]) -> str:
+    def cell(entry, metric, digits=3):
+        if metric not in entry:
+            return "–"
+        mean, se = entry[metric]
+        return f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+    lines = []
+    for condition in ("clean", "shuffled"):
+        lines += [f"\n**{condition} training targets** (test targets clean)\n",
+                  "| arm | MedAE | NLL | " + " | ".join(f"cov {lv:.0%}" for lv in LEVELS) + " | "
+                  + " | ".join(f"width {lv:.0%}" for lv in LEVELS) + " | "
+                  + " | ".join(f"Winkler {lv:.0%}" for lv in LEVELS) + " | ν | lr picked |",
+                  "|---" * (3 + 3 * len(LEVELS) + 2) + "|"]
+        for entry in (e for e in summary if e["condition"] == condition):
+            cells = [cell(entry, m) for m in ["median_abs_error", "nll"]]
+            cells += [cell(entry, f"{m}_{lv}") for m in ("coverage", "width", "winkler") for lv in LEVELS]
+            cells += [cell(entry, "df", 2), ", ".join(f"{lr:g}" for lr in entry["lr"]) or "–"]
+            diverged = f" ({entry['diverged']} diverged)" if entry["diverged"] else ""
+            lines.append(f"| {entry['arm']}{diverged} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="build/demo-base")
+    parser.add_argument("--data", default="/work/data/vaderSentiment-3.3.2.tar.gz", help="the vaderSentiment sdist")
+    parser.add_argument("--cache", default="/work/data/evidence-numbers", help="where the extracted z are cached")
+    parser.add_argument("--texts", type=int, default=1000, help="rows of a fixed permutation of the 23,703 to use")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--learning-rates", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2])
+    parser.add_argument("--shuffle-fraction", type=float, default=0.2)
+    parser.add_argument("--select", choices=("score", "nll"), default="score",
+                        help="the validation metric that picks each arm's learning rate: mean Winkler score, or NLL")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--quick", action="store_true",
+                        help="a subset under ~10 minutes: 200 texts, 3 seeds, 200 steps, two learning rates")
+    parser.add_argument("--output", default="bench/evidence_numbers", help="writes OUTPUT.json and OUTPUT.md")
+    args = parser.parse_args()
+    if args.quick:
+        args.texts, args.seeds, args.steps, args.learning_rates = 200, 3, 200, [1e-3, 3e-3]
+    torch.set_num_threads(1)
+
+    rows = read_vader_ratings(args.data)
+    store = extract_features(args.base, rows, args.texts, Path(args.cache))
+    z = torch.as_tensor(store["z"])[: args.texts].float()
+    ratings = torch.tensor(store["rating"][: args.texts], dtype=torch.float32)
+    print(f"{len(ratings)} of {len(rows)} texts, z {tuple(z.shape)} ({store['seconds'] / len(store['keys']):.2f} s/text "
+          "to extract)")
+    began = time.perf_counter()
+    results = run_protocol(z, ratings, seeds=args.seeds, steps=args.steps, batch_size=args.batch_size,
+                           learning_rates=args.learning_rates, fraction=args.shuffle_fraction, arms=args.arms,
+                           select=args.select)
+    summary = summarize(results)
+    table = markdown(summary)
+    meta = {"command": "python bench/evidence_numbers.py " + " ".join(sys.argv[1:]), "texts": len(ratings),
+            "seeds": args.seeds, "steps": args.steps, "batch_size": args.batch_size,
+            "learning_rates": args.learning_rates, "shuffle_fraction": args.shuffle_fraction, "select": args.select,
+            "prompt": PROMPT, "base": str(args.base), "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "protocol_seconds": round(time.perf_counter() - began, 1),
+            "extract_seconds_per_text": store["seconds"] / len(store["keys"])}
+    Path(f"{args.output}.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))
+    Path(f"{args.output}.md").write_text(f"{meta['command']}  ({meta['date']}, {meta['machine']})\n{table}")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

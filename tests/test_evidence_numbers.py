@@ -1,0 +1,292 @@
+"""bench/evidence_numbers.py: the metric functions against naive float64 references (explicit loops; quantiles by
+inverting a numerically integrated CDF), the VADER reader on a tiny synthetic archive, and the protocol's pieces."""
+
+import importlib.util
+import io
+import math
+import random
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+SPEC = importlib.util.spec_from_file_location(
+    "evidence_numbers", Path(__file__).resolve().parents[1] / "bench" / "evidence_numbers.py")
+evidence = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(evidence)
+
+
+# --- quantiles ---------------------------------------------------------------------------------------------------
+
+
+def density(family, x, df=None):
+    """The standard laws' densities, written out."""
+    if family == "gaussian":
+        return torch.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    if family == "cauchy":
+        return 1 / (math.pi * (1 + x * x))
+    c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+    return c * (1 + x * x / df) ** (-(df + 1) / 2)
+
+
+def naive_cdf(family, x, df=None, points=200_001):
+    """½ + ∫₀ˣ density, trapezoid rule in float64 (the laws are symmetric)."""
+    t = torch.linspace(0.0, abs(x), points, dtype=torch.float64)
+    return 0.5 + math.copysign(torch.trapezoid(density(family, t, df), t).item(), x)
+
+
+def naive_quantile(family, p, df=None):
+    """Bisection on the numerically integrated CDF."""
+    lo, hi = -100.0, 100.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if naive_cdf(family, mid, df, points=40_001) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+@pytest.mark.parametrize("p", [0.025, 0.3, 0.75, 0.9, 0.95, 0.975])
+@pytest.mark.parametrize("family, df", [("gaussian", None), ("cauchy", None), ("student_t", 1.0), ("student_t", 2.5),
+                                        ("student_t", 4.0), ("student_t", 30.0)])
+def test_standard_quantile_inverts_the_numerical_cdf(family, df, p):
+    q = evidence.standard_quantile(family, p, df)
+    assert naive_cdf(family, q, df) == pytest.approx(p, abs=1e-7)
+    assert q == pytest.approx(naive_quantile(family, p, df), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("p", [0.6, 0.75, 0.9, 0.95, 0.975, 0.025])
+def test_student_t_quantile_matches_closed_forms(p):
+    # ν = 1 is the Cauchy law; ν = 2 and ν = 4 have closed-form quantiles
+    assert evidence.student_t_quantile(p, 1.0) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9)
+    assert evidence.student_t_quantile(p, 2.0) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-9)
+    alpha = 4 * p * (1 - p)
+    q = math.cos(math.acos(math.sqrt(alpha)) / 3) / math.sqrt(alpha)
+    assert evidence.student_t_quantile(p, 4.0) == pytest.approx(math.copysign(2 * math.sqrt(q - 1), p - 0.5), rel=1e-9)
+
+
+def test_quantile_refuses_bad_levels_and_df():
+    with pytest.raises(ValueError, match="level"):
+        evidence.standard_quantile("gaussian", 1.0)
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        evidence.standard_quantile("student_t", 0.9, 0.0)
+    with pytest.raises(ValueError, match="family"):
+        evidence.standard_quantile("laplace", 0.9)
+
+
+@pytest.mark.parametrize("family, df", [("gaussian", None), ("cauchy", None), ("student_t", 3.0)])
+def test_central_interval_is_the_two_tail_quantiles(family, df):
+    loc = torch.tensor([0.0, -1.5, 2.0])
+    scale = torch.tensor([1.0, 0.25, 3.0])
+    for level in evidence.LEVELS:
+        lower, upper = evidence.central_interval(family, loc, scale, level, df)
+        q_lo, q_hi = naive_quantile(family, (1 - level) / 2, df), naive_quantile(family, (1 + level) / 2, df)
+        for i in range(3):
+            lo_ref = loc[i].item() + scale[i].item() * q_lo
+            hi_ref = loc[i].item() + scale[i].item() * q_hi
+            assert lower[i].item() == pytest.approx(lo_ref, rel=1e-5, abs=1e-6)
+            assert upper[i].item() == pytest.approx(hi_ref, rel=1e-5, abs=1e-6)
+
+
+# --- interval metrics ----------------------------------------------------------------------------------------------
+
+
+def random_intervals(n=257, seed=0):
+    rng = random.Random(seed)
+    centre = [rng.gauss(0, 2) for _ in range(n)]
+    half = [abs(rng.gauss(0, 1)) for _ in range(n)]
+    lower = [c - h for c, h in zip(centre, half)]
+    upper = [c + h for c, h in zip(centre, half)]
+    y = [rng.gauss(0, 2.5) for _ in range(n)]
+    y[:4] = [lower[0], upper[1], lower[2] - 1e-3, upper[3] + 1e-3]  # on and just beyond the bounds
+    return (torch.tensor(lower, dtype=torch.float32), torch.tensor(upper, dtype=torch.float32),
+            torch.tensor(y, dtype=torch.float32))
+
+
+def test_coverage_and_width_match_loops():
+    lower, upper, y = random_intervals()
+    lo, hi, ys = lower.double().tolist(), upper.double().tolist(), y.double().tolist()
+    inside = 0
+    for a, b, v in zip(lo, hi, ys):
+        if a <= v <= b:
+            inside += 1
+    assert evidence.coverage(lower, upper, y) == pytest.approx(inside / len(ys), abs=1e-15)
+    assert evidence.mean_width(lower, upper) == pytest.approx(sum(b - a for a, b in zip(lo, hi)) / len(lo), rel=1e-12)
+    assert evidence.coverage(lower[:4], upper[:4], y[:4]) == 0.5  # bounds count as inside
+
+
+@pytest.mark.parametrize("level", [0.5, 0.8, 0.9, 0.95])
+def test_interval_score_matches_loop(level):
+    lower, upper, y = random_intervals(seed=1)
+    alpha = 1 - level
+    total = 0.0
+    for a, b, v in zip(lower.double().tolist(), upper.double().tolist(), y.double().tolist()):
+        score = b - a
+        if v < a:
+            score += 2 / alpha * (a - v)
+        elif v > b:
+            score += 2 / alpha * (v - b)
+        total += score
+    assert evidence.interval_score(lower, upper, y, level) == pytest.approx(total / len(y), rel=1e-12)
+
+
+def test_median_absolute_error_and_standard_error_match_loops():
+    rng = random.Random(2)
+    median = [rng.uniform(-4, 4) for _ in range(101)]
+    y = [rng.uniform(-4, 4) for _ in range(101)]
+    errors = sorted(abs(m - v) for m, v in zip(torch.tensor(median).double().tolist(), torch.tensor(y).double().tolist()))
+    assert evidence.median_absolute_error(torch.tensor(median), torch.tensor(y)) == pytest.approx(errors[50], rel=1e-12)
+    values = [1.0, 2.5, 4.0, 0.5, 3.0]
+    mean = sum(values) / 5
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / 4) / math.sqrt(5)
+    assert evidence.mean_and_standard_error(values) == pytest.approx((mean, se), rel=1e-12)
+
+
+# --- the VADER reader ----------------------------------------------------------------------------------------------
+
+
+def tar_bytes(files: dict) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def sdist(tmp_path, tweets: str, movies: str = "1\t-0.6\tEffective but too tepid biopic\r\n") -> Path:
+    inner = tar_bytes({
+        "hutto_ICWSM_2014/tweets_GroundTruth.txt": tweets.encode(),
+        "hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt": movies.encode(),
+        "hutto_ICWSM_2014/tweets_anonDataRatings.txt": b"1\t2.7\t[3, 2]\r\n",  # raw ratings: not ground truth
+    })
+    path = tmp_path / "vaderSentiment-3.3.2.tar.gz"
+    path.write_bytes(tar_bytes({"vaderSentiment-3.3.2/setup.py": b"",
+                                "vaderSentiment-3.3.2/additional_resources/hutto_ICWSM_2014.tar.gz": inner}))
+    return path
+
+
+def test_reader_finds_the_ground_truth_inside_the_sdist(tmp_path):
+    path = sdist(tmp_path, "1\t2.726315789\tSo lucky.\r\n2\t-1.5\tnot\tgood\r\n\r\n3\t0\tmeh")
+    rows = evidence.read_vader_ratings(path)
+    assert rows == [
+        {"source": "movieReviewSnippets_GroundTruth.txt", "id": "1", "rating": -0.6,
+         "text": "Effective but too tepid biopic"},
+        {"source": "tweets_GroundTruth.txt", "id": "1", "rating": 2.726315789, "text": "So lucky."},
+        {"source": "tweets_GroundTruth.txt", "id": "2", "rating": -1.5, "text": "not\tgood"},
+        {"source": "tweets_GroundTruth.txt", "id": "3", "rating": 0.0, "text": "meh"},
+    ]
+    inner = tmp_path / "inner.tar.gz"
+    with tarfile.open(path) as archive:
+        inner.write_bytes(archive.extractfile("vaderSentiment-3.3.2/additional_resources/hutto_ICWSM_2014.tar.gz").read())
+    assert evidence.read_vader_ratings(inner) == rows
+
+
+@pytest.mark.parametrize("line, message", [
+    ("2\tnan\tbad", "line 2 \\(id '2'\\): rating 'nan' is not a finite number"),
+    ("2\t-inf\tbad", "line 2 \\(id '2'\\): rating '-inf' is not a finite number"),
+    ("2\t\tbad", "line 2 \\(id '2'\\): no rating"),
+    ("2", "line 2 \\(id '2'\\): no rating"),
+    ("2\tgood\tbad", "line 2 \\(id '2'\\): rating 'good' is not a number"),
+])
+def test_reader_refuses_missing_and_non_finite_ratings_naming_the_row(tmp_path, line, message):
+    with pytest.raises(ValueError, match="tweets_GroundTruth.txt " + message):
+        evidence.read_vader_ratings(sdist(tmp_path, f"1\t1.0\tfine\r\n{line}\r\n"))
+
+
+def test_reader_refuses_an_archive_without_ground_truth(tmp_path):
+    path = tmp_path / "other.tar.gz"
+    path.write_bytes(tar_bytes({"README": b"nothing"}))
+    with pytest.raises(ValueError, match="no \\*_GroundTruth.txt"):
+        evidence.read_vader_ratings(path)
+
+
+# --- arms and protocol -------------------------------------------------------------------------------------------
+
+
+def test_package_cauchy_head_starts_at_the_data_law_and_scores_its_nll():
+    from causalqwen_adapter.numeric import numeric_statistics
+
+    torch.manual_seed(0)
+    z, y = torch.randn(64, 16), torch.randn(64) * 2 + 0.5
+    head = evidence.PackageCauchyHead(16, y)
+    trained = {name for name, p in head.named_parameters() if p.requires_grad}
+    assert trained == {"numeric.weight", "numeric.bias", "numeric.log_scale", "abduction.scale.weight",
+                       "abduction.scale.bias"}
+    median, half_iqr = numeric_statistics(y)
+    loc, scale = head(z)
+    assert loc.double().sub(median).abs().max() < 0.05 and scale.double().sub(half_iqr).abs().max() < 1e-3 * half_iqr
+    yd, ld, sd = y.double(), loc.double(), scale.double()
+    naive = [math.log(math.pi * s) + math.log1p(((v - m) / s) ** 2) for v, m, s in zip(yd.tolist(), ld.tolist(), sd.tolist())]
+    assert head.nll(z, y).double().tolist() == pytest.approx(naive, rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gaussian", "student_t", "cauchy"])
+def test_location_scale_head_nll_is_the_family_density(family):
+    torch.manual_seed(1)
+    z, y = torch.randn(32, 8), torch.randn(32) * 3
+    head = evidence.LocationScaleHead(8, y, family)
+    loc, scale = (t.double().tolist() for t in head(z))
+    df = head.law().get("df")
+    naive = [-math.log(density(family, torch.tensor((v - m) / s, dtype=torch.float64), df).item() / s)
+             for v, m, s in zip(y.double().tolist(), loc, scale)]
+    assert head.nll(z, y).double().tolist() == pytest.approx(naive, rel=1e-5)
+
+
+def test_split_is_a_partition_and_the_shuffle_permutes_a_fraction_of_rows():
+    (train, val, test), shuffles = evidence.split_and_corrupt(100, seed=3, fraction=0.2)
+    assert sorted(torch.cat([train, val, test]).tolist()) == list(range(100))
+    assert (len(train), len(val), len(test)) == (60, 20, 20)
+    for part, mapping in zip((train, val), shuffles):
+        assert sorted(mapping.tolist()) == list(range(len(part)))  # a permutation: the targets' multiset is kept
+        assert (mapping != torch.arange(len(part))).sum().item() == round(0.2 * len(part))
+
+
+def test_protocol_runs_every_arm_and_condition_on_a_learnable_task():
+    torch.manual_seed(0)
+    z = torch.randn(200, 8)
+    ratings = (z[:, 0] * 1.5 + 0.1 * torch.randn(200)).clamp(-4, 4)
+    results = evidence.run_protocol(z, ratings, seeds=1, steps=150, batch_size=32, learning_rates=[1e-2],
+                                    fraction=0.2, arms=list(evidence.ARMS), log=lambda *_: None)
+    assert {(r["condition"], r["arm"]) for r in results} == {
+        (c, a) for c in ("clean", "shuffled") for a in ["constant", *evidence.ARMS]}
+    by = {(r["condition"], r["arm"]): r for r in results}
+    for arm in evidence.ARMS:  # every head reads the signal in z: it beats the constant predictor's error
+        assert by["clean", arm]["median_abs_error"] < 0.6 * by["clean", "constant"]["median_abs_error"]
+    summary = evidence.summarize(results)
+    table = evidence.markdown(summary)
+    assert table.count("| cauchy |") == 2 and "Winkler 95%" in table
+
+
+@pytest.mark.parametrize("select", ["score", "nll"])
+def test_protocol_reports_the_rate_with_the_best_validation_metric(select):
+    torch.manual_seed(0)
+    z = torch.randn(120, 4)
+    ratings = z[:, 0] + 0.2 * torch.randn(120)
+    results = evidence.run_protocol(z, ratings, seeds=1, steps=20, batch_size=16, learning_rates=[1e-4, 1e-2, 1e-1],
+                                    fraction=0.2, arms=["cauchy", "gaussian"], select=select, log=lambda *_: None)
+    for row in (r for r in results if r["arm"] != "constant"):
+        scores = [c["validation"][select] for c in row["candidates"]]
+        best = row["candidates"][scores.index(min(scores))]
+        assert row["lr"] == best["lr"] and row["median_abs_error"] == best["test"]["median_abs_error"]
+
+
+def test_a_diverged_head_scores_inf_instead_of_raising():
+    torch.manual_seed(0)
+    z, y = torch.randn(16, 8), torch.randn(16)
+    head = evidence.LocationScaleHead(8, y, "gaussian")
+    with torch.no_grad():
+        head.log_scale.bias.fill_(float("nan"))
+    assert evidence.score_head(head, z, y) == {"diverged": True, "score": float("inf")}
+
+
+def test_student_t_head_learns_the_tail_of_its_noise():
+    # ν starts at 4: it must leave it within the budget, down for Cauchy noise, up for Gaussian noise
+    torch.manual_seed(0)
+    z = torch.randn(2000, 8)
+    noise = {"cauchy": torch.distributions.Cauchy(0.0, 0.3).sample((2000,)), "gaussian": 0.3 * torch.randn(2000)}
+    df = {}
+    for name, eps in noise.items():
+        head = evidence.train_head("student_t", z, z[:, 0] + eps, lr=1e-3, steps=200, batch_size=256, seed=0)
+        df[name] = head.law()["df"]
+    assert df["cauchy"] < 2.0 and df["gaussian"] > 8.0, df
