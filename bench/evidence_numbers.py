@@ -444,7 +444,32 @@ def summarize(results: list[dict]) -> list[dict]:
     return summary
 
 
-def markdown(summary: list[dict]) -> str:
+PAIRED_METRICS = ["median_abs_error"] + [f"winkler_{lv}" for lv in LEVELS]
+
+
+def paired_differences(results: list[dict], reference: str = "cauchy") -> list[dict]:
+    """Mean ± standard error over seeds of (arm − `reference`) on the same split, per condition: the seeds share
+    their test set across arms, so the paired difference is the sharper comparison. Seeds where either diverged are
+    left out."""
+    by_key = {(r["seed"], r["condition"], r["arm"]): r for r in results}
+    out = []
+    for condition in ("clean", "shuffled"):
+        for arm in dict.fromkeys(r["arm"] for r in results):
+            if arm == reference:
+                continue
+            entry = {"condition": condition, "arm": arm, "reference": reference}
+            for metric in PAIRED_METRICS:
+                diffs = [by_key[s, condition, arm][metric] - by_key[s, condition, reference][metric]
+                         for s in sorted({r["seed"] for r in results})
+                         if metric in by_key.get((s, condition, arm), {})
+                         and metric in by_key.get((s, condition, reference), {})]
+                if diffs:
+                    entry[metric] = mean_and_standard_error(diffs)
+            out.append(entry)
+    return out
+
+
+def markdown(summary: list[dict], paired: list[dict] = ()) -> str:
     def cell(entry, metric, digits=3):
         if metric not in entry:
             return "–"
@@ -464,6 +489,12 @@ def markdown(summary: list[dict]) -> str:
             cells += [cell(entry, "df", 2), ", ".join(f"{lr:g}" for lr in entry["lr"]) or "–"]
             diverged = f" ({entry['diverged']} diverged)" if entry["diverged"] else ""
             lines.append(f"| {entry['arm']}{diverged} | " + " | ".join(cells) + " |")
+        rows = [e for e in paired if e["condition"] == condition]
+        if rows:
+            lines += [f"\nPaired over seeds, arm − {rows[0]['reference']} (negative: the arm is better)\n",
+                      "| arm | ΔMedAE | " + " | ".join(f"ΔWinkler {lv:.0%}" for lv in LEVELS) + " |",
+                      "|---" * (2 + len(LEVELS)) + "|"]
+            lines += [f"| {e['arm']} | " + " | ".join(cell(e, m) for m in PAIRED_METRICS) + " |" for e in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -484,7 +515,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a subset under ~10 minutes: 200 texts, 3 seeds, 200 steps, two learning rates")
     parser.add_argument("--output", default="bench/evidence_numbers", help="writes OUTPUT.json and OUTPUT.md")
+    parser.add_argument("--summarize", metavar="JSON", help="only re-render OUTPUT.md from a JSON this script wrote")
     args = parser.parse_args()
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        meta, results = saved["meta"], saved["runs"]
+        table = markdown(summarize(results), paired_differences(results))
+        Path(f"{args.output}.md").write_text(f"{meta['command']}  ({meta['date']}, {meta['machine']})\n{table}")
+        print(table)
+        return
     if args.quick:
         args.texts, args.seeds, args.steps, args.learning_rates = 200, 3, 200, [1e-3, 3e-3]
     torch.set_num_threads(1)
@@ -500,15 +539,18 @@ def main() -> None:
                            learning_rates=args.learning_rates, fraction=args.shuffle_fraction, arms=args.arms,
                            select=args.select)
     summary = summarize(results)
-    table = markdown(summary)
+    paired = paired_differences(results)
+    table = markdown(summary, paired)
     meta = {"command": "python bench/evidence_numbers.py " + " ".join(sys.argv[1:]), "texts": len(ratings),
             "seeds": args.seeds, "steps": args.steps, "batch_size": args.batch_size,
             "learning_rates": args.learning_rates, "shuffle_fraction": args.shuffle_fraction, "select": args.select,
-            "prompt": PROMPT, "base": str(args.base), "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
+            "prompt": PROMPT, "base": str(args.base),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "protocol_seconds": round(time.perf_counter() - began, 1),
             "extract_seconds_per_text": store["seconds"] / len(store["keys"])}
-    Path(f"{args.output}.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))
+    Path(f"{args.output}.json").write_text(json.dumps({"meta": meta, "summary": summary, "paired": paired,
+                                                                "runs": results}, indent=1))
     Path(f"{args.output}.md").write_text(f"{meta['command']}  ({meta['date']}, {meta['machine']})\n{table}")
     print(table)
 

@@ -290,3 +290,21 @@ def test_student_t_head_learns_the_tail_of_its_noise():
         head = evidence.train_head("student_t", z, z[:, 0] + eps, lr=1e-3, steps=200, batch_size=256, seed=0)
         df[name] = head.law()["df"]
     assert df["cauchy"] < 2.0 and df["gaussian"] > 8.0, df
+
+
+def test_paired_differences_match_a_loop():
+    rng = random.Random(4)
+    results = [{"seed": seed, "condition": condition, "arm": arm, **{m: rng.uniform(0, 5) for m in evidence.PAIRED_METRICS}}
+               for seed in range(5) for condition in ("clean", "shuffled") for arm in ("cauchy", "gaussian")]
+    results.append({"seed": 5, "condition": "clean", "arm": "gaussian", "diverged": True, "score": float("inf")})
+    results.append({"seed": 5, "condition": "clean", "arm": "cauchy", **{m: 1.0 for m in evidence.PAIRED_METRICS}})
+    (clean,) = [e for e in evidence.paired_differences(results) if e["condition"] == "clean"]
+    for metric in evidence.PAIRED_METRICS:
+        diffs = []
+        for seed in range(5):  # seed 5 diverged for gaussian: left out
+            a = [r[metric] for r in results if (r["seed"], r["condition"], r["arm"]) == (seed, "clean", "gaussian")][0]
+            b = [r[metric] for r in results if (r["seed"], r["condition"], r["arm"]) == (seed, "clean", "cauchy")][0]
+            diffs.append(a - b)
+        mean = sum(diffs) / 5
+        se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 4 / 5)
+        assert clean[metric] == pytest.approx((mean, se), rel=1e-12)
