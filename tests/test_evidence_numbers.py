@@ -308,3 +308,24 @@ def test_paired_differences_match_a_loop():
         mean = sum(diffs) / 5
         se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 4 / 5)
         assert clean[metric] == pytest.approx((mean, se), rel=1e-12)
+
+
+def test_extraction_is_each_prompt_alone_and_resumes(sft_base, tmp_path):
+    # left padding in a batch and a resumed cache must give what one unpadded forward of each prompt gives
+    from transformers import AutoTokenizer, Qwen2Model
+
+    words = "user assistant system".split()
+    rows = [{"source": "tweets_GroundTruth.txt", "id": str(i), "rating": i / 4 - 1.0,
+             "text": " ".join(words[j % 3] for j in range(1 + 3 * i % 7))} for i in range(10)]
+    first = evidence.extract_features(str(sft_base), rows, 6, tmp_path, batch_size=2)
+    assert len(first["keys"]) == 6
+    store = evidence.extract_features(str(sft_base), rows, 10, tmp_path, batch_size=2)
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(0)).tolist()
+    assert store["keys"] == [f"tweets_GroundTruth.txt:{i}" for i in order]
+    assert store["rating"] == [rows[i]["rating"] for i in order]
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    model = Qwen2Model.from_pretrained(sft_base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for k, i in enumerate(order):
+            ids = tokenizer(evidence.PROMPT.format(text=rows[i]["text"]), return_tensors="pt").input_ids
+            torch.testing.assert_close(store["z"][k], model(ids).last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)
