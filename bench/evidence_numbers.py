@@ -12,19 +12,19 @@ with the same optimiser, steps and learning-rate grid (picked per arm on validat
   path trained) and `NumericHead` (w, b, s trained) on the standard-mode fused individual, loss `cauchy_nll`, the
   numeric term of `heads_loss` (the OvR term over the vocabulary is left out: it needs a [V × C] product per row and
   trains nothing of the number's law but the same scale path);
-- `gaussian`: mean w·z + b, log-variance read from softplus(W z + c) (the size of the abduction scale path);
+- `gaussian`: mean w·z + b, log σ read from softplus(W z + c) (W the size of the abduction scale path);
 - `student_t`: the same with a Student-t law and ν learned;
 - `cauchy_free`: the baselines' parametrisation with the Cauchy law (separates the law from the parametrisation);
-- `constant`: the training targets' empirical quantiles for every text (a floor every head should beat).
+- `constant`: the training targets' median and empirical quantiles for every text (the floor).
 
 Targets are clean, or with 20% of the training (and validation) targets permuted among their rows ("shuffled": a user
 has no clean labels to validate on); test targets are always clean. On test: the median absolute error of the
 predictive median, and for the 50/80/90/95% central intervals their coverage, mean width and interval (Winkler)
 score, each family through its exact quantiles. Mean ± standard error over seeds (each seed: split, initialisation,
-corruption).
+corruption), and the paired differences against `cauchy` on the same splits. Writes OUTPUT.json and OUTPUT.md.
 
     python bench/evidence_numbers.py --base /work/demo-base --quick
-    python bench/evidence_numbers.py --base /work/demo-base --texts 1000 --seeds 5
+    python bench/evidence_numbers.py --base /work/demo-base --texts 768 --seeds 5    # bench/EVIDENCE-NUMBERS.md
 """
 
 import argparse
@@ -503,7 +503,7 @@ def main() -> None:
     parser.add_argument("--base", default="build/demo-base")
     parser.add_argument("--data", default="/work/data/vaderSentiment-3.3.2.tar.gz", help="the vaderSentiment sdist")
     parser.add_argument("--cache", default="/work/data/evidence-numbers", help="where the extracted z are cached")
-    parser.add_argument("--texts", type=int, default=1000, help="rows of a fixed permutation of the 23,703 to use")
+    parser.add_argument("--texts", type=int, default=768, help="rows of a fixed permutation of the 23,703 to use")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64)
