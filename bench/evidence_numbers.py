@@ -12,19 +12,19 @@ with the same optimiser, steps and learning-rate grid (picked per arm on validat
   path trained) and `NumericHead` (w, b, s trained) on the standard-mode fused individual, loss `cauchy_nll`, the
   numeric term of `heads_loss` (the OvR term over the vocabulary is left out: it needs a [V × C] product per row and
   trains nothing of the number's law but the same scale path);
-- `gaussian`: mean w·z + b, log-variance read from softplus(W z + c) (the size of the abduction scale path);
+- `gaussian`: mean w·z + b, log σ read from softplus(W z + c) (W the size of the abduction scale path);
 - `student_t`: the same with a Student-t law and ν learned;
 - `cauchy_free`: the baselines' parametrisation with the Cauchy law (separates the law from the parametrisation);
-- `constant`: the training targets' empirical quantiles for every text (a floor every head should beat).
+- `constant`: the training targets' median and empirical quantiles for every text (the floor).
 
 Targets are clean, or with 20% of the training (and validation) targets permuted among their rows ("shuffled": a user
 has no clean labels to validate on); test targets are always clean. On test: the median absolute error of the
 predictive median, and for the 50/80/90/95% central intervals their coverage, mean width and interval (Winkler)
 score, each family through its exact quantiles. Mean ± standard error over seeds (each seed: split, initialisation,
-corruption).
+corruption), and the paired differences against `cauchy` on the same splits. Writes OUTPUT.json and OUTPUT.md.
 
     python bench/evidence_numbers.py --base /work/demo-base --quick
-    python bench/evidence_numbers.py --base /work/demo-base --texts 1000 --seeds 5
+    python bench/evidence_numbers.py --base /work/demo-base --texts 768 --seeds 5    # bench/EVIDENCE-NUMBERS.md
 """
 
 import argparse
@@ -444,7 +444,32 @@ def summarize(results: list[dict]) -> list[dict]:
     return summary
 
 
-def markdown(summary: list[dict]) -> str:
+PAIRED_METRICS = ["median_abs_error"] + [f"winkler_{lv}" for lv in LEVELS]
+
+
+def paired_differences(results: list[dict], reference: str = "cauchy") -> list[dict]:
+    """Mean ± standard error over seeds of (arm − `reference`) on the same split, per condition: the seeds share
+    their test set across arms, so the paired difference is the sharper comparison. Seeds where either diverged are
+    left out."""
+    by_key = {(r["seed"], r["condition"], r["arm"]): r for r in results}
+    out = []
+    for condition in ("clean", "shuffled"):
+        for arm in dict.fromkeys(r["arm"] for r in results):
+            if arm == reference:
+                continue
+            entry = {"condition": condition, "arm": arm, "reference": reference}
+            for metric in PAIRED_METRICS:
+                diffs = [by_key[s, condition, arm][metric] - by_key[s, condition, reference][metric]
+                         for s in sorted({r["seed"] for r in results})
+                         if metric in by_key.get((s, condition, arm), {})
+                         and metric in by_key.get((s, condition, reference), {})]
+                if diffs:
+                    entry[metric] = mean_and_standard_error(diffs)
+            out.append(entry)
+    return out
+
+
+def markdown(summary: list[dict], paired: list[dict] = ()) -> str:
     def cell(entry, metric, digits=3):
         if metric not in entry:
             return "–"
@@ -464,6 +489,12 @@ def markdown(summary: list[dict]) -> str:
             cells += [cell(entry, "df", 2), ", ".join(f"{lr:g}" for lr in entry["lr"]) or "–"]
             diverged = f" ({entry['diverged']} diverged)" if entry["diverged"] else ""
             lines.append(f"| {entry['arm']}{diverged} | " + " | ".join(cells) + " |")
+        rows = [e for e in paired if e["condition"] == condition]
+        if rows:
+            lines += [f"\nPaired over seeds, arm − {rows[0]['reference']} (negative: the arm is better)\n",
+                      "| arm | ΔMedAE | " + " | ".join(f"ΔWinkler {lv:.0%}" for lv in LEVELS) + " |",
+                      "|---" * (2 + len(LEVELS)) + "|"]
+            lines += [f"| {e['arm']} | " + " | ".join(cell(e, m) for m in PAIRED_METRICS) + " |" for e in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -472,7 +503,7 @@ def main() -> None:
     parser.add_argument("--base", default="build/demo-base")
     parser.add_argument("--data", default="/work/data/vaderSentiment-3.3.2.tar.gz", help="the vaderSentiment sdist")
     parser.add_argument("--cache", default="/work/data/evidence-numbers", help="where the extracted z are cached")
-    parser.add_argument("--texts", type=int, default=1000, help="rows of a fixed permutation of the 23,703 to use")
+    parser.add_argument("--texts", type=int, default=768, help="rows of a fixed permutation of the 23,703 to use")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -484,7 +515,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a subset under ~10 minutes: 200 texts, 3 seeds, 200 steps, two learning rates")
     parser.add_argument("--output", default="bench/evidence_numbers", help="writes OUTPUT.json and OUTPUT.md")
+    parser.add_argument("--summarize", metavar="JSON", help="only re-render OUTPUT.md from a JSON this script wrote")
     args = parser.parse_args()
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        meta, results = saved["meta"], saved["runs"]
+        table = markdown(summarize(results), paired_differences(results))
+        Path(f"{args.output}.md").write_text(f"{meta['command']}  ({meta['date']}, {meta['machine']})\n{table}")
+        print(table)
+        return
     if args.quick:
         args.texts, args.seeds, args.steps, args.learning_rates = 200, 3, 200, [1e-3, 3e-3]
     torch.set_num_threads(1)
@@ -500,15 +539,18 @@ def main() -> None:
                            learning_rates=args.learning_rates, fraction=args.shuffle_fraction, arms=args.arms,
                            select=args.select)
     summary = summarize(results)
-    table = markdown(summary)
+    paired = paired_differences(results)
+    table = markdown(summary, paired)
     meta = {"command": "python bench/evidence_numbers.py " + " ".join(sys.argv[1:]), "texts": len(ratings),
             "seeds": args.seeds, "steps": args.steps, "batch_size": args.batch_size,
             "learning_rates": args.learning_rates, "shuffle_fraction": args.shuffle_fraction, "select": args.select,
-            "prompt": PROMPT, "base": str(args.base), "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
+            "prompt": PROMPT, "base": str(args.base),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "protocol_seconds": round(time.perf_counter() - began, 1),
             "extract_seconds_per_text": store["seconds"] / len(store["keys"])}
-    Path(f"{args.output}.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))
+    Path(f"{args.output}.json").write_text(json.dumps({"meta": meta, "summary": summary, "paired": paired,
+                                                                "runs": results}, indent=1))
     Path(f"{args.output}.md").write_text(f"{meta['command']}  ({meta['date']}, {meta['machine']})\n{table}")
     print(table)
 

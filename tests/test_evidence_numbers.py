@@ -290,3 +290,42 @@ def test_student_t_head_learns_the_tail_of_its_noise():
         head = evidence.train_head("student_t", z, z[:, 0] + eps, lr=1e-3, steps=200, batch_size=256, seed=0)
         df[name] = head.law()["df"]
     assert df["cauchy"] < 2.0 and df["gaussian"] > 8.0, df
+
+
+def test_paired_differences_match_a_loop():
+    rng = random.Random(4)
+    results = [{"seed": seed, "condition": condition, "arm": arm, **{m: rng.uniform(0, 5) for m in evidence.PAIRED_METRICS}}
+               for seed in range(5) for condition in ("clean", "shuffled") for arm in ("cauchy", "gaussian")]
+    results.append({"seed": 5, "condition": "clean", "arm": "gaussian", "diverged": True, "score": float("inf")})
+    results.append({"seed": 5, "condition": "clean", "arm": "cauchy", **{m: 1.0 for m in evidence.PAIRED_METRICS}})
+    (clean,) = [e for e in evidence.paired_differences(results) if e["condition"] == "clean"]
+    for metric in evidence.PAIRED_METRICS:
+        diffs = []
+        for seed in range(5):  # seed 5 diverged for gaussian: left out
+            a = [r[metric] for r in results if (r["seed"], r["condition"], r["arm"]) == (seed, "clean", "gaussian")][0]
+            b = [r[metric] for r in results if (r["seed"], r["condition"], r["arm"]) == (seed, "clean", "cauchy")][0]
+            diffs.append(a - b)
+        mean = sum(diffs) / 5
+        se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 4 / 5)
+        assert clean[metric] == pytest.approx((mean, se), rel=1e-12)
+
+
+def test_extraction_is_each_prompt_alone_and_resumes(sft_base, tmp_path):
+    # left padding in a batch and a resumed cache must give what one unpadded forward of each prompt gives
+    from transformers import AutoTokenizer, Qwen2Model
+
+    words = "user assistant system".split()
+    rows = [{"source": "tweets_GroundTruth.txt", "id": str(i), "rating": i / 4 - 1.0,
+             "text": " ".join(words[j % 3] for j in range(1 + 3 * i % 7))} for i in range(10)]
+    first = evidence.extract_features(str(sft_base), rows, 6, tmp_path, batch_size=2)
+    assert len(first["keys"]) == 6
+    store = evidence.extract_features(str(sft_base), rows, 10, tmp_path, batch_size=2)
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(0)).tolist()
+    assert store["keys"] == [f"tweets_GroundTruth.txt:{i}" for i in order]
+    assert store["rating"] == [rows[i]["rating"] for i in order]
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    model = Qwen2Model.from_pretrained(sft_base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for k, i in enumerate(order):
+            ids = tokenizer(evidence.PROMPT.format(text=rows[i]["text"]), return_tensors="pt").input_ids
+            torch.testing.assert_close(store["z"][k], model(ids).last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)
