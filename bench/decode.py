@@ -1,5 +1,5 @@
-"""Benchmark: decoding tokens/s of every inference mode vs the base model, on the demo base in bf16 (--dtype float32:
-in float32).
+"""Benchmark: decoding tokens/s of every inference mode vs the base model, on the demo base (or any --base folder, loaded
+as its own class) in bf16 (--dtype float32: in float32).
 
 Same prompts, greedy (sampling mode draws its ε but picks argmax), exactly --new-tokens new tokens
 (min_new_tokens), KV cache on, one untimed warm-up per variant (it also triggers the one-off
@@ -14,6 +14,7 @@ at batch > 1: the base `Qwen2ForCausalLM` feeds lm_head the non-contiguous slice
 CPU `bmm` path (it copies the weight once per row; pytorch/pytorch#151934), seconds per call here.
 
     python bench/decode.py --base build/demo-base --batch 1 8 --new-tokens 64 --repeats 3
+    python bench/decode.py --base build/gemma3-270m --batch 1 --variants base compatible
 """
 
 import argparse
@@ -21,7 +22,7 @@ import statistics
 import time
 
 import torch
-from transformers import AutoTokenizer, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from causalqwen_adapter import CausalQwenForCausalLM, heads
 
@@ -118,19 +119,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="base and heads")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="the base is always timed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    variants = ["base"] + [v for v in args.variants if v != "base"]
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     tokenizer.padding_side = "left"
-    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=getattr(torch, args.dtype)).eval()
+    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, args.dtype)).eval()
     model = CausalQwenForCausalLM.from_base(base).eval()
 
-    print(f"demo base {args.dtype}, {args.new_tokens} new tokens, {args.threads} threads, {args.repeats} interleaved "
+    print(f"{args.base} ({type(base).__name__}) {args.dtype}, {args.new_tokens} new tokens, {args.threads} threads, {args.repeats} interleaved "
           "rounds: median tokens/s, and the speed as a multiple of the base's, median (min–max) of the rounds")
     print(HEADER)
     for batch_size in args.batch:
-        print_rows(batch_size, measure(base, model, tokenizer, batch_size, args.new_tokens, args.repeats))
+        print_rows(batch_size, measure(base, model, tokenizer, batch_size, args.new_tokens, args.repeats, variants))
 
 
 if __name__ == "__main__":

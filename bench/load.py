@@ -1,4 +1,5 @@
-"""Benchmark: loading an adapter (base + heads) vs loading the base alone, on the demo base.
+"""Benchmark: loading an adapter (base + heads) vs loading the base alone, on the demo base or any --base folder (its
+class API timed as the class its config.json names).
 
 Each load runs in a fresh subprocess (nothing cached in-process), alternating base / adapter,
 after one untimed warm-up of each so both read from a warm page cache. Prints the median times,
@@ -6,9 +7,11 @@ the per-round ratio adapter / base as median (min–max) (target ≤ 1.2×) and 
 checkpoint.
 
     python bench/load.py --base build/demo-base [--adapter build/demo-adapter] [--repeats 5]
+    python bench/load.py --base build/smollm2-135m
 """
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -21,7 +24,7 @@ from stats import round_ratios, spread
 # it, resolving and importing the model's module inside the call (transformers' own lazy import for
 # the base, the adapter folder's remote code for the adapter).
 LOADERS = {
-    "base: Qwen2ForCausalLM": ("from transformers import Qwen2ForCausalLM as C", "C.from_pretrained({path!r}, dtype='auto')"),
+    "base: {arch}": ("from transformers import {arch} as C", "C.from_pretrained({path!r}, dtype='auto')"),
     "adapter: CausalQwenForCausalLM": (
         "from causalqwen_adapter import CausalQwenForCausalLM as C", "C.from_pretrained({path!r}, dtype='auto')"),
     "base: AutoModelForCausalLM": ("from transformers import AutoModelForCausalLM as C", "C.from_pretrained({path!r}, dtype='auto')"),
@@ -30,7 +33,7 @@ LOADERS = {
         "C.from_pretrained({path!r}, dtype='auto', trust_remote_code=True)",
     ),
 }
-REFERENCE = {"adapter: CausalQwenForCausalLM": "base: Qwen2ForCausalLM",
+REFERENCE = {"adapter: CausalQwenForCausalLM": "base: {arch}",
              "adapter: AutoModelForCausalLM, remote code": "base: AutoModelForCausalLM"}
 # safetensors maps files lazily; "resident" also reads one element per 2 KiB of every tensor, so
 # every page of the weights is in memory when the clock stops.
@@ -43,9 +46,9 @@ touched = sum(float(p.detach().reshape(-1)[::1024].float().sum()) for p in m.par
 print(loaded, time.perf_counter() - t)"""
 
 
-def time_load(kind: str, path: str) -> tuple[float, float]:
+def time_load(kind: str, path: str, arch: str) -> tuple[float, float]:
     imp, load = LOADERS[kind]
-    code = TIMED.format(imp=imp, load=load.format(path=path))
+    code = TIMED.format(imp=imp.format(arch=arch), load=load.format(path=path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded, resident = out.stdout.strip().splitlines()[-1].split()
     return float(loaded), float(resident)
@@ -65,13 +68,14 @@ def main() -> None:
             "from causalqwen_adapter import CausalQwenForCausalLM as C; "
             f"C.from_base({args.base!r}).save_pretrained({adapter!r})")], check=True, capture_output=True)
     paths = {kind: (args.base if kind.startswith("base") else adapter) for kind in LOADERS}
+    arch = json.loads((Path(args.base) / "config.json").read_text())["architectures"][0]
 
     for kind in LOADERS:  # warm-up: page cache and the remote-code module cache
-        time_load(kind, paths[kind])
+        time_load(kind, paths[kind], arch)
     times = {kind: [] for kind in LOADERS}
     for _ in range(args.repeats):
         for kind in LOADERS:
-            times[kind].append(time_load(kind, paths[kind]))
+            times[kind].append(time_load(kind, paths[kind], arch))
 
     print(f"{'load':<44}{'returns s':>10}{'resident s':>11}  {'ratio returns':<18}{'ratio resident':<18}"
           f"(medians and ratio min–max over {args.repeats} rounds)")
@@ -79,7 +83,7 @@ def main() -> None:
         ref = times[REFERENCE.get(kind, kind)]
         loaded, resident = ([t[i] for t in runs] for i in (0, 1))
         ratios = [spread(round_ratios(loaded if i == 0 else resident, [t[i] for t in ref])) for i in (0, 1)]
-        print(f"{kind:<44}{statistics.median(loaded):>10.3f}{statistics.median(resident):>11.3f}  "
+        print(f"{kind.format(arch=arch):<44}{statistics.median(loaded):>10.3f}{statistics.median(resident):>11.3f}  "
               f"{ratios[0]:<18}{ratios[1]:<18}")
     weights = Path(adapter) / "model.safetensors"
     base_bytes = sum(p.stat().st_size for p in Path(args.base).glob("*.safetensors"))

