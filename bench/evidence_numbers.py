@@ -24,7 +24,7 @@ score, each family through its exact quantiles. Mean ± standard error over seed
 corruption), and the paired differences against `cauchy` on the same splits. Writes OUTPUT.json and OUTPUT.md.
 
     python bench/evidence_numbers.py --base /work/demo-base --quick
-    python bench/evidence_numbers.py --base /work/demo-base --texts 768 --seeds 5    # bench/EVIDENCE-NUMBERS.md
+    python bench/evidence_numbers.py --base /work/demo-base --texts 768 --seeds 5    # BENCHMARKS.md; bench/results/evidence-numbers.md
 """
 
 import argparse
@@ -514,7 +514,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--quick", action="store_true",
                         help="a subset under ~10 minutes: 200 texts, 3 seeds, 200 steps, two learning rates")
-    parser.add_argument("--output", default="bench/evidence_numbers", help="writes OUTPUT.json and OUTPUT.md")
+    parser.add_argument("--output", default="bench/results/evidence_numbers", help="writes OUTPUT.json and OUTPUT.md")
     parser.add_argument("--summarize", metavar="JSON", help="only re-render OUTPUT.md from a JSON this script wrote")
     args = parser.parse_args()
     if args.summarize:
