@@ -67,7 +67,7 @@ def test_loc_S_equals_base_logits_on_real_text(real_base):
         logits = base(**batch).logits
     mask = batch.attention_mask.bool()
     loc_S, logits = loc_S[mask], logits[mask]
-    # the figures bench/REAL-ARCHITECTURES.md records (`pytest -s`)
+    # the figures bench/results/real-architectures.md records (`pytest -s`)
     print(f"\n{real_base.name}: {len(logits)} positions, max |loc_S - logits| {(loc_S - logits).abs().max().item():.3g}"
           f" (max |logits| {logits.abs().max().item():.3g})")
     assert loc_S.shape == logits.shape and logits.shape[-1] == base.config.vocab_size
