@@ -10,6 +10,8 @@ the kernels take and a refusal is an error that names the operator.
 Installed package only, never remote code, like cpu_kernels.py.
 """
 
+import functools
+
 import torch
 
 from . import ops
@@ -20,6 +22,7 @@ CAUCHY_LINEAR_MAX_ROWS = 64
 DTYPES = (torch.bfloat16, torch.float32)
 
 
+@functools.cache  # asked by every query, i.e. at each decode step: import and probe the device once
 def _triton():
     """kernels_triton, imported at first use (it imports triton), or None without triton."""
     try:
