@@ -52,8 +52,8 @@ def against_teacher(model, features, modes=("compatible", "standard")) -> dict:
     rows = load_features(features)[:]
     z, targets = rows["hidden_state"], rows["topk_ids"][:, 0].long()
     accumulators = {mode: EvaluationAccumulator(mode) for mode in modes}
-    for mode, scores, log_P, yy in score_hidden_states(model, z, targets, modes):
-        accumulators[mode].update(scores, yy, log_P)
+    for scored in score_hidden_states(model, z, targets, modes):
+        accumulators[scored.mode].add(scored)
     return {mode: acc.compute() for mode, acc in accumulators.items()}
 
 

@@ -93,9 +93,9 @@ def evaluate_heads(model, z, targets, modes, distributions=("accept_once",), chu
     saved = model.config.ovr_distribution
     for distribution in dict.fromkeys(d for _, d in kinds):
         model.config.ovr_distribution = distribution or saved
-        for mode, scores, log_P, yy in score_hidden_states(model, z, targets, [m for m, d in kinds if d == distribution],
-                                                          chunk_size=chunk):
-            accumulators[mode, distribution].update(scores, yy, log_P)
+        for scored in score_hidden_states(model, z, targets, [m for m, d in kinds if d == distribution],
+                                          chunk_size=chunk):
+            accumulators[scored.mode, distribution].add(scored)
     model.config.ovr_distribution = saved
     return {name[kind]: acc.compute() for kind, acc in accumulators.items()}
 

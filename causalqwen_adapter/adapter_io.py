@@ -67,6 +67,9 @@ LOGIT_TRANSFORMS = {
     "lm_head_multiplier": (1.0, "multiplies its logits by it"),  # Falcon-H1
     "output_multiplier": (1.0, "multiplies its logits by it"),
 }
+# Model types whose transformers forward never reads the field (MPT's config keeps `logit_scale` from its original
+# code; transformers' MptForCausalLM returns lm_head(z) whatever it holds). check_logits_are_output_layer still runs.
+LOGIT_TRANSFORMS_UNUSED = {"logit_scale": ("mpt",)}
 
 
 def check_supported_base(base_config, name) -> None:
@@ -77,7 +80,9 @@ def check_supported_base(base_config, name) -> None:
     what = f"{name} is a {model_type!r} checkpoint" + (f" ({architectures})" if architectures else "")
     if getattr(base_config, "is_encoder_decoder", False):
         raise ValueError(f"{what}, an encoder-decoder model: CausalQwen heads attach to {SUPPORTED_BASES}")
-    if getattr(base_config, "sub_configs", None):
+    # A composite model's text lives in a sub-config (text_config, decoder, ...); a sub-config of another kind (MPT's
+    # attn_config) is part of a plain decoder's configuration.
+    if getattr(base_config, "sub_configs", None) and base_config.get_text_config(decoder=True) is not base_config:
         raise ValueError(
             f"{what}, a composite model (vision-language or other multimodal, with sub-configs "
             f"{sorted(base_config.sub_configs)}): CausalQwen heads attach to {SUPPORTED_BASES}. Pass a text-only "
@@ -90,6 +95,8 @@ def check_supported_base(base_config, name) -> None:
         raise ValueError(f"{what}, which AutoModelForCausalLM does not load: CausalQwen heads attach to {SUPPORTED_BASES}")
     for field, (neutral, effect) in LOGIT_TRANSFORMS.items():
         value = getattr(base_config, field, None)
+        if model_type in LOGIT_TRANSFORMS_UNUSED.get(field, ()):
+            continue
         if value is not None and value != neutral:
             raise ValueError(
                 f"{what} has {field}={value}: its forward {effect}, so its logits are not its output layer applied to "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .evaluation import ECE_BINS, _Bins
+from .evaluation import auroc as rank_auroc  # the rank statistic; here with the open-set check
 
 RULES = ("ovr", "softmax")
 
@@ -242,21 +243,12 @@ def classification_metrics(pred: torch.Tensor, target: torch.Tensor, confidence:
 
 
 def auroc(known: torch.Tensor, unknown: torch.Tensor) -> float:
-    """P(score of a known row > score of an unknown row) + ½ P(tie): the area under the ROC curve of telling known
-    rows (positives) from unknown ones by a score, higher meaning known."""
+    """The area under the ROC curve of telling known rows (positives) from unknown ones by a score, higher meaning
+    known (`evaluation.auroc`)."""
     if len(known) == 0 or len(unknown) == 0:
         raise ValueError("AUROC needs known and unknown rows: the split has no unknown class (lower the fraction of "
                          "classes known in training) or no known one")
-    scores = torch.cat([known, unknown]).double()
-    # midranks of the ties, then the Mann–Whitney U statistic of the known rows
-    order = torch.argsort(scores, stable=True)
-    ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
-    values, inverse = torch.unique(scores, return_inverse=True)
-    mean_rank = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, ranks)
-    mean_rank /= torch.bincount(inverse, minlength=len(values)).double()
-    u = mean_rank[inverse[: len(known)]].sum().item() - len(known) * (len(known) + 1) / 2
-    return u / (len(known) * len(unknown))
+    return rank_auroc(known, unknown)
 
 
 def fpr_at_tpr(known: torch.Tensor, unknown: torch.Tensor, tpr: float = 0.95) -> float:

@@ -19,6 +19,17 @@ Metrics (all over target tokens):
 | `nll` | mean −log q_y: the cross-entropy of the mode's distribution (for `normalize`, −log(P_y / ΣP)) |
 | `ece_top1` | expected calibration error (15 equal-width bins) of the top-1 confidence max_k q_k |
 | `ece_top10` | the same over the 10 largest p_k of each position against whether each is y: does p_k mean what it says? |
+| `auroc_<signal>` | how well a confidence signal tells right top-1 tokens (argmax_k q_k == y) from wrong ones: the area under its ROC curve (0.5: no information; below 0.5, the signal is higher where the top-1 is wrong) |
+
+The confidence signals (`CONFIDENCE_SIGNALS`), each where the model has it:
+
+| signal | what | scored for |
+|---|---|---|
+| `max_prob` | the mode's top probability max_k q_k | every model and mode |
+| `softmax_max_prob` | max_k softmax(loc_S)_k: the softmax of the same heads, read beside an OvR mode | the OvR modes |
+| `P_top` | P_k of the top-1 token, its one-vs-rest probability | the OvR modes |
+| `neg_scale_top` | −scale_S of the top-1 token: a narrower decision score, a surer one | CausalQwen, every mode |
+| `prob_sum` | Σ_k P_k: how many tokens the heads accept at once | the OvR modes |
 
 `EvaluationAccumulator` gathers them batch by batch (the trainer uses it under `eval_strategy`); `evaluate` runs
 models over a tokenized dataset; `reliability_diagram` draws both calibrations (needs matplotlib).
@@ -26,6 +37,7 @@ models over a tokenized dataset; `reliability_diagram` draws both calibrations (
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +48,34 @@ from .configuration_causalqwen import check_number
 ECE_BINS = 15
 TOP_K_CALIBRATION = 10
 SOFTMAX = "softmax"  # the mode name of a plain base model's scores
+CONFIDENCE_SIGNALS = ("max_prob", "softmax_max_prob", "P_top", "neg_scale_top", "prob_sum")
+
+
+class ScoredPositions(NamedTuple):
+    """Scored target positions of one mode: what `EvaluationAccumulator.update` takes."""
+
+    mode: str
+    scores: torch.Tensor  # [n, V] the logits of q
+    log_probs: torch.Tensor | None  # [n, V] log P_k of an OvR mode; None for softmax scores
+    targets: torch.Tensor  # [n]
+    loc_S: torch.Tensor | None = None  # [n, V] the heads' decision scores (None for a plain causal LM)
+    scale_S: torch.Tensor | None = None
+
+
+def auroc(positive: torch.Tensor, negative: torch.Tensor) -> float:
+    """P(score of a positive > score of a negative) + ½ P(tie): the area under the ROC curve of telling positives from
+    negatives by a score, higher meaning positive (the Mann–Whitney U statistic over midranks). NaN without both."""
+    if len(positive) == 0 or len(negative) == 0:
+        return float("nan")
+    scores = torch.cat([positive, negative]).double()
+    order = torch.argsort(scores, stable=True)
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    values, inverse = torch.unique(scores, return_inverse=True)  # ties share their mean rank
+    mean_rank = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, ranks)
+    mean_rank /= torch.bincount(inverse, minlength=len(values)).double()
+    u = mean_rank[inverse[: len(positive)]].sum().item() - len(positive) * (len(positive) + 1) / 2
+    return u / (len(positive) * len(negative))
 
 
 @dataclass
@@ -80,14 +120,18 @@ class EvaluationAccumulator:
         self.prob_sums: list[torch.Tensor] = []
         self.top1 = _Bins()
         self.top10 = _Bins()
+        self.hits: list[torch.Tensor] = []  # top-1 right or wrong, per position
+        self.signals: dict[str, list[torch.Tensor]] = {name: [] for name in CONFIDENCE_SIGNALS}
 
     @property
     def is_softmax(self) -> bool:
         return self.kind in (SOFTMAX, "compatible")
 
     @torch.no_grad()
-    def update(self, scores: torch.Tensor, targets: torch.Tensor, log_probs: torch.Tensor | None = None) -> None:
-        """`scores` [N, V]: the logits of q; `log_probs` [N, V]: log P_k (OvR modes, required there); `targets` [N]."""
+    def update(self, scores: torch.Tensor, targets: torch.Tensor, log_probs: torch.Tensor | None = None,
+               loc_S: torch.Tensor | None = None, scale_S: torch.Tensor | None = None) -> None:
+        """`scores` [N, V]: the logits of q; `log_probs` [N, V]: log P_k (OvR modes, required there); `targets` [N];
+        `loc_S`, `scale_S` [N, V]: the heads' decision scores, for the confidence signals that read them."""
         if len(targets) == 0:
             return
         if self.is_softmax == (log_probs is not None):
@@ -107,6 +151,21 @@ class EvaluationAccumulator:
         self.prob_sums.append(log_sum.double().exp().cpu())
         self.top1.add(top_log_q.exp(), top_id == targets)
         self.top10.add(top_log_p.exp(), top_ids == targets[:, None])
+        self.hits.append((top_id == targets).cpu())
+        signals = {"max_prob": top_log_q.exp()}
+        if log_probs is not None:
+            signals["P_top"] = log_p.gather(1, top_id[:, None]).squeeze(1).exp()
+            signals["prob_sum"] = log_sum.exp()
+            if loc_S is not None:
+                signals["softmax_max_prob"] = F.softmax(loc_S.float(), -1).amax(-1)
+        if scale_S is not None:
+            signals["neg_scale_top"] = -scale_S.float().gather(1, top_id[:, None]).squeeze(1)
+        for name, values in signals.items():
+            self.signals[name].append(values.float().cpu())
+
+    def add(self, scored: ScoredPositions) -> None:
+        """`update` with what `score_positions` / `score_hidden_states` yield."""
+        self.update(scored.scores, scored.targets, scored.log_probs, scored.loc_S, scored.scale_S)
 
     def compute(self) -> dict[str, float]:
         if self.n == 0:
@@ -114,6 +173,12 @@ class EvaluationAccumulator:
         sums = torch.cat(self.prob_sums)
         levels = torch.tensor([0.1, 0.5, 0.9], dtype=sums.dtype, device=sums.device)  # quantile wants one device
         p10, median, p90 = torch.quantile(sums, levels).tolist()
+        hits = torch.cat(self.hits)
+        confidence = {}
+        for name, parts in self.signals.items():
+            if len(parts) == len(self.hits):  # a signal this model and mode has at every position
+                values = torch.cat(parts)
+                confidence[f"auroc_{name}"] = auroc(values[hits], values[~hits])
         return {
             "top1_accuracy": self.correct / self.n,
             "target_prob": self.target_prob / self.n,
@@ -123,13 +188,14 @@ class EvaluationAccumulator:
             "nll": self.nll / self.n,
             "ece_top1": self.top1.ece(),
             "ece_top10": self.top10.ece(),
+            **confidence,
             "num_tokens": self.n,
         }
 
 
 def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk_size: int = 256):
-    """Yield (mode, scores [n, V], log P [n, V] or None, targets [n]) over the target positions of `batch`,
-    `chunk_size` at a time (the arguments of `EvaluationAccumulator.update`).
+    """Yield `ScoredPositions` (mode, scores [n, V], log P [n, V] or None, targets [n], loc_S, scale_S) over the
+    target positions of `batch`, `chunk_size` at a time (the arguments of `EvaluationAccumulator.update`).
 
     `model` is a `CausalQwenForCausalLM` (scored in each of `modes` from one backbone pass) or any causal LM with
     `logits` (scored as `softmax`). `batch` holds `input_ids`, optionally `attention_mask`, `labels` (−100 where there
@@ -163,7 +229,7 @@ def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk
             logits = logits.reshape(-1, logits.shape[-1])
             for start in range(0, len(valid), chunk_size):
                 rows = valid[start : start + chunk_size]
-                yield SOFTMAX, logits[rows], None, targets[start : start + chunk_size]
+                yield ScoredPositions(SOFTMAX, logits[rows], None, targets[start : start + chunk_size])
             return
         ids, embeds = model.embed_numbers(input_ids, None, batch.get("numeric_values"))
         hidden = model.model(input_ids=ids, inputs_embeds=embeds, attention_mask=batch.get("attention_mask"),
@@ -175,13 +241,14 @@ def score_positions(model, batch: dict, modes, *, causal_temperature=None, chunk
 @torch.no_grad()
 def score_hidden_states(model, z, targets, modes, *, causal_temperature=None, chunk_size: int = 256):
     """`score_positions` on final hidden states `z` [n, H] already taken (a cache, a feature store): yield
-    (mode, scores, log P or None, targets) for each of `modes`, `chunk_size` positions at a time."""
+    `ScoredPositions` for each of `modes`, `chunk_size` positions at a time."""
     temperature = model.config.causal_temperature if causal_temperature is None else causal_temperature
     for mode in modes:
         for start in range(0, len(targets), chunk_size):
             _, _, loc_S, scale_S = model.causal_heads(z[start : start + chunk_size], mode, temperature)
             log_P = None if mode == "compatible" else model.ovr_log_probs(loc_S, scale_S)
-            yield mode, model.mode_scores(loc_S, scale_S, mode, log_P), log_P, targets[start : start + chunk_size]
+            yield ScoredPositions(mode, model.mode_scores(loc_S, scale_S, mode, log_P), log_P,
+                                  targets[start : start + chunk_size], loc_S, scale_S)
 
 
 def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, causal_temperature=None,
@@ -207,8 +274,8 @@ def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, caus
     device = next(model.parameters()).device
     for batch in batches:  # the batches go where the model is
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        for kind, scores, log_P, targets in score_positions(model, batch, kinds, causal_temperature=causal_temperature):
-            accumulators[kind].update(scores, targets, log_P)
+        for scored in score_positions(model, batch, kinds, causal_temperature=causal_temperature):
+            accumulators[scored.mode].add(scored)
     results = {kind: acc.compute() for kind, acc in accumulators.items()}
     results["accumulators"] = accumulators
     return results
@@ -225,6 +292,18 @@ def markdown_table(results: dict[str, dict[str, dict]]) -> str:
                 continue
             cells = [_format(metrics.get(c)) for c in columns]
             lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def confidence_table(results: dict[str, dict[str, dict]]) -> str:
+    """AUROC of each confidence signal for "the top-1 is right", one row per (model, mode); – where a model or mode has
+    no such signal."""
+    columns = [f"auroc_{name}" for name in CONFIDENCE_SIGNALS]
+    lines = ["| model | mode | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
+    for name, per_mode in results.items():
+        for mode, metrics in per_mode.items():
+            if mode != "accumulators":
+                lines.append(f"| {name} | {mode} | " + " | ".join(_format(metrics.get(c)) for c in columns) + " |")
     return "\n".join(lines)
 
 
@@ -273,4 +352,5 @@ def load_model(name: str, dtype):
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), name
 
 
-__all__ = ["EvaluationAccumulator", "evaluate", "load_model", "markdown_table", "reliability_diagram", "score_positions"]
+__all__ = ["CONFIDENCE_SIGNALS", "EvaluationAccumulator", "ScoredPositions", "auroc", "confidence_table", "evaluate",
+           "load_model", "markdown_table", "reliability_diagram", "score_hidden_states", "score_positions"]

@@ -22,6 +22,23 @@ NUM_TOKEN = "<NUM>"
 NUMBER_PATTERN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
+def default_num_token_id(tokenizer, vocab_size: int, name: str) -> int:
+    """The row `<NUM>` takes when none is given: the tokenizer's next id, `len(tokenizer)`, an embedding row the
+    tokenizer never produces (151665, the first of Qwen2's 271 reserved rows). A base whose tokenizer already uses
+    every row has none to give: refused with what to do, since the heads never grow or change the base."""
+    next_id = len(tokenizer)
+    if next_id < vocab_size:
+        return next_id
+    raise ValueError(
+        f"numeric heads need an embedding row the tokenizer never produces, for {NUM_TOKEN}: {name}'s tokenizer has "
+        f"{next_id:,} tokens for its {vocab_size:,}-row embedding, so no row is free. Pass --num_token_id <the id of "
+        "a token this tokenizer never produces, e.g. an unused reserved special token>, or give the base a row "
+        "first: tokenizer.add_special_tokens({'additional_special_tokens': ['<NUM>']}), "
+        "base.resize_token_embeddings(len(tokenizer)), save both to a new folder and train from that folder. "
+        "The heads never resize or modify a base"
+    )
+
+
 def add_num_token(tokenizer, num_token_id: int) -> None:
     """Register `<NUM>` as a special token of `tokenizer` at `num_token_id` (the model's `config.num_token_id`).
 

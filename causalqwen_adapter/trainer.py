@@ -346,8 +346,8 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
             accumulators = getattr(self, "_eval_accumulators", None)
             if accumulators:
                 scored = score_positions(self.accelerator.unwrap_model(model), inputs, list(accumulators))
-                for mode, scores, log_P, targets in scored:
-                    accumulators[mode].update(scores, targets, log_P)
+                for positions in scored:
+                    accumulators[positions.mode].add(positions)
             if prediction_loss_only:
                 return loss, None, None
             # compute_metrics wants logits: the model's own forward, which materialises [batch × length × vocab].

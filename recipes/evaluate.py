@@ -6,7 +6,8 @@
 
 Each model is a base causal LM (scored with its softmax) or a CausalQwen adapter (scored in each of `--modes`). The data
 is any format `sft_ovr.py` reads (`text`, `prompt`/`completion`, chat `messages`; a local file or a `datasets` name).
-Writes `metrics.json` and `metrics.md` (the table printed at the end) to `--output_dir`, and `reliability.png` with
+Writes `metrics.json` and `metrics.md` (the tables printed at the end: the next-token metrics, and the AUROC of each
+confidence signal for "the top-1 is right") to `--output_dir`, and `reliability.png` with
 `--reliability_diagram` (needs matplotlib). The metrics are described in `causalqwen_adapter/evaluation.py`. The
 models run on `--device` (default `auto`: CUDA if available, else MPS, else the CPU), one at a time.
 """
@@ -24,7 +25,7 @@ from causalqwen_adapter.cauchy import INFERENCE_MODES
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS, check_choice, check_number
 from causalqwen_adapter.data import batches, load_text_dataset, tokenize_for_evaluation
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
-from causalqwen_adapter.evaluation import evaluate, load_model, markdown_table, reliability_diagram
+from causalqwen_adapter.evaluation import confidence_table, evaluate, load_model, markdown_table, reliability_diagram
 
 
 @dataclass
@@ -103,7 +104,8 @@ def main(args: EvaluationArguments) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the next model gets the memory back
 
-    table = markdown_table(results)
+    table = markdown_table(results) + "\n\nConfidence for \"the top-1 is right\" (AUROC of each signal):\n\n" + \
+        confidence_table(results)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
     (output_dir / "metrics.md").write_text(table + "\n")

@@ -28,12 +28,12 @@ import hashlib
 from pathlib import Path
 
 from accelerate import PartialState
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedConfig
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.data import load_text_dataset
-from causalqwen_adapter.numeric import add_num_token, encode_with_numbers
+from causalqwen_adapter.numeric import add_num_token, default_num_token_id, encode_with_numbers
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
 
@@ -53,7 +53,9 @@ def numeric_data(dataset, model_args: ModelConfig, training_args: CausalSFTConfi
     """For numeric heads: the base's tokenizer with <NUM>, and every `text` turned into input_ids + numeric_values."""
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     if training_args.num_token_id is None:
-        training_args.num_token_id = len(tokenizer)  # the next free id: 151665, the first reserved row, for Qwen2
+        config, _ = PreTrainedConfig.get_config_dict(model_args.model_name_or_path, revision=model_args.model_revision)
+        vocab_size = config.get("text_config", config)["vocab_size"]  # an adapter's config holds its base's
+        training_args.num_token_id = default_num_token_id(tokenizer, vocab_size, model_args.model_name_or_path)
     add_num_token(tokenizer, training_args.num_token_id)
     for split, data in dataset.items():
         if "text" not in (data.column_names or []):

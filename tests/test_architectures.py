@@ -3,6 +3,8 @@ Mistral (sliding window), Qwen3, Gemma 3 text (sliding-window and global layers:
 random checkpoints; and the bases the heads refuse (an encoder, an encoder-decoder, a multimodal model, logits that
 are not the output layer's)."""
 
+import importlib.util
+import json
 import textwrap
 
 import pytest
@@ -20,6 +22,8 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     MistralConfig,
+    MptConfig,
+    MptForCausalLM,
     Phi3Config,
     Qwen3Config,
     T5Config,
@@ -30,7 +34,7 @@ from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
 from causalqwen_adapter.features import extract_features
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
-from conftest import PAIRS, tiny_tokenizer
+from conftest import PAIRS, REPO_ROOT, tiny_tokenizer
 
 VOCAB = 160
 LAYOUT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -284,6 +288,26 @@ def test_numbers_need_a_free_row_outside_qwen2(bases):
     assert CausalQwenConfig(text_config=qwen3, numeric=True, num_token_id=151935).num_token_id == 151935
 
 
+def test_the_numeric_recipe_refuses_a_base_whose_tokenizer_fills_its_vocabulary(tmp_path):
+    """SmolLM2's case: 49,152 tokens for 49,152 rows, no row to give <NUM>. Refused before anything is written."""
+    full = _save_base(tmp_path / "full-vocab", LlamaConfig(**{**LAYOUT, "vocab_size": len(tiny_tokenizer())}))
+    spec = importlib.util.spec_from_file_location("sft_ovr_recipe", REPO_ROOT / "recipes" / "sft_ovr.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    data = tmp_path / "numbers.jsonl"
+    data.write_text(json.dumps({"text": "the cat sat on 3 mats"}) + "\n")
+    out = tmp_path / "out"
+    parsed = recipe.make_parser().parse_args_and_config(args=[
+        "--model_name_or_path", str(full), "--dataset_name", str(data), "--output_dir", str(out), "--numeric",
+        "--max_steps", "1", "--report_to", "none", "--use_cpu", "true",
+    ])
+    rows = len(tiny_tokenizer())
+    with pytest.raises(ValueError, match=f"tokenizer has {rows} tokens for its {rows}-row embedding, so no row is free. "
+                                         "Pass --num_token_id"):
+        recipe.main(*parsed)
+    assert not out.exists()
+
+
 # --------------------------------------------------------------------------------------- refused
 
 
@@ -325,6 +349,18 @@ def test_soft_capped_logits_are_refused(tmp_path, bases):
     with pytest.raises(ValueError, match="'gemma3_text' checkpoint .* has final_logit_softcapping=30.0"):
         CausalQwenForCausalLM.from_base(_save(AutoModelForCausalLM.from_config(gemma3), tmp_path / "gemma3"))
     assert CONFIGS["gemma3_text"]().final_logit_softcapping is None  # Gemma 3's default: not capped, accepted above
+
+
+def test_a_config_field_the_base_never_applies_is_not_refused():
+    """transformers' MPT keeps `logit_scale` in its config but never applies it: its logits are lm_head(z)."""
+    torch.manual_seed(0)
+    mpt = MptForCausalLM(MptConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                                   logit_scale=0.25)).eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.no_grad():
+        loc_S = CausalQwenForCausalLM.from_base(mpt).eval()(ids, inference_mode="compatible").loc_S
+        logits = mpt(ids).logits
+    torch.testing.assert_close(loc_S, logits, rtol=0, atol=1e-5)
 
 
 def test_logits_that_are_not_the_output_layer_are_refused(bases):

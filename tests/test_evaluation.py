@@ -78,6 +78,58 @@ def test_accumulator_matches_naive_float64_reference(kind):
             acc.update(scores, targets)
 
 
+def _naive_auroc(signal: list[float], hits: list[bool]) -> float:
+    """Over every (right, wrong) pair of positions: 1 if the right one's signal is higher, ½ on a tie."""
+    right = [v for v, h in zip(signal, hits) if h]
+    wrong = [v for v, h in zip(signal, hits) if not h]
+    wins = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in right for b in wrong)
+    return wins / (len(right) * len(wrong))
+
+
+@pytest.mark.parametrize("kind", ["softmax", "compatible", "standard"])
+def test_confidence_signals_auroc_matches_naive_pairs(kind):
+    """AUROC of each confidence signal for "the top-1 is right", against counting every (right, wrong) pair."""
+    g = torch.Generator().manual_seed(1)
+    n, vocab = 61, 40
+    loc_S = torch.randn(n, vocab, generator=g) * 2
+    scale_S = 0.3 + torch.rand(n, vocab, generator=g)
+    log_P = ovr_log_prob((loc_S - 1.0) / scale_S)
+    scores = loc_S + log_P if kind == "standard" else loc_S
+    targets = torch.where(torch.rand(n, generator=g) < 0.5, scores.argmax(-1), torch.randint(0, vocab, (n,), generator=g))
+    acc = EvaluationAccumulator(kind)
+    heads = {} if kind == "softmax" else {"loc_S": loc_S, "scale_S": scale_S}
+    for start in range(0, n, 16):
+        part = slice(start, start + 16)
+        acc.update(scores[part], targets[part], log_P[part] if kind == "standard" else None,
+                   **{k: v[part] for k, v in heads.items()})
+    got = acc.compute()
+    q = torch.softmax(scores.double(), -1)
+    top = q.argmax(-1)
+    hits = (top == targets).tolist()
+    assert 0 < sum(hits) < n
+    rows = range(n)
+    expected = {"max_prob": [q[i].max().item() for i in rows]}
+    if kind != "softmax":
+        expected["neg_scale_top"] = [-scale_S[i, top[i]].item() for i in rows]
+    if kind == "standard":
+        P = log_P.double().exp()
+        expected["P_top"] = [P[i, top[i]].item() for i in rows]
+        expected["prob_sum"] = [P[i].sum().item() for i in rows]
+        expected["softmax_max_prob"] = [torch.softmax(loc_S[i].double(), -1).max().item() for i in rows]
+    assert {k for k in got if k.startswith("auroc_")} == {f"auroc_{name}" for name in expected}
+    for name, signal in expected.items():
+        assert got[f"auroc_{name}"] == pytest.approx(_naive_auroc(signal, hits), abs=1e-6), name
+
+
+def test_a_signal_equal_everywhere_has_auroc_one_half_and_no_wrong_top1_gives_nan():
+    acc = EvaluationAccumulator("softmax")
+    acc.update(torch.zeros(6, 4), torch.tensor([0, 1, 2, 3, 0, 1]))  # a flat q: top-1 is token 0, right twice
+    assert acc.compute()["auroc_max_prob"] == 0.5
+    acc = EvaluationAccumulator("softmax")
+    acc.update(torch.eye(4) * 5, torch.arange(4))
+    assert math.isnan(acc.compute()["auroc_max_prob"])
+
+
 @pytest.mark.parametrize("distribution", ["accept", "normalize"])
 def test_compatible_mode_scores_exactly_as_the_base(tied_base, input_ids, distribution):
     base = Qwen2ForCausalLM.from_pretrained(tied_base).eval()
@@ -158,7 +210,9 @@ def test_evaluate_recipe_scores_bases_and_adapters(sft_base, tmp_path):
     assert set(base) == {"softmax"} and set(heads) == {"compatible", "standard", "causal"}
     assert heads["compatible"]["nll"] == pytest.approx(base["softmax"]["nll"], rel=1e-5)
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())[str(adapter)]["standard"]["num_tokens"] > 0
-    assert len((tmp_path / "eval" / "metrics.md").read_text().splitlines()) == 2 + 1 + 3  # header; a row per mode
+    tables = (tmp_path / "eval" / "metrics.md").read_text().split("\n\n")
+    assert [len(t.splitlines()) for t in tables] == [2 + 1 + 3, 1, 2 + 1 + 3]  # header, a row per (model, mode)
+    assert heads["standard"]["auroc_P_top"] == pytest.approx(float(tables[2].splitlines()[4].split("|")[5]), abs=1e-3)
     normalized = run(tmp_path / "eval-normalize", ovr_distribution="normalize")[str(adapter)]
     assert normalized["standard"]["prob_sum_median"] == pytest.approx(heads["standard"]["prob_sum_median"])
     assert normalized["standard"]["nll"] != pytest.approx(heads["standard"]["nll"])  # another distribution q
