@@ -151,7 +151,8 @@ def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autoc
         elif variant == "c":
             def step():
                 return chunked_ovr_loss(loc_U, scale_U, DecisionHead(weight, bias, b_noise, 0.0), labels,
-                                        chunk_size=chunk_size or 1024, vocab_chunk_size=vocab_chunk_size or 2048)[0]
+                                        chunk_size=chunk_size or None,
+                                        vocab_chunk_size=vocab_chunk_size or None)[0]  # None: ovr_loss_shape
         else:
             config = CausalQwenConfig()
             threshold = torch.full((), config.ovr_threshold_init)  # a buffer, as with learnable_threshold=False

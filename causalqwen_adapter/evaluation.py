@@ -340,7 +340,7 @@ def reliability_diagram(accumulators: dict[str, dict[str, EvaluationAccumulator]
 
 
 def load_model(name: str, dtype):
-    """(model, name of its base) for a CausalQwen adapter or any causal LM (a Qwen2 base), folder or Hub id."""
+    """(model, name of its base) for a CausalQwen adapter or any causal LM (a base), folder or Hub id."""
     from transformers import AutoModelForCausalLM, PreTrainedConfig
 
     from .modeling_causalqwen import CausalQwenForCausalLM

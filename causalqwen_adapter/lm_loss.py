@@ -38,8 +38,8 @@ from .dispatch import (
 from .losses import (
     DecisionHead,
     check_head_inputs,
-    chunk_tokens,
     kernel_target_columns,
+    loss_shape,
     ovr_tile,
     target_columns,
     zero_row_mask,
@@ -95,21 +95,6 @@ def chunked_lm_loss(
     loss, *stats = _ChunkedLMLoss.apply(loc_U, scale_U, *head, labels, options, torch.is_grad_enabled())
     names = ("softmax_nll", "target_prob", "ovr_prob_sum", "num_tokens")
     return loss, {k: v for k, v in zip(names, stats) if scale_U is not None or k not in ("target_prob", "ovr_prob_sum")}
-
-
-CPU_VOCAB_BLOCK = 4096  # rows of W_A per block on the CPU: a tile of a few hundred tokens stays in cache
-
-
-def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, itemsize: int) -> tuple[int, int]:
-    """(tokens per chunk, vocabulary rows per block) by default. On the CPU, the chunk's [chunk × V] logits of
-    ``itemsize`` bytes fit `losses.chunk_tokens`' budget and blocks of `CPU_VOCAB_BLOCK` rows keep a tile in cache.
-    On an accelerator one block spans the vocabulary (a product and a kernel per pass, not a loop over blocks) and
-    the tokens are cut as Liger-Kernel's fused linear cross-entropy cuts them: into ⌈V / C⌉ chunks of a power-of-two
-    size, so that a chunk's logits take about the memory of the [N × C] inputs."""
-    if device.type == "cpu":
-        return chunk_tokens(vocab, itemsize), CPU_VOCAB_BLOCK
-    chunks = -(-vocab // max(width, 1))
-    return 1 << max(0, (-(-max(n_tokens, 1) // chunks) - 1).bit_length()), vocab
 
 
 def equal_chunk_size(n: int, chunk: int) -> int:

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from .cauchy import cauchy_linear_rows, check_labels, fuse_noise, ovr_log_probs, ovr_probs, ovr_standardize
 from .dispatch import TILE_COL_D, TILE_D, TILE_OVR, TILE_OVR_GRADS, TILE_OVR_LOCATES, lookup_operator, tile_thread_count
 
-OVR_CHUNK_TOKENS = 1024  # tokens per tile of `chunked_ovr_loss`, whose tiles are [tokens × 2,048 vocabulary rows]
+OVR_CHUNK_TOKENS = 1024  # tokens per tile of `chunked_ovr_loss` on the CPU, whose tiles are [tokens × 2,048 rows]
+OVR_VOCAB_BLOCK = 2048
 
 
 class DecisionHead(NamedTuple):
@@ -54,7 +55,7 @@ def chunked_ovr_loss(
     num_items_in_batch=None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-    vocab_chunk_size: int = 2048,
+    vocab_chunk_size: int | None = None,
     ignore_index: int = -100,
     negatives_only: bool = False,
     threshold_offset: torch.Tensor | None = None,
@@ -70,11 +71,10 @@ def chunked_ovr_loss(
     relative thresholds (``log_partition``); a reference point, no gradient flows into it.
 
     Returns (loss, stats) with detached ``target_prob`` (mean P_y), ``ovr_prob_sum``
-    (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` (default `OVR_CHUNK_TOKENS`) ×
-    ``vocab_chunk_size`` is the tile size; it changes speed and memory, not the result.
+    (mean Σ_k P_k) and ``num_tokens`` (valid targets). ``chunk_size`` × ``vocab_chunk_size`` is the tile size
+    (default `ovr_loss_shape`'s for the device); it changes speed and memory, not the result.
     """
     check_head_inputs(loc_U, scale_U, head.weight, labels)
-    chunk_size = chunk_size or OVR_CHUNK_TOKENS
     if threshold_offset is not None and threshold_offset.shape != (loc_U.shape[0],):
         raise ValueError(f"threshold_offset must be [N] = [{loc_U.shape[0]}], got {tuple(threshold_offset.shape)}")
     loss, target_prob, prob_sum, num_tokens = _ChunkedOvRLoss.apply(
@@ -133,6 +133,9 @@ class _ChunkedOvRLoss(torch.autograd.Function):
         g_scale = scale.new_zeros(n_valid, width) if need_scale or need_noise else None
         g_shift = shift.new_zeros(vocab) if need_bias or need_thr else None
         grad_W = torch.zeros_like(weight) if need_W else None
+        if chunk_size is None or vocab_chunk_size is None:
+            shape = ovr_loss_shape(weight.device, n_valid, vocab, width)
+            chunk_size, vocab_chunk_size = chunk_size or shape[0], vocab_chunk_size or shape[1]
         neg_log_sum, u_row_sum, p_target = _ovr_tiles(
             loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor,
             max(1, min(chunk_size, n_valid)), min(vocab_chunk_size, vocab), dtype, precise=negatives_only,
@@ -406,6 +409,29 @@ def chunk_tokens(vocab_size: int, itemsize: int = 4, budget_bytes: int = LOGITS_
     """Tokens per chunk whose [chunk × V] logits of ``itemsize`` bytes fit the budget (as Liger-Kernel sizes its
     chunks)."""
     return max(1, budget_bytes // (itemsize * vocab_size))
+
+
+CPU_VOCAB_BLOCK = 4096  # rows of W_A per block on the CPU: a tile of a few hundred tokens stays in cache
+
+
+def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, itemsize: int) -> tuple[int, int]:
+    """(tokens per chunk, vocabulary rows per block) by default. On the CPU, the chunk's [chunk × V] logits of
+    ``itemsize`` bytes fit `chunk_tokens`' budget and blocks of `CPU_VOCAB_BLOCK` rows keep a tile in cache.
+    On an accelerator one block spans the vocabulary (a product and a kernel per pass, not a loop over blocks) and
+    the tokens are cut as Liger-Kernel's fused linear cross-entropy cuts them: into ⌈V / C⌉ chunks of a power-of-two
+    size, so that a chunk's logits take about the memory of the [N × C] inputs."""
+    if device.type == "cpu":
+        return chunk_tokens(vocab, itemsize), CPU_VOCAB_BLOCK
+    chunks = -(-vocab // max(width, 1))
+    return 1 << max(0, (-(-max(n_tokens, 1) // chunks) - 1).bit_length()), vocab
+
+
+def ovr_loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int) -> tuple[int, int]:
+    """`chunked_ovr_loss`'s (tokens per chunk, vocabulary rows per block) by default: on the CPU tiles of
+    `OVR_CHUNK_TOKENS` × `OVR_VOCAB_BLOCK` (float32, kept in cache), on an accelerator `loss_shape`'s."""
+    if device.type == "cpu":
+        return OVR_CHUNK_TOKENS, OVR_VOCAB_BLOCK
+    return loss_shape(device, n_tokens, vocab, width, 4)
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ TABLE_COLUMNS = ["accuracy", "macro_f1", "ece", "coverage", "selective_accuracy"
 
 @dataclass
 class ClassifyArguments:
-    model: str = field(metadata={"help": "A CausalQwen adapter or a Qwen2 base (folder or Hub id)."})
+    model: str = field(metadata={"help": "A CausalQwen adapter or a base causal LM (folder or Hub id)."})
     test_file: str = field(metadata={"help": "prompt/completion rows to classify (.jsonl/.json/.parquet/.csv)."})
     output_dir: str = field(metadata={"help": "Where metrics.json, metrics.md and the plots are written."})
     validation_file: str | None = field(

@@ -44,7 +44,7 @@ def section(title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="build/demo-base", help="Qwen2 base: local folder or Hub id")
+    parser.add_argument("--base", default="build/demo-base", help="base causal LM: local folder or Hub id")
     parser.add_argument("--out", default="build/demo-adapter", help="where to save the adapter")
     parser.add_argument("--train-steps", type=int, default=30, help="0 skips the training part")
     add_device_argument(parser)

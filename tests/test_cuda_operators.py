@@ -20,11 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from causalqwen_adapter import cuda_kernels, dispatch  # noqa: E402
 from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa: E402
-from causalqwen_adapter.lm_loss import (
-    chunked_lm_loss,  # noqa: E402
-    loss_shape,  # noqa: E402
-)
-from causalqwen_adapter.losses import DecisionHead, chunk_tokens  # noqa: E402
+from causalqwen_adapter.lm_loss import chunked_lm_loss  # noqa: E402
+from causalqwen_adapter.losses import DecisionHead, chunk_tokens, loss_shape, ovr_loss_shape  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 if not kt.INTERPRETED:  # TRITON_INTERPRET=0 on a GPU: the real CUDA registration runs in the device-fixture tests
@@ -60,6 +57,9 @@ def test_the_accelerator_shape_is_one_vocabulary_block_and_liger_chunks():
         assert loss_shape(cuda, n, vocab, width, 2) == (expected, vocab)
     assert loss_shape(cuda, 16384, 151936, 896, 2)[0] * math.ceil(151936 / 896) >= 16384
     assert loss_shape(torch.device("cpu"), 16384, 151936, 896, 4) == (chunk_tokens(151936, 4), 4096)
+    # the distillation tail's loss: the same shape on an accelerator (float32 tiles), its own cache-sized one here
+    assert ovr_loss_shape(cuda, 16384, 151936, 896) == loss_shape(cuda, 16384, 151936, 896, 4) == (128, 151936)
+    assert ovr_loss_shape(torch.device("cpu"), 16384, 151936, 896) == (1024, 2048)
 
 
 @pytest.mark.parametrize("options", [
