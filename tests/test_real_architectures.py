@@ -1,6 +1,7 @@
-"""Causal heads on real checkpoints of other architectures than Qwen2, each against the base model itself: SmolLM2-135M-
-Instruct (Llama, tied, vocabulary 49,152) and Gemma 3 270M (sliding-window and global layers, head_dim 256, vocabulary
-262,144), built by `make test-real` (recipes/prepare_demo_base.py --base ...); each skipped while its folder is absent."""
+"""Causal heads on real checkpoints beyond the demo base, each against the base model itself: SmolLM2-135M-Instruct (Llama,
+tied, vocabulary 49,152), Gemma 3 270M (sliding-window and global layers, head_dim 256, vocabulary 262,144) and
+Qwen2.5-Coder-1.5B-Instruct (Qwen2 at three times the demo base's size: 28 layers, hidden 1,536), built by `make test-real`
+(recipes/prepare_demo_base.py --base ...); each skipped while its folder is absent."""
 
 import importlib.util
 import os
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.real
 
 # where `make test-real` builds them; CAUSALQWEN_REAL_BASES points elsewhere (a folder holding one folder per base)
 REAL_BASES = Path(os.environ.get("CAUSALQWEN_REAL_BASES", REPO_ROOT / "build"))
-BASES = {"smollm2-135m": "LlamaForCausalLM", "gemma3-270m": "Gemma3ForCausalLM"}
+BASES = {"smollm2-135m": "LlamaForCausalLM", "gemma3-270m": "Gemma3ForCausalLM",
+         "qwen2.5-coder-1.5b": "Qwen2ForCausalLM"}
 PROMPTS = ["def quicksort(xs):", "The capital of France is"]
 HELD_OUT_ROWS = 24  # held-out documents scored (up to 160 tokens each): enough tokens for top-1 to move by < 0.1%
 
