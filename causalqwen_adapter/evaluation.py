@@ -157,7 +157,8 @@ class EvaluationAccumulator:
             signals["P_top"] = log_p.gather(1, top_id[:, None]).squeeze(1).exp()
             signals["prob_sum"] = log_sum.exp()
             if loc_S is not None:
-                signals["softmax_max_prob"] = F.softmax(loc_S.float(), -1).amax(-1)
+                loc = loc_S.float()
+                signals["softmax_max_prob"] = (loc.amax(-1) - torch.logsumexp(loc, -1)).exp()
         if scale_S is not None:
             signals["neg_scale_top"] = -scale_S.float().gather(1, top_id[:, None]).squeeze(1)
         for name, values in signals.items():

@@ -155,7 +155,7 @@ def held_out_table(models: dict, tokenizer) -> str:
     from datasets import Dataset
 
     from causalqwen_adapter.data import batches, tokenize_for_evaluation
-    from causalqwen_adapter.evaluation import evaluate, markdown_table
+    from causalqwen_adapter.evaluation import confidence_table, evaluate, markdown_table
 
     texts = [t for t in stdlib_docstrings(limit=10_000) if t.split(".")[0] in HELD_OUT_MODULES]
     rows = tokenize_for_evaluation(Dataset.from_dict({"text": texts}), tokenizer, max_length=160)
@@ -165,7 +165,8 @@ def held_out_table(models: dict, tokenizer) -> str:
         out = evaluate(model, batches(rows, 4, tokenizer.pad_token_id or 0), ("compatible", "standard", "causal"))
         out.pop("accumulators")
         results[name] = out
-    return markdown_table(results)
+    return (markdown_table(results) + "\n\nHow well each confidence signal tells a right top-1 from a wrong one "
+            "(AUROC; 0.5: no information):\n\n" + confidence_table(results))
 
 
 def generate_in_every_mode(model, base, tokenizer, max_new_tokens: int = 40, fresh: bool = True) -> None:
