@@ -155,7 +155,6 @@ class EvaluationAccumulator:
         signals = {"max_prob": top_log_q.exp()}
         if log_probs is not None:
             signals["P_top"] = log_p.gather(1, top_id[:, None]).squeeze(1).exp()
-            signals["prob_sum"] = log_sum.exp()
             if loc_S is not None:
                 loc = loc_S.float()
                 signals["softmax_max_prob"] = (loc.amax(-1) - torch.logsumexp(loc, -1)).exp()
@@ -175,11 +174,12 @@ class EvaluationAccumulator:
         levels = torch.tensor([0.1, 0.5, 0.9], dtype=sums.dtype, device=sums.device)  # quantile wants one device
         p10, median, p90 = torch.quantile(sums, levels).tolist()
         hits = torch.cat(self.hits)
-        confidence = {}
-        for name, parts in self.signals.items():
-            if len(parts) == len(self.hits):  # a signal this model and mode has at every position
-                values = torch.cat(parts)
-                confidence[f"auroc_{name}"] = auroc(values[hits], values[~hits])
+        signals = {name: torch.cat(parts) for name, parts in self.signals.items()
+                   if len(parts) == len(self.hits)}  # the signals this model and mode have at every position
+        if not self.is_softmax:
+            signals["prob_sum"] = sums  # Σ_k P_k, kept for its quantiles
+        confidence = {f"auroc_{name}": auroc(signals[name][hits], signals[name][~hits])
+                      for name in CONFIDENCE_SIGNALS if name in signals}
         return {
             "top1_accuracy": self.correct / self.n,
             "target_prob": self.target_prob / self.n,
