@@ -46,15 +46,19 @@ def fused_decode_applies(weight_numel: int, *tensors: torch.Tensor) -> bool:
 
 
 class AbductionNetwork(nn.Module):
-    """z ↦ Cauchy individual U: loc_U = W_loc z + b_loc, scale_U = softplus(W_scale z + b_scale)."""
+    """z ↦ Cauchy individual U: loc_U = W_loc z + b_loc, scale_U = softplus(W_scale z + b_scale).
+
+    Without `scale` the forward returns (loc_U, None): a score that reads only loc_U (the `compatible` mode) skips the
+    scale path. Both linear maps are read inside this forward either way (sharded engines gather the module whole).
+    """
 
     def __init__(self, hidden_size: int, causal_size: int):
         super().__init__()
         self.loc = nn.Linear(hidden_size, causal_size)
         self.scale = nn.Linear(hidden_size, causal_size)
 
-    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loc(z), F.softplus(self.scale(z))
+    def forward(self, z: torch.Tensor, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.loc(z), F.softplus(self.scale(z)) if scale else None
 
     @torch.no_grad()
     def reset_parameters(self, gamma_init: float) -> None:
@@ -125,10 +129,10 @@ class ActionNetwork(HeadModule):
             return self._linear_law(loc_U, scale_U, mode, temperature, noise)
 
     def _linear_law(self, loc_U, scale_U, mode, temperature, noise):
-        loc_U, scale_U = fuse_noise(loc_U, scale_U, self.b_noise, mode, temperature, noise)
         weight = self.effective_weight()
-        if mode == "compatible":
+        if mode == "compatible":  # no noise fusion, no scale (scale_U may be None)
             return F.linear(loc_U, weight, self.bias), None
+        loc_U, scale_U = fuse_noise(loc_U, scale_U, self.b_noise, mode, temperature, noise)
         tensors = (loc_U, scale_U, weight, self.bias)
         if fused_decode_applies(weight.numel(), *tensors):
             fused = run_operator("cauchy_linear", loc_U, scale_U, weight, self.bias)  # dispatch.py

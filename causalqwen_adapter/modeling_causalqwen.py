@@ -11,7 +11,7 @@ huggingface_hub (a transformers dependency).
 """
 
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +60,9 @@ CACHE_NAME = "cache" if hasattr(ModelOutput, "past_key_values") else "past_key_v
 class CausalQwenModelOutput(ModelOutput):
     """Cauchy parameters of the individual U and of the decision scores S at the kept positions.
 
-    `scale_S` is None in `compatible` mode (its score is loc_S alone); `causal_noise` is the ε the
-    `sampling` mode drew; `loc_Y`, `scale_Y` are the Cauchy law of the next `<NUM>` value (numeric models).
+    `scale_S` is None in `compatible` mode (its score is loc_S alone), and so is `scale_U` except in numeric models;
+    `causal_noise` is the ε the `sampling` mode drew; `loc_Y`, `scale_Y` are the Cauchy law of the next `<NUM>` value
+    (numeric models).
     """
 
     loc_U: torch.FloatTensor | None = None
@@ -95,9 +96,6 @@ class CausalQwenCausalLMOutput(CausalQwenModelOutput, _LossOutput):
     The fields are `loss`, `logits`, `metrics`, then those of `CausalQwenModelOutput` (`last_hidden_state` stays
     None: the heads have read it)."""
 
-
-# What the causal-LM output carries over from the model output (all but the hidden state the heads read).
-_LM_OUTPUT_FIELDS = tuple(f.name for f in fields(CausalQwenModelOutput) if f.name != "last_hidden_state")
 
 # The OvR modes' scores at decoding where the C kernel does not run: one pass over the vocabulary instead of about
 # ten elementwise ones.
@@ -213,14 +211,19 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
 
     def causal_heads(self, z, inference_mode="standard", causal_temperature=1.0, noise=None):
         """z ↦ (loc_U, scale_U, loc_S, scale_S): abduction, then the action network's noise fusion and linear law.
-        The mode, the temperature and the noise ε (`sampling`) are checked here, where every caller enters."""
+        The mode, the temperature and the noise ε (`sampling`) are checked here, where every caller enters.
+        `compatible` scores with loc_S alone: its scale_S is None, and so is scale_U (the scale path does not run)
+        except in numeric models, whose loc_Y, scale_Y read it."""
         inference_mode, causal_temperature = self._resolve_mode(inference_mode, causal_temperature)
-        if noise is not None and inference_mode == "sampling":
+        return self._causal_heads(z, inference_mode, causal_temperature, noise)
+
+    def _causal_heads(self, z, mode, temperature, noise):
+        # `causal_heads` once the mode and the temperature are checked (`forward` checks them on entry)
+        if noise is not None and mode == "sampling":
             noise = check_causal_noise(noise, z.shape[:-1], self.config.causal_size, self.action.bias.dtype)
             noise = noise.to(z.device)
-        z = z.to(self.action.bias.dtype)
-        loc_U, scale_U = self.abduction(z)
-        loc_S, scale_S = self.action(loc_U, scale_U, inference_mode, causal_temperature, noise)
+        loc_U, scale_U = self.abduction(z.to(self.action.bias.dtype), scale=mode != "compatible" or self.config.numeric)
+        loc_S, scale_S = self.action(loc_U, scale_U, mode, temperature, noise)
         return loc_U, scale_U, loc_S, scale_S
 
     def ovr_log_probs(self, loc_S, scale_S):
@@ -264,37 +267,47 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         if mode != "sampling":
             return None
         if causal_noise is not None:
-            return causal_noise  # checked by causal_heads, where every caller's ε enters
+            return causal_noise  # checked by _causal_heads, where every caller's ε enters
         batch, length = z.shape[:2]
         shape = (batch, 1 if noise_sharing == "sequence" else length, self.config.causal_size)
         return sample_standard_cauchy(shape, dtype=self.action.bias.dtype, device=z.device)
 
     def _scores(self, z, mode, temperature, noise_sharing, causal_noise):
         noise = self._sampling_noise(z, mode, noise_sharing, causal_noise)
-        return (*self.causal_heads(z, mode, temperature, noise), noise)
+        return (*self._causal_heads(z, mode, temperature, noise), noise)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 use_cache=None, logits_to_keep=0, inference_mode=None, causal_temperature=None, noise_sharing="step",
                 causal_noise=None, numeric_values=None, **kwargs) -> CausalQwenModelOutput:
+        _, outputs = self._forward_fields(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                          use_cache, logits_to_keep, inference_mode, causal_temperature, noise_sharing,
+                                          causal_noise, numeric_values, kwargs)
+        return CausalQwenModelOutput(**outputs)
+
+    def _forward_fields(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                        logits_to_keep, inference_mode, causal_temperature, noise_sharing, causal_noise, numeric_values,
+                        kwargs) -> tuple[str, dict]:
+        """`forward`'s work: the mode it scored in and the fields of its output, as a dict (the causal LM builds its
+        own output from them, one output object per call)."""
         mode, temperature = self._resolve_mode(inference_mode, causal_temperature, noise_sharing)
         outputs = self._run_backbone(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
                                      kwargs, numeric_values)
         z = _keep_positions(outputs.last_hidden_state, logits_to_keep)
         loc_U, scale_U, loc_S, scale_S, noise = self._scores(z, mode, temperature, noise_sharing, causal_noise)
         loc_Y, scale_Y = self.numeric_prediction(loc_U, scale_U, mode, temperature, noise)
-        return CausalQwenModelOutput(
-            loc_U=loc_U,
-            scale_U=scale_U,
-            loc_S=loc_S,
-            scale_S=scale_S,
-            causal_noise=noise,
-            loc_Y=loc_Y,
-            scale_Y=scale_Y,
-            last_hidden_state=outputs.last_hidden_state,
-            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        return mode, {
+            "loc_U": loc_U,
+            "scale_U": scale_U,
+            "loc_S": loc_S,
+            "scale_S": scale_S,
+            "causal_noise": noise,
+            "loc_Y": loc_Y,
+            "scale_Y": scale_Y,
+            "last_hidden_state": outputs.last_hidden_state,
+            CACHE_NAME: getattr(outputs, CACHE_NAME),
+            "hidden_states": outputs.hidden_states,
+            "attentions": outputs.attentions,
+        }
 
     # ------------------------------------------------------------------ checks
 
@@ -373,15 +386,11 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             return self._training_loss(input_ids, attention_mask, position_ids, inputs_embeds, numeric_values, labels,
                                        shift_labels, num_items_in_batch, kwargs)
 
-        out = super().forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            logits_to_keep=logits_to_keep, inference_mode=inference_mode, causal_temperature=causal_temperature,
-            noise_sharing=noise_sharing, causal_noise=causal_noise, numeric_values=numeric_values, **kwargs,
-        )
-        mode = self.config.inference_mode if inference_mode is None else inference_mode
-        return CausalQwenCausalLMOutput(logits=self.mode_scores(out.loc_S, out.scale_S, mode),
-                                        **{name: getattr(out, name) for name in _LM_OUTPUT_FIELDS})
+        mode, out = self._forward_fields(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                         use_cache, logits_to_keep, inference_mode, causal_temperature, noise_sharing,
+                                         causal_noise, numeric_values, kwargs)
+        del out["last_hidden_state"]  # the heads have read it
+        return CausalQwenCausalLMOutput(logits=self.mode_scores(out["loc_S"], out["scale_S"], mode), **out)
 
     # ------------------------------------------------------------------ losses
 

@@ -439,8 +439,8 @@ def test_adapter_saved_before_the_restructuring_loads_the_same(name, tmp_path):
         for mode in ("compatible", "standard", "causal"):
             got, want = new(ids, inference_mode=mode), old(ids, inference_mode=mode)
             for field in ("loc_U", "scale_U", "loc_S", "scale_S"):
-                if getattr(want, field) is None:
-                    assert getattr(got, field) is None
+                if getattr(want, field) is None or (mode, field) == ("compatible", "scale_U"):
+                    assert getattr(got, field) is None  # compatible scores with loc_S alone: no scale path
                 else:
                     torch.testing.assert_close(getattr(got, field), getattr(want, field), msg=f"{mode} {field}")
             if mode != "compatible":  # saved before relative thresholds: P_k still compares loc_S with C_k
@@ -450,3 +450,4 @@ def test_adapter_saved_before_the_restructuring_loads_the_same(name, tmp_path):
         # compatible mode is the base's softmax in both
         torch.testing.assert_close(new(ids, inference_mode="compatible").logits,
                                    old(ids, inference_mode="compatible").logits)
+

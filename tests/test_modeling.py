@@ -351,3 +351,26 @@ def test_ovr_loss_without_location_gradient(tied_base, input_ids):
     for name in ("abduction.scale.weight", "abduction.scale.bias", "action.b_noise"):
         torch.testing.assert_close(routed[name], ovr_only[name], rtol=1e-5, atol=1e-7, msg=name)
         assert routed[name].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compatible_mode_runs_no_scale_path(tiny_base, input_ids, dtype):
+    """`compatible` scores with loc_S alone: W_scale is never multiplied (scale_U and scale_S are None), loc_S is the
+    base's logits exactly with fresh heads, and the OvR modes still get both scales."""
+    base = Qwen2ForCausalLM.from_pretrained(tiny_base, dtype=dtype).eval()
+    model = CausalQwenForCausalLM.from_base(base).eval()
+    calls = []
+    model.abduction.scale.register_forward_hook(lambda module, args, output: calls.append(output.shape))
+    with torch.no_grad():
+        out = model(input_ids, inference_mode="compatible")
+        expected = base(input_ids).logits
+        assert calls == [] and out.scale_U is None and out.scale_S is None
+        assert torch.equal(out.loc_S, expected) and torch.equal(out.logits, out.loc_S)
+        for mode in ("standard", "causal", "sampling"):
+            scored = model(input_ids, inference_mode=mode)
+            assert scored.scale_U.shape == (*input_ids.shape, TINY_HIDDEN)
+            assert scored.scale_S.shape == (*input_ids.shape, TINY_VOCAB)
+            torch.testing.assert_close(scored.loc_U, out.loc_U, rtol=0, atol=0)
+        assert len(calls) == 3
+        heads = model.causal_heads(model.model(input_ids).last_hidden_state, "compatible")
+        assert heads[1] is None and heads[3] is None and torch.equal(heads[2], out.loc_S)

@@ -370,3 +370,14 @@ def test_num_token_on_a_reserved_placeholder_row_or_a_taken_id(sft_base):
     assert len(tokenizer) == size + 1 and NUM_TOKEN not in tokenizer.get_vocab()
     with pytest.raises(ValueError, match="is the tokenizer's token 'the', not a free row"):
         add_num_token(tokenizer, tokenizer.convert_tokens_to_ids("the"))
+
+
+def test_compatible_mode_keeps_the_scale_the_numeric_head_reads(model):
+    # compatible skips the scale path where nothing reads it; a numeric model's scale_Y reads scale_U (unfused, as in
+    # causal mode)
+    with torch.no_grad():
+        compatible = model(IDS, numeric_values=VALUES, inference_mode="compatible")
+        causal = model(IDS, numeric_values=VALUES, inference_mode="causal")
+    assert compatible.scale_S is None
+    for field in ("loc_U", "scale_U", "loc_Y", "scale_Y"):
+        torch.testing.assert_close(getattr(compatible, field), getattr(causal, field), rtol=0, atol=0, msg=field)
