@@ -451,3 +451,23 @@ def test_adapter_saved_before_the_restructuring_loads_the_same(name, tmp_path):
         torch.testing.assert_close(new(ids, inference_mode="compatible").logits,
                                    old(ids, inference_mode="compatible").logits)
 
+
+@pytest.mark.parametrize("heads", [{}, {"action_weight": "tied"}, {"action_weight": "lora"},
+                                   {"learnable_threshold": True}, {"numeric": True, "num_token_id": 3}])
+def test_adapter_tensors_are_the_state_dict_outside_the_backbone(tiny_base, heads):
+    # read from the head modules alone: the same names and tensors as the whole state_dict filtered
+    model = CausalQwenForCausalLM.from_base(tiny_base, **heads)
+    whole = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.startswith(adapter_io.BASE_PREFIXES)}
+    own = model._adapter_tensors()
+    assert list(own) == list(whole) and all(own[k] is whole[k] for k in whole)
+    assert model.adapter_keys() == set(whole)
+
+
+def test_config_from_dict_without_options_is_the_parents(tied_base):
+    config = CausalQwenForCausalLM.from_base(tied_base, learnable_threshold=True).config
+    saved = config.to_dict()
+    loaded = type(config).from_dict(dict(saved))
+    via_parent = type(config).from_dict(dict(saved), return_unused_kwargs=False)  # any option: the parent's path
+    assert loaded.to_dict() == via_parent.to_dict() == saved
+    legacy = {k: v for k, v in saved.items() if k != "ovr_relative_threshold"}
+    assert type(config).from_dict(legacy).ovr_relative_threshold is False

@@ -73,6 +73,15 @@ def test_all_finite_agrees_with_isfinite(dtype):
             assert all_finite(bad) == bool(torch.isfinite(bad).all()) is False
 
 
+def test_all_finite_is_not_fooled_by_a_sum_that_overflows():
+    # bfloat16 is summed first: finite values near the largest bf16 overflow that sum, and min and max settle it
+    huge = torch.full((64,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)
+    assert not torch.isfinite(huge.sum()) and all_finite(huge) and all_finite(torch.cat([huge, -huge]))
+    for value in (math.inf, -math.inf, math.nan):
+        bad = torch.cat([huge, -huge, torch.tensor([value], dtype=torch.bfloat16)])
+        assert not all_finite(bad)
+
+
 def test_a_batch_with_nothing_to_learn_contributes_nothing(tied_base, input_ids):
     model = CausalQwenForCausalLM.from_base(tied_base)
     labels = torch.full_like(input_ids, -100)
