@@ -222,7 +222,10 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         if noise is not None and mode == "sampling":
             noise = check_causal_noise(noise, z.shape[:-1], self.config.causal_size, self.action.bias.dtype)
             noise = noise.to(z.device)
-        loc_U, scale_U = self.abduction(z.to(self.action.bias.dtype), scale=mode != "compatible" or self.config.numeric)
+        dtype = self.action.bias.dtype
+        if z.dtype != dtype:  # the heads' dtype (a backbone's norm may return float32)
+            z = z.to(dtype)
+        loc_U, scale_U = self.abduction(z, scale=mode != "compatible" or self.config.numeric)
         loc_S, scale_S = self.action(loc_U, scale_U, mode, temperature, noise)
         return loc_U, scale_U, loc_S, scale_S
 
