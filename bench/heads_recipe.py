@@ -52,10 +52,12 @@ CONFIGS = {
     "absolute_thresholds": dict(heads=dict(ovr_relative_threshold=False), learning_rate=None),
     # per-token thresholds, learned fast (0.1): under the accepted-proposal distribution they gate, they do not rank
     "learned_thresholds": dict(heads=dict(learnable_threshold=True), learning_rate=None, threshold_lr_ratio=1000.0),
-    # the OvR loss over the top-16 of loc_S and the target (ovr_candidates), from a scale where P_k is graded, the
-    # scale path 10× faster
-    "candidates": dict(heads=dict(ovr_candidates=16, gamma_init=0.03), learning_rate=None, scale_lr_ratio=10.0),
-    # the same loss from the default scale and rates
+    # the OvR loss over the top-16 of loc_S and the target (ovr_candidates), from a scale where P_k is graded
+    "candidates": dict(heads=dict(ovr_candidates=16, gamma_init=0.005), learning_rate=None),
+    # the same from a larger scale, the scale path 10× faster
+    "candidates_fast_scale": dict(heads=dict(ovr_candidates=16, gamma_init=0.03), learning_rate=None,
+                                  scale_lr_ratio=10.0),
+    # the same loss from the vocabulary loss's initial scale
     "candidates_default_scale": dict(heads=dict(ovr_candidates=16), learning_rate=None),
     # the vocabulary loss with the scale path 30× faster: does the scale learn when it can move?
     "fast_scale": dict(heads=dict(), learning_rate=None, scale_lr_ratio=30.0),
