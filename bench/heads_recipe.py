@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
@@ -52,7 +52,17 @@ CONFIGS = {
     "absolute_thresholds": dict(heads=dict(ovr_relative_threshold=False), learning_rate=None),
     # per-token thresholds, learned fast (0.1): under the accepted-proposal distribution they gate, they do not rank
     "learned_thresholds": dict(heads=dict(learnable_threshold=True), learning_rate=None, threshold_lr_ratio=1000.0),
+    # the OvR loss over the top-16 of loc_S and the target (ovr_candidates), from a scale where P_k is graded
+    "candidates": dict(heads=dict(ovr_candidates=16, gamma_init=0.005), learning_rate=None),
+    # the same from a larger scale, the scale path 10× faster
+    "candidates_fast_scale": dict(heads=dict(ovr_candidates=16, gamma_init=0.03), learning_rate=None,
+                                  scale_lr_ratio=10.0),
+    # the same loss from the vocabulary loss's initial scale
+    "candidates_default_scale": dict(heads=dict(ovr_candidates=16), learning_rate=None),
+    # the vocabulary loss with the scale path 30× faster: does the scale learn when it can move?
+    "fast_scale": dict(heads=dict(), learning_rate=None, scale_lr_ratio=30.0),
 }
+SCALE_PATH = ("abduction.scale.", "action.b_noise")
 
 
 def windows(tokenizer, modules, length, limit):
@@ -69,7 +79,8 @@ def windows(tokenizer, modules, length, limit):
 
 
 def cached_features(base, tokenizer, name, modules, length, limit, cache: Path):
-    path = cache / f"{name}-{length}-{limit}.pt"
+    dtype = "" if base.dtype == torch.bfloat16 else f"-{str(base.dtype).removeprefix('torch.')}"
+    path = cache / f"{name}-{length}-{limit}{dtype}.pt"
     if path.exists():
         return torch.load(path)
     ids = windows(tokenizer, modules, length, limit)
@@ -100,14 +111,25 @@ def evaluate_heads(model, z, targets, modes, distributions=("accept_once",), chu
     return {name[kind]: acc.compute() for kind, acc in accumulators.items()}
 
 
-def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio, fused=False):
-    """AdamW with the trainer's per-role learning rates (see training.HeadLearningRatesMixin); `fused`: torch's
-    one-kernel AdamW (the same update, about 10× faster on a 151,936 × 896 W_A on one CPU thread)."""
+@torch.no_grad()
+def scale_quantiles(model, z, limit=4096):
+    """The mean over components of scale_U per held-out position: its 5 / 50 / 95 % quantiles (does the scale move
+    from one position to the next?)."""
+    scale = model.abduction(z[:limit].to(model.action.bias.dtype))[1].float().mean(-1)
+    q = torch.quantile(scale, torch.tensor([0.05, 0.5, 0.95]))
+    return "scale_U (mean over components) 5/50/95 %: " + " / ".join(f"{v:.3g}" for v in q.tolist())
+
+
+def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio, fused=False, scale_lr_ratio=1.0):
+    """AdamW with the trainer's per-role learning rates (see training.HeadLearningRatesMixin), the scale path (W_scale,
+    b_scale, b_noise) at `scale_lr_ratio` × `learning_rate`; `fused`: torch's one-kernel AdamW (the same update, about
+    10× faster on a 151,936 × 896 W_A on one CPU thread)."""
     groups = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        groups.setdefault(learning_rate_ratio(name, location_lr_ratio, threshold_lr_ratio), []).append(param)
+        ratio = scale_lr_ratio if name.startswith(SCALE_PATH) else 1.0
+        groups.setdefault(ratio * learning_rate_ratio(name, location_lr_ratio, threshold_lr_ratio), []).append(param)
     return torch.optim.AdamW([{"params": p, "lr": learning_rate * r} for r, p in groups.items()], weight_decay=0.0,
                              fused=fused)
 
@@ -126,6 +148,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["compatible", "standard", "causal"])
     parser.add_argument("--cache", default="build/bench-heads")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the base's dtype for the cached features (float32: about 5× faster on CPUs without "
+                             "bfloat16 instructions)")
     parser.add_argument("--save", action="store_true", help="save each trained adapter under <cache>/<config>")
     parser.add_argument("--saved", action="store_true",
                         help="evaluate the adapters --save wrote under <cache>/<config> instead of training")
@@ -136,7 +161,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
-    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).eval()
+    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, args.dtype)).eval()
     start = time.perf_counter()
     train = cached_features(base, tokenizer, "train", TRAIN_MODULES, args.length, args.train_windows, Path(args.cache))
     held = cached_features(base, tokenizer, "held", HELD_OUT_MODULES, args.length, args.held_out_windows, Path(args.cache))
@@ -158,7 +183,7 @@ def main() -> None:
         return
     for name in args.configs:
         spec = CONFIGS[name]
-        base_f32 = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+        base_f32 = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
         model = CausalQwenForCausalLM.from_base(base_f32, **spec["heads"])
         if "ovr_threshold_init" not in spec["heads"] and not model.config.ovr_relative_threshold:  # as the trainer
             threshold = calibrate_threshold_on_features(model, train["z"][:1024])
@@ -168,7 +193,8 @@ def main() -> None:
                   spec.get("threshold_lr_ratio", trainer_defaults.threshold_lr_ratio))
         results[f"{name} init"] = evaluate(model)
         print(markdown_table({f"{name} init": results[f"{name} init"]}), flush=True)
-        optimizer = optimizer_for(model, learning_rate, *ratios)
+        optimizer = optimizer_for(model, learning_rate, *ratios, fused=True,
+                                  scale_lr_ratio=spec.get("scale_lr_ratio", 1.0))
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
         order = torch.randperm(len(train["targets"]), generator=torch.Generator().manual_seed(0))
         model.train()
@@ -187,6 +213,7 @@ def main() -> None:
                 print(f"  {name} step {step + 1}: loss {loss.item():.4g} ({time.perf_counter() - start:.0f}s)", flush=True)
         model.eval()
         results[f"{name} after {args.steps}"] = evaluate(model)
+        print(f"  {name}: {scale_quantiles(model, held['z'])}", flush=True)
         print(markdown_table({f"{name} after {args.steps}": results[f"{name} after {args.steps}"]}), flush=True)
         if args.save:
             model.save_pretrained(Path(args.cache) / name)

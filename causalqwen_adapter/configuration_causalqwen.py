@@ -122,6 +122,10 @@ class CausalQwenConfig(PreTrainedConfig):
             model's q_k; "accept": proposals repeat until one is accepted (rejection sampling), q_k ∝ softmax(loc_S)_k
             · P_k, which lets a rejection cost many nats; "normalize": q_k = P_k / Σ_j P_j, the seeds' reading,
             whose polynomial Cauchy tail costs about 2 nats of NLL (docs/design.md, OvR probabilities).
+        ovr_candidates (`int`, *optional*): with objective="ovr", the tokens whose binary cross-entropy the OvR loss
+            sums at each position: the `ovr_candidates` tokens of largest loc_S (the compatible model's top-K) and the
+            target. Unset (None): every token of the vocabulary, the seeds' loss, whose V − 1 negatives hold the
+            scales near 0, so that P_k is a step function of the location (docs/design.md, Training losses).
         distill_tail_weight (`float`): in offline distillation, the weight of the tail term Σ_{k∉K} −log(1 − P_k)
             beside the top-K MSE (0 = the top-K MSE alone, which leaves the other tokens' P_k free).
     """
@@ -151,6 +155,7 @@ class CausalQwenConfig(PreTrainedConfig):
     softmax_loss_weight: float = 1.0
     ovr_trains_location: bool = False
     ovr_distribution: str = "accept_once"
+    ovr_candidates: int | None = None
     distill_tail_weight: float = 1.0
 
     def __post_init__(self, **kwargs):
@@ -169,6 +174,11 @@ class CausalQwenConfig(PreTrainedConfig):
             setattr(self, name, check_number(name, getattr(self, name), **bounds))
         for name in INTEGER_FIELDS:
             check_number(name, getattr(self, name), minimum=1, integer=True)
+        if self.ovr_candidates is not None:
+            check_number("ovr_candidates", self.ovr_candidates, minimum=1, integer=True)
+            if self.ovr_candidates >= self.vocab_size:
+                raise ValueError(f"ovr_candidates={self.ovr_candidates} must be below the vocabulary size "
+                                 f"{self.vocab_size} (unset it to sum the OvR loss over every token)")
         if self.action_weight != "full" and self.causal_size != self.text_config.hidden_size:
             raise ValueError(
                 f"action_weight={self.action_weight!r} reuses the base's [vocab × hidden] output weights, so "

@@ -19,6 +19,7 @@ Metrics (all over target tokens):
 | `nll` | mean −log q_y: the cross-entropy of the mode's distribution (for `normalize`, −log(P_y / ΣP)) |
 | `ece_top1` | expected calibration error (15 equal-width bins) of the top-1 confidence max_k q_k |
 | `ece_top10` | the same over the 10 largest p_k of each position against whether each is y: does p_k mean what it says? |
+| `top1_changed` | OvR modes: the fraction of positions whose top-1 is not loc_S's, i.e. the decisions the heads change |
 | `auroc_<signal>` | how well a confidence signal tells right top-1 tokens (argmax_k q_k == y) from wrong ones: the area under its ROC curve (0.5: no information; below 0.5, the signal is higher where the top-1 is wrong) |
 
 The confidence signals (`CONFIDENCE_SIGNALS`), each where the model has it:
@@ -121,6 +122,7 @@ class EvaluationAccumulator:
         self.top1 = _Bins()
         self.top10 = _Bins()
         self.hits: list[torch.Tensor] = []  # top-1 right or wrong, per position
+        self.changed = None  # positions whose top-1 is not loc_S's (an OvR mode given loc_S): decisions the heads change
         self.signals: dict[str, list[torch.Tensor]] = {name: [] for name in CONFIDENCE_SIGNALS}
 
     @property
@@ -157,7 +159,9 @@ class EvaluationAccumulator:
             signals["P_top"] = log_p.gather(1, top_id[:, None]).squeeze(1).exp()
             if loc_S is not None:
                 loc = loc_S.float()
-                signals["softmax_max_prob"] = (loc.amax(-1) - torch.logsumexp(loc, -1)).exp()
+                loc_max, loc_top = loc.max(-1)
+                signals["softmax_max_prob"] = (loc_max - torch.logsumexp(loc, -1)).exp()
+                self.changed = (self.changed or 0) + (top_id != loc_top).sum().item()
         if scale_S is not None:
             signals["neg_scale_top"] = -scale_S.float().gather(1, top_id[:, None]).squeeze(1)
         for name, values in signals.items():
@@ -189,6 +193,7 @@ class EvaluationAccumulator:
             "nll": self.nll / self.n,
             "ece_top1": self.top1.ece(),
             "ece_top10": self.top10.ece(),
+            **({} if self.changed is None else {"top1_changed": self.changed / self.n}),
             **confidence,
             "num_tokens": self.n,
         }
@@ -285,7 +290,7 @@ def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, caus
 def markdown_table(results: dict[str, dict[str, dict]]) -> str:
     """One row per (model, mode): {model name: {mode: metrics}} as a markdown table."""
     columns = ["top1_accuracy", "nll", "target_prob", "prob_sum_median", "prob_sum_p10", "prob_sum_p90", "ece_top1",
-               "ece_top10", "num_tokens"]
+               "ece_top10", "top1_changed", "num_tokens"]
     lines = ["| model | mode | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
     for name, per_mode in results.items():
         for mode, metrics in per_mode.items():

@@ -402,6 +402,94 @@ def topk_mse_loss(
     return loss.to(torch.float32), {k: v.to(torch.float32) for k, v in stats.items()}
 
 
+@torch.no_grad()
+def candidate_rows(loc_U: torch.Tensor, head: DecisionHead, targets: torch.Tensor, k: int,
+                   chunk_size: int | None = None, matmul_dtype: torch.dtype | None = None):
+    """The rows `candidate_ovr_loss` scores, from one no-grad pass over the vocabulary (token chunks of
+    `chunk_tokens`' budget): ``ids`` [N, k + 1], the k tokens of largest loc_S then the target; ``counted`` [N, k + 1],
+    False for the target's own column when the target is already among the k; the log-partition of loc_S [N] and
+    the softmax's −log softmax(loc_S)_y [N] (float32)."""
+    weight, bias = head.weight, head.bias
+    mm_dtype = matmul_dtype or weight.dtype
+    w = weight if weight.dtype == mm_dtype else weight.to(mm_dtype)
+    chunk_size = chunk_size or chunk_tokens(weight.shape[0])
+    ids, lse, nll = [], [], []
+    for r0 in range(0, len(loc_U), chunk_size):
+        logits = F.linear(loc_U[r0 : r0 + chunk_size].to(mm_dtype), w).float()
+        if bias is not None:
+            logits += bias.float()
+        tgt = targets[r0 : r0 + chunk_size]
+        part = torch.logsumexp(logits, -1)
+        lse.append(part)
+        nll.append(part - logits.gather(1, tgt.unsqueeze(1)).squeeze(1))
+        ids.append(torch.cat([logits.topk(k, -1).indices, tgt.unsqueeze(1)], 1))
+    if not ids:
+        empty = loc_U.new_zeros(0, dtype=torch.float32)
+        return targets.new_zeros(0, k + 1), torch.zeros(0, k + 1, dtype=torch.bool, device=loc_U.device), empty, empty
+    ids = torch.cat(ids)
+    counted = torch.ones_like(ids, dtype=torch.bool)
+    counted[:, -1] = ~(ids[:, :-1] == ids[:, -1:]).any(1)
+    return ids, counted, torch.cat(lse), torch.cat(nll)
+
+
+def candidate_ovr_loss(
+    loc_U: torch.Tensor,
+    scale_U: torch.Tensor,
+    head: DecisionHead,
+    targets: torch.Tensor,
+    k: int,
+    *,
+    relative_threshold: bool = True,
+    trains_location: bool = False,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    matmul_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The OvR loss over each position's candidates (docs/design.md, Training losses): the binary cross-entropy of
+    the k tokens the compatible model ranks highest (largest loc_S) and of the target,
+
+        ℓ = Σ_{j ∈ top-k, j ≠ y} −log(1 − P_j)  −  log P_y,
+
+    instead of over the whole vocabulary. Returns the SUM over positions (the caller divides) and detached means per
+    position: ``target_prob`` (P_y), ``candidate_prob_sum`` (Σ over the candidates of P_j) and ``softmax_nll``.
+
+    ``loc_U``, ``scale_U``: [N, C]; ``targets``: [N] valid token ids. P uses the training noise fusion
+    (scale_U + T·|b_noise|) and, with ``relative_threshold``, log softmax(loc_S) as the threshold's reference (the
+    log-partition is a reference point: no gradient). The gradient reaches the locations (loc_U, W_A and b_A rows)
+    only with ``trains_location``. One no-grad product finds the candidates (`candidate_rows`); the loss reads k + 1
+    rows of W_A per position, in float32.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < head.weight.shape[0]:
+        raise ValueError(f"the number of OvR candidates must be an integer in [1, {head.weight.shape[0]}), got {k!r}")
+    check_head_inputs(loc_U, scale_U, head.weight, targets)
+    check_labels(targets, head.weight.shape[0])
+    weight, bias, b_noise, threshold = head
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    ids, counted, lse, nll = candidate_rows(loc_U.detach(), head, targets, k, chunk_size, matmul_dtype)
+    location = (lambda t: t) if trains_location else (lambda t: None if t is None else t.detach())
+    loc, scale = fuse_noise(location(loc_U).to(dtype), scale_U.to(dtype), b_noise.to(dtype), "standard", temperature)
+    w = location(weight)[ids].to(dtype)  # [N, k + 1, C]
+    loc_S = torch.bmm(w, loc.unsqueeze(-1)).squeeze(-1)
+    scale_S = torch.bmm(w.abs(), scale.unsqueeze(-1)).squeeze(-1)
+    if bias is not None:
+        loc_S = loc_S + location(bias)[ids].to(dtype)
+    if relative_threshold:
+        loc_S = loc_S - lse.unsqueeze(1)
+    thr = threshold.to(dtype) if torch.is_tensor(threshold) else threshold
+    if torch.is_tensor(thr) and thr.dim() == 1:
+        thr = thr[ids]
+    x = ovr_standardize(loc_S, scale_S, thr)
+    log_p, log_not_p = ovr_log_probs(x)
+    is_target = ids == targets.unsqueeze(1)
+    loss = -torch.where(is_target, log_p, log_not_p).masked_fill(~counted, 0.0).sum()
+    with torch.no_grad():
+        n = max(len(targets), 1)
+        probs = log_p.exp().masked_fill(~counted, 0.0)
+        stats = {"target_prob": (probs * is_target).sum() / n, "candidate_prob_sum": probs.sum() / n,
+                 "softmax_nll": nll.sum() / n}
+    return loss.to(torch.float32), {name: value.to(torch.float32) for name, value in stats.items()}
+
+
 LOGITS_BUDGET_BYTES = 128 * 2**20  # one chunk's logits: 220 tokens of float32 (441 of bfloat16) at Qwen2's V = 151,936
 
 

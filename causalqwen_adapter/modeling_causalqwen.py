@@ -42,7 +42,7 @@ from .heads import (
     fused_decode_applies,
 )
 from .lm_loss import chunked_lm_loss
-from .losses import DecisionHead, log_partition, topk_mse_loss
+from .losses import DecisionHead, candidate_ovr_loss, log_partition, topk_mse_loss
 
 logger = logging.get_logger(__name__)
 
@@ -442,14 +442,27 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
 
             def loss_of(head: DecisionHead, b_noise, loc_U, scale_U):
                 # The cross-entropy of loc_S and the OvR loss in one chunked pass over W_A (lm_loss.py); the softmax
-                # objective is the same pass without the OvR term.
+                # objective is the same pass without the OvR term. An OvR loss over candidates is a term of its own
+                # (losses.candidate_ovr_loss: k + 1 rows of W_A per position) beside the cross-entropy's pass.
                 ovr = config.objective == "ovr"
-                loss, stats = chunked_lm_loss(
-                    loc_U, scale_U if ovr else None, head, targets,
-                    softmax_weight=config.softmax_loss_weight if ovr else 1.0,
-                    ovr_trains_location=config.ovr_trains_location, relative_threshold=config.ovr_relative_threshold,
-                    num_items_in_batch=denom, chunk_size=self.loss_chunk_size, matmul_dtype=matmul_dtype,
-                )
+                candidates = config.ovr_candidates if ovr else None
+                loss, stats = torch.zeros((), device=z.device), {}
+                if candidates is None or config.softmax_loss_weight > 0:
+                    loss, stats = chunked_lm_loss(
+                        loc_U, scale_U if ovr and candidates is None else None, head, targets,
+                        softmax_weight=config.softmax_loss_weight if ovr else 1.0,
+                        ovr_trains_location=config.ovr_trains_location,
+                        relative_threshold=config.ovr_relative_threshold,
+                        num_items_in_batch=denom, chunk_size=self.loss_chunk_size, matmul_dtype=matmul_dtype,
+                    )
+                if candidates is not None:
+                    total, candidate_stats = candidate_ovr_loss(
+                        loc_U, scale_U, head, targets, candidates, relative_threshold=config.ovr_relative_threshold,
+                        trains_location=config.ovr_trains_location, chunk_size=self.loss_chunk_size,
+                        matmul_dtype=matmul_dtype,
+                    )
+                    loss = loss + total / denom
+                    stats = {**candidate_stats, **stats}  # the fused pass's softmax_nll where it ran
                 if config.numeric:  # λ · Σ NLL over the same denominator
                     nll = self.numeric.nll(loc_U, scale_U, b_noise, targets, numeric_values, config.num_token_id)
                     loss = loss + config.numeric_loss_weight * nll.sum() / denom
@@ -459,7 +472,8 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             loss, stats = self._with_decision_head(loss_of, loc_U, scale_U)
             # means per target, kept as sums: softmax_nll (free: the pass computes it whatever its weight), P_y, Σ_k P_k
             metrics.update({name: _sum_count(stats[name] * n, count)
-                            for name in ("softmax_nll", "target_prob", "ovr_prob_sum") if name in stats})
+                            for name in ("softmax_nll", "target_prob", "ovr_prob_sum", "candidate_prob_sum")
+                            if name in stats})
             if "numeric_nll" in stats:
                 nll = stats["numeric_nll"]
                 metrics["numeric_nll"] = _sum_count(nll.sum(), torch.tensor(float(nll.numel()), device=z.device))

@@ -95,6 +95,7 @@ class CausalHeadArguments:
     ovr_trains_location: bool | None = config_argument("ovr_trains_location", "Applies to adapters too.")
     softmax_loss_weight: float | None = config_argument("softmax_loss_weight", "Applies to adapters too.")
     ovr_distribution: str | None = config_argument("ovr_distribution", "Applies to adapters too.")
+    ovr_candidates: int | None = config_argument("ovr_candidates", "Applies to adapters too.")
     location_lr_ratio: float = field(
         default=1.0,
         metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A, b_A: what ranks the tokens) as "
@@ -114,7 +115,7 @@ class CausalHeadArguments:
         for name, bounds in NUMBER_FIELDS.items():
             if getattr(self, name, None) is not None:
                 check_number(name, getattr(self, name), **bounds)
-        for name in (*INTEGER_FIELDS, "num_token_id"):
+        for name in (*INTEGER_FIELDS, "num_token_id", "ovr_candidates"):
             if getattr(self, name, None) is not None:
                 check_number(name, getattr(self, name), minimum=0 if name == "num_token_id" else 1, integer=True)
         for name, choices in CONFIG_CHOICES.items():
@@ -453,7 +454,8 @@ def prepare_causal_model(model, args, loss: str = "sft") -> tuple[CausalQwenForC
                          "the base instead of an adapter, or drop the option)")
     # The loss is the model's (forward(labels=...)): the trainer's choice goes into its config, saved with it.
     changed = False
-    for name in ("objective", "softmax_loss_weight", "ovr_trains_location", "ovr_distribution", "distill_tail_weight"):
+    for name in ("objective", "softmax_loss_weight", "ovr_trains_location", "ovr_distribution", "ovr_candidates",
+                 "distill_tail_weight"):
         value = getattr(args, name, None)  # distill_tail_weight is the distillation config's only
         if value is not None and value != getattr(model.config, name):
             setattr(model.config, name, value)

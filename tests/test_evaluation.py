@@ -219,3 +219,25 @@ def test_evaluate_recipe_scores_bases_and_adapters(sft_base, tmp_path):
     with pytest.raises(ValueError, match="ovr_distribution=.both.: choose one of accept, accept_once, normalize"):
         run(tmp_path / "bad", ovr_distribution="both")
     assert not (tmp_path / "bad").exists()
+
+
+def test_top1_changed_counts_the_decisions_the_heads_change():
+    """An OvR mode's top-1 against loc_S's, counted position by position; absent where there is no loc_S to compare."""
+    g = torch.Generator().manual_seed(3)
+    loc_S = torch.randn(23, 40, generator=g) * 2
+    log_P = ovr_log_prob(torch.randn(23, 40, generator=g) * 3)
+    scores = loc_S + log_P
+    targets = torch.randint(0, 40, (23,), generator=g)
+    acc = EvaluationAccumulator("standard")
+    for start in range(0, 23, 7):
+        rows = slice(start, start + 7)
+        acc.update(scores[rows], targets[rows], log_P[rows], loc_S=loc_S[rows])
+    expected = sum(scores[n].argmax().item() != loc_S[n].argmax().item() for n in range(23)) / 23
+    assert 0 < expected < 1
+    assert acc.compute()["top1_changed"] == pytest.approx(expected)
+    acc = EvaluationAccumulator("standard")
+    acc.update(scores, targets, log_P)
+    assert "top1_changed" not in acc.compute()
+    acc = EvaluationAccumulator("compatible")
+    acc.update(loc_S, targets, loc_S=loc_S)
+    assert "top1_changed" not in acc.compute()

@@ -1,0 +1,176 @@
+"""The OvR loss over candidates (`losses.candidate_ovr_loss`, config `ovr_candidates`) against a float64 reference
+written from docs/design.md, Training losses: full scores, the top-k of loc_S as a set, plus the target."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
+from causalqwen_adapter.losses import DecisionHead, candidate_ovr_loss
+from causalqwen_adapter.training import CausalHeadArguments
+
+from conftest import tiny_qwen2_config
+
+NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
+
+
+def make_inputs(n=7, c=6, v=29, *, threshold="vector", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        "loc_U": torch.randn(n, c, generator=g),
+        "scale_U": torch.rand(n, c, generator=g) * 0.3 + 0.05,
+        "weight": torch.randn(v, c, generator=g),
+        "bias": torch.randn(v, generator=g),
+        "b_noise": torch.randn(c, generator=g) * 0.1,
+        "threshold": torch.randn(v, generator=g) - 2 if threshold == "vector" else torch.tensor(-1.5),
+    }
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[0] = tensors["weight"].matmul(tensors["loc_U"][0]).add(tensors["bias"]).argmax()  # a target in the top-k
+    return {k: t.requires_grad_() for k, t in tensors.items()}, targets
+
+
+def reference(loc_U, scale_U, weight, bias, b_noise, threshold, targets, k, relative=True, trains_location=False):
+    """Σ over positions of Σ_{j in top-k ∪ {y}} BCE(P_j, [j = y]), each token once, float64 in."""
+    loc_S = loc_U @ weight.T + bias
+    detached = loc_S.detach()
+    top = detached.topk(k, -1).indices
+    member = torch.zeros_like(detached, dtype=torch.bool).scatter_(1, top, True)
+    member[torch.arange(len(targets)), targets] = True
+    if not trains_location:
+        loc_S = loc_U.detach() @ weight.detach().T + bias.detach()
+    if relative:
+        loc_S = loc_S - detached.logsumexp(-1, keepdim=True)
+    scale_S = (scale_U + b_noise.abs()) @ weight.detach().abs().T if not trains_location else \
+        (scale_U + b_noise.abs()) @ weight.abs().T
+    P = 0.5 + torch.atan((loc_S - threshold) / scale_S) / math.pi
+    one_hot = F.one_hot(targets, weight.shape[0]).bool()
+    bce = -torch.where(one_hot, P.log(), (1 - P).log())
+    return (bce * member).sum(), P, member
+
+
+def run(tensors, targets, k, **kwargs):
+    head = DecisionHead(*(tensors[name] for name in NAMES[2:]))
+    return candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, targets, k, **kwargs)
+
+
+def gradients(loss, tensors):
+    grads = torch.autograd.grad(loss, list(tensors.values()), allow_unused=True)
+    return dict(zip(tensors, grads))
+
+
+@pytest.mark.parametrize("threshold", ["vector", "scalar"])
+@pytest.mark.parametrize("trains_location", [False, True])
+@pytest.mark.parametrize("relative", [True, False])
+@pytest.mark.parametrize("k", [1, 4])
+def test_matches_float64_reference(threshold, trains_location, relative, k):
+    tensors, targets = make_inputs(threshold=threshold)
+    loss, stats = run(tensors, targets, k, relative_threshold=relative, trains_location=trains_location,
+                      chunk_size=3)
+    wide = {name: t.detach().double().requires_grad_() for name, t in tensors.items()}
+    expected, P, member = reference(*wide.values(), targets, k, relative, trains_location)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-5)
+    got, want = gradients(loss, tensors), gradients(expected, wide)
+    for name in NAMES:
+        if want[name] is None or not want[name].abs().sum():
+            assert got[name] is None or not got[name].abs().sum(), name
+            continue
+        torch.testing.assert_close(got[name].double(), want[name], rtol=1e-4, atol=1e-5, msg=name)
+    n = len(targets)
+    torch.testing.assert_close(stats["target_prob"].double(), P.detach()[torch.arange(n), targets].mean(),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["candidate_prob_sum"].double(), (P.detach() * member).sum(-1).mean(),
+                               rtol=1e-5, atol=1e-6)
+    loc_S = wide["loc_U"].detach() @ wide["weight"].detach().T + wide["bias"].detach()
+    torch.testing.assert_close(stats["softmax_nll"].double(), F.cross_entropy(loc_S, targets), rtol=1e-5, atol=1e-6)
+
+
+def test_location_path_gets_no_gradient_by_default():
+    tensors, targets = make_inputs()
+    loss, _ = run(tensors, targets, 4)
+    got = gradients(loss, tensors)
+    for name in ("loc_U", "weight", "bias"):
+        assert got[name] is None or not got[name].abs().sum(), name
+    for name in ("scale_U", "b_noise", "threshold"):
+        assert got[name].abs().sum() > 0, name
+
+
+def test_a_target_among_the_top_k_counts_once():
+    tensors, targets = make_inputs()
+    k = 4
+    loss_all, _ = run(tensors, targets, k)
+    # position 0's target is its argmax: with the appended copy counted too, its −log P_y would count twice
+    single, _ = run({n: t[:1] if n in ("loc_U", "scale_U") else t for n, t in tensors.items()}, targets[:1], k)
+    wide = {name: t.detach().double()[:1] if name in ("loc_U", "scale_U") else t.detach().double()
+            for name, t in tensors.items()}
+    expected, _, member = reference(*wide.values(), targets[:1], k)
+    assert member.sum() == k
+    torch.testing.assert_close(single.double(), expected, rtol=1e-5, atol=1e-6)
+    assert loss_all > single
+
+
+def test_bfloat16_weight_uses_float32_math():
+    tensors, targets = make_inputs()
+    head = DecisionHead(tensors["weight"].detach().bfloat16(), tensors["bias"].detach().bfloat16(),
+                        tensors["b_noise"].detach(), tensors["threshold"].detach())
+    loss, _ = candidate_ovr_loss(tensors["loc_U"].detach(), tensors["scale_U"].detach(), head, targets, 4)
+    wide = {name: t.detach().double() for name, t in tensors.items()}
+    wide["weight"] = tensors["weight"].detach().bfloat16().double()
+    wide["bias"] = tensors["bias"].detach().bfloat16().double()
+    expected, _, _ = reference(*wide.values(), targets, 4)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("k", [0, -1, 29, 2.0, True])
+def test_bad_number_of_candidates_is_a_clear_error(k):
+    tensors, targets = make_inputs()
+    with pytest.raises(ValueError, match="number of OvR candidates"):
+        run(tensors, targets, k)
+
+
+def test_config_refuses_bad_values():
+    text_config = tiny_qwen2_config()
+    with pytest.raises(ValueError, match="ovr_candidates"):
+        CausalQwenConfig(text_config=text_config, ovr_candidates=0)
+    with pytest.raises(ValueError, match="below the vocabulary size"):
+        CausalQwenConfig(text_config=text_config, ovr_candidates=text_config.vocab_size)
+    with pytest.raises(ValueError, match="ovr_candidates"):
+        CausalHeadArguments(ovr_candidates=0)
+
+
+def test_model_loss_is_the_cross_entropy_plus_the_candidate_term(tiny_base):
+    """forward's loss with ovr_candidates: softmax_loss_weight × the mean cross-entropy of loc_S + the candidates'
+    BCE sum over targets / their count, each written out on the model's own tensors."""
+    model = CausalQwenForCausalLM.from_base(tiny_base, gamma_init=0.05, b_noise_init=0.01, ovr_candidates=5,
+                                            softmax_loss_weight=0.5)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.abduction.scale.weight.normal_(std=0.02)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    out = model(input_ids=input_ids, labels=input_ids)
+    z = model.model(input_ids).last_hidden_state[:, :-1].reshape(-1, model.config.hidden_size)
+    targets = input_ids[:, 1:].reshape(-1)
+    with torch.no_grad():
+        loc_U, scale_U = model.abduction(z)
+        wide = [t.double() for t in (loc_U, scale_U, model.action.weight, model.action.bias, model.action.b_noise)]
+        threshold = torch.tensor(model.config.ovr_threshold_init, dtype=torch.float64)
+        candidates, _, _ = reference(*wide, threshold, targets, 5)
+        ce = F.cross_entropy(wide[0] @ wide[2].T + wide[3], targets)
+    torch.testing.assert_close(out.loss.double(), 0.5 * ce + candidates / len(targets), rtol=1e-4, atol=1e-5)
+    assert {"candidate_prob_sum", "target_prob", "softmax_nll"} <= set(out.metrics)
+    assert "ovr_prob_sum" not in out.metrics
+    out.loss.backward()
+    assert model.abduction.scale.weight.grad.abs().sum() > 0
+    assert model.action.weight.grad.abs().sum() > 0  # from the cross-entropy
+
+
+def test_without_the_cross_entropy_only_the_candidate_term_trains(tiny_base):
+    model = CausalQwenForCausalLM.from_base(tiny_base, gamma_init=0.05, ovr_candidates=3, softmax_loss_weight=0.0)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.loss > 0
+    assert model.abduction.scale.bias.grad.abs().sum() > 0
+    assert model.action.weight.grad is None or not model.action.weight.grad.abs().sum()
