@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
-from causalqwen_adapter.evaluation import EvaluationAccumulator, markdown_table, score_hidden_states
+from causalqwen_adapter.evaluation import EvaluationAccumulator, confidence_table, markdown_table, score_hidden_states
 from causalqwen_adapter.training import calibrate_threshold_on_features, learning_rate_ratio
 
 TRAIN_MODULES = [
@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the base's dtype for the cached features (float32: about 5× faster on CPUs without "
                              "bfloat16 instructions)")
+    parser.add_argument("--no-init", action="store_true", help="skip the evaluation of each configuration at init")
     parser.add_argument("--save", action="store_true", help="save each trained adapter under <cache>/<config>")
     parser.add_argument("--saved", action="store_true",
                         help="evaluate the adapters --save wrote under <cache>/<config> instead of training")
@@ -191,8 +192,9 @@ def main() -> None:
         learning_rate = spec["learning_rate"] or trainer_defaults.learning_rate
         ratios = (spec.get("location_lr_ratio", trainer_defaults.location_lr_ratio),
                   spec.get("threshold_lr_ratio", trainer_defaults.threshold_lr_ratio))
-        results[f"{name} init"] = evaluate(model)
-        print(markdown_table({f"{name} init": results[f"{name} init"]}), flush=True)
+        if not args.no_init:
+            results[f"{name} init"] = evaluate(model)
+            print(markdown_table({f"{name} init": results[f"{name} init"]}), flush=True)
         optimizer = optimizer_for(model, learning_rate, *ratios, fused=True,
                                   scale_lr_ratio=spec.get("scale_lr_ratio", 1.0))
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
@@ -221,6 +223,7 @@ def main() -> None:
               f"{spec['heads'] or 'package defaults'}; {time.perf_counter() - start:.0f}s of training", flush=True)
         del model, base_f32
     print("\n" + markdown_table(results))
+    print("\n" + confidence_table(results))
 
 
 if __name__ == "__main__":
