@@ -502,9 +502,10 @@ def test_an_adapter_keeps_its_loss_and_distribution_options_unless_asked(sft_bas
                                     ovr_distribution="normalize").save_pretrained(adapter)
     kept = CausalSFTTrainer(str(adapter), args=_args(tmp_path / "a"), train_dataset=_prompt_completion()).model.config
     assert (kept.objective, kept.softmax_loss_weight, kept.ovr_distribution) == ("softmax", 0.5, "normalize")
-    args = _args(tmp_path / "b", objective="ovr", ovr_distribution="accept")
+    args = _args(tmp_path / "b", objective="ovr", ovr_distribution="accept", ovr_candidates=8)
     changed = CausalSFTTrainer(str(adapter), args=args, train_dataset=_prompt_completion()).model.config
-    assert (changed.objective, changed.ovr_distribution) == ("ovr", "accept")
+    assert (changed.objective, changed.ovr_distribution, changed.ovr_candidates) == ("ovr", "accept", 8)
+    assert kept.ovr_candidates is None
     with pytest.raises(ValueError, match="ovr_distribution='sample': choose one of accept, accept_once, normalize"):
         CausalSFTTrainer(str(adapter), args=_args(tmp_path / "c", ovr_distribution="sample"),
                          train_dataset=_prompt_completion())
