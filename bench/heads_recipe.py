@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
 from causalqwen_adapter.evaluation import EvaluationAccumulator, confidence_table, markdown_table, score_hidden_states
-from causalqwen_adapter.training import calibrate_threshold_on_features, learning_rate_ratio
+from causalqwen_adapter.training import SCALE_PARAMETERS, calibrate_threshold_on_features, learning_rate_ratio
 
 TRAIN_MODULES = [
     "argparse", "configparser", "tokenize", "inspect", "typing", "dis", "ast", "dataclasses", "enum", "functools",
@@ -62,7 +62,6 @@ CONFIGS = {
     # the vocabulary loss with the scale path 30× faster: does the scale learn when it can move?
     "fast_scale": dict(heads=dict(), learning_rate=None, scale_lr_ratio=30.0),
 }
-SCALE_PATH = ("abduction.scale.", "action.b_noise")
 
 
 def windows(tokenizer, modules, length, limit):
@@ -128,7 +127,7 @@ def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio, f
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        ratio = scale_lr_ratio if name.startswith(SCALE_PATH) else 1.0
+        ratio = scale_lr_ratio if name.startswith(SCALE_PARAMETERS) else 1.0
         groups.setdefault(ratio * learning_rate_ratio(name, location_lr_ratio, threshold_lr_ratio), []).append(param)
     return torch.optim.AdamW([{"params": p, "lr": learning_rate * r} for r, p in groups.items()], weight_decay=0.0,
                              fused=fused)

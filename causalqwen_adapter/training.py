@@ -166,6 +166,7 @@ class LossMetricsMixin:
 # b_A is a location (loc_S = W_A loc_U + b_A: it ranks); the thresholds only gate.
 LOCATION_PARAMETERS = ("abduction.loc.", "action.weight", "action.bias", "action.lora_A", "action.lora_B")
 THRESHOLD_PARAMETERS = ("ovr.threshold",)
+SCALE_PARAMETERS = ("abduction.scale.", "action.b_noise")  # the scale path
 
 
 def learning_rate_ratio(name: str, location_lr_ratio: float, threshold_lr_ratio: float) -> float:
@@ -467,7 +468,6 @@ def prepare_causal_model(model, args, loss: str = "sft") -> tuple[CausalQwenForC
 
 
 # The head parameters by path (names as in `model.named_parameters()`, prefixes).
-_SCALE_PATH = ("abduction.scale.", "action.b_noise")
 _ABDUCTION_LOCATION = ("abduction.loc.",)
 _ACTION_LOCATION = ("action.weight", "action.bias", "action.lora_A", "action.lora_B")
 _NUMERIC_REGRESSION = ("numeric.weight", "numeric.bias", "numeric.log_scale")
@@ -502,7 +502,7 @@ def unreachable_parameters(model: CausalQwenForCausalLM, loss: str = "sft") -> l
             unreached += ("numeric.",)
     else:
         if config.objective == "softmax":
-            unreached += THRESHOLD_PARAMETERS + (() if numeric else _SCALE_PATH)
+            unreached += THRESHOLD_PARAMETERS + (() if numeric else SCALE_PARAMETERS)
         elif config.softmax_loss_weight == 0 and not config.ovr_trains_location:
             unreached += _ACTION_LOCATION + (() if numeric else _ABDUCTION_LOCATION)
         if config.numeric and not numeric:

@@ -58,6 +58,7 @@ FSDP2_CASES = {
     "accelerate-tied": ("accelerate", {"action_weight": "tied"}, {}),
     "accelerate-lora": ("accelerate", {"action_weight": "lora", "action_lora_rank": 4}, {}),
     "heads-as-units": ("heads", {"learnable_threshold": True}, {}),
+    "heads-as-units-candidates": ("heads", {"ovr_candidates": 8, "gamma_init": 0.05}, {}),
     "every-rank-loads": ("accelerate", {"causal_size": 24}, {"FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}),
 }
 
