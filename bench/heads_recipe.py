@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["compatible", "standard", "causal"])
     parser.add_argument("--cache", default="build/bench-heads")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="the order of the training batches and the heads' init")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the base's dtype for the cached features (float32: about 5× faster on CPUs without "
                              "bfloat16 instructions)")
@@ -183,6 +184,7 @@ def main() -> None:
         return
     for name in args.configs:
         spec = CONFIGS[name]
+        torch.manual_seed(args.seed)
         base_f32 = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
         model = CausalQwenForCausalLM.from_base(base_f32, **spec["heads"])
         if "ovr_threshold_init" not in spec["heads"] and not model.config.ovr_relative_threshold:  # as the trainer
@@ -197,7 +199,7 @@ def main() -> None:
         optimizer = optimizer_for(model, learning_rate, *ratios, fused=True,
                                   scale_lr_ratio=spec.get("scale_lr_ratio", 1.0))
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
-        order = torch.randperm(len(train["targets"]), generator=torch.Generator().manual_seed(0))
+        order = torch.randperm(len(train["targets"]), generator=torch.Generator().manual_seed(args.seed))
         model.train()
         start = time.perf_counter()
         for step in range(args.steps):
