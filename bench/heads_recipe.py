@@ -198,7 +198,7 @@ def main() -> None:
             print(markdown_table({f"{name} init": results[f"{name} init"]}), flush=True)
         optimizer = optimizer_for(model, learning_rate, *ratios, fused=True,
                                   scale_lr_ratio=spec.get("scale_lr_ratio", 1.0))
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / max(args.steps, 1))
         order = torch.randperm(len(train["targets"]), generator=torch.Generator().manual_seed(args.seed))
         model.train()
         start = time.perf_counter()

@@ -37,6 +37,7 @@ from .dispatch import (
 )
 from .losses import (
     DecisionHead,
+    candidate_set,
     check_head_inputs,
     kernel_target_columns,
     loss_shape,
@@ -62,6 +63,7 @@ def chunked_lm_loss(
     vocab_chunk_size: int | None = None,
     ignore_index: int = -100,
     matmul_dtype: torch.dtype | None = None,
+    candidates: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``softmax_weight`` × the cross-entropy of loc_S plus the OvR loss, without [N × V] tensors kept.
 
@@ -80,7 +82,9 @@ def chunked_lm_loss(
     gradient when the products run in W_A's dtype: it sums in that dtype, as autograd sums a bfloat16 ``.grad``.
 
     Returns (loss, stats) with detached means per target: ``softmax_nll`` (−log softmax(loc_S)_y), with the OvR loss
-    ``target_prob`` (P_y) and ``ovr_prob_sum`` (Σ_k P_k); and ``num_tokens``.
+    ``target_prob`` (P_y) and ``ovr_prob_sum`` (Σ_k P_k); and ``num_tokens``. With ``candidates`` = k, stats also
+    hold ``candidate_rows``: the `losses.CandidateRows` of the positions with a target (the k tokens of largest loc_S,
+    found from the pass's own logits, the target, the log-partition), for `losses.candidate_ovr_loss`.
     """
     check_head_inputs(loc_U, scale_U, head.weight, labels)
     if not (math.isfinite(softmax_weight) and softmax_weight >= 0) or (scale_U is None and softmax_weight == 0):
@@ -90,11 +94,18 @@ def chunked_lm_loss(
     matmul_dtype = matmul_dtype or head.weight.dtype
     if not matmul_dtype.is_floating_point:
         raise ValueError(f"matmul_dtype must be a floating-point dtype (e.g. torch.bfloat16), got {matmul_dtype}")
+    if candidates is not None and (isinstance(candidates, bool) or not isinstance(candidates, int)
+                                   or not 1 <= candidates < head.weight.shape[0]):
+        raise ValueError(f"candidates must be an integer in [1, {head.weight.shape[0]}), got {candidates!r}")
     options = (softmax_weight, ovr_trains_location, relative_threshold, num_items_in_batch, temperature, chunk_size,
-               vocab_chunk_size, ignore_index, matmul_dtype)
-    loss, *stats = _ChunkedLMLoss.apply(loc_U, scale_U, *head, labels, options, torch.is_grad_enabled())
+               vocab_chunk_size, ignore_index, matmul_dtype, candidates)
+    loss, *stats, top, lse = _ChunkedLMLoss.apply(loc_U, scale_U, *head, labels, options, torch.is_grad_enabled())
     names = ("softmax_nll", "target_prob", "ovr_prob_sum", "num_tokens")
-    return loss, {k: v for k, v in zip(names, stats) if scale_U is not None or k not in ("target_prob", "ovr_prob_sum")}
+    stats = {k: v for k, v in zip(names, stats) if scale_U is not None or k not in ("target_prob", "ovr_prob_sum")}
+    if candidates is not None:
+        labels = labels.reshape(-1)
+        stats["candidate_rows"] = candidate_set(top, labels[labels != ignore_index], lse)
+    return loss, stats
 
 
 def equal_chunk_size(n: int, chunk: int) -> int:
@@ -113,7 +124,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loc_U, scale_U, weight, bias, b_noise, threshold, labels, options, grad_enabled):
         (softmax_weight, ovr_trains_location, relative, num_items_in_batch, temperature, chunk, vblock,
-         ignore_index, mm_dtype) = options
+         ignore_index, mm_dtype, candidates) = options
         # needs_input_grad stays True under no_grad, hence the explicit grad_enabled.
         need_loc, need_scale, need_W, need_bias, need_noise, need_thr = (
             grad_enabled and n for n in ctx.needs_input_grad[:6])
@@ -203,6 +214,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
         p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
         blocks = [(v0, min(v0 + vblock, vocab)) for v0 in range(0, vocab, vblock)]
+        # With candidates: each position's k largest loc_S (per block, then across blocks) and its log-partition.
+        cand_top = torch.empty(n_valid if candidates else 0, candidates or 0, dtype=torch.long, device=dev)
+        cand_lse = torch.empty(n_valid if candidates else 0, dtype=torch.float32, device=dev)
         # `zero_rows` of each block (as the C tile's mask there), found in the first chunk
         degenerate = [None] * len(blocks)
         g_lo = torch.empty(chunk * vblock if low and tile_kernel is None else 0, dtype=mm_dtype, device=dev)
@@ -302,20 +316,31 @@ class _ChunkedLMLoss(torch.autograd.Function):
             # Block b's logits are the contiguous [r, w] slice logits_buf[r·v0 : r·v1].
             logits = [logits_buf[r * v0 : r * v1].view(r, v1 - v0) for v0, v1 in blocks]
             block_lse = loc.new_empty(r, len(blocks))
+            block_top = []
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass A
                 product(stored, loc_mm, lowered(weight[v0:v1], w_lo).T, overwrite=True)
                 if tile_kernel is not None:  # float32 logits keep b_A from here on, bf16 ones get it on reading
                     lse_kernel(stored, None if bias_f is None else bias_f[v0:v1], stored.dtype == dtype,
                                block_lse[:, i], tile_threads)
+                    if candidates:
+                        x = stored if stored.dtype == dtype or bias is None else stored.to(dtype).add_(bias_f[v0:v1])
+                        block_top.append(x.topk(min(candidates, v1 - v0), 1))
                     continue
                 if bias is not None and stored.dtype == dtype:
                     stored.add_(bias[v0:v1])
                 x = scores(stored, v0, v1)
+                if candidates:
+                    block_top.append(x.topk(min(candidates, v1 - v0), 1))
                 top = x.amax(1, keepdim=True)  # logsumexp, with d_buf for its exponentials
                 exps = torch.sub(x, top, out=d_buf[: x.numel()].view_as(x)).exp_()
                 block_lse[:, i] = exps.sum(1).log_().add_(top.squeeze(1))
             lse = torch.logsumexp(block_lse, 1)
             nll_sum += lse.sum(dtype=torch.float64)
+            if candidates:  # the k largest of the blocks' k largest
+                values = torch.cat([t.values.float() for t in block_top], 1)
+                ids = torch.cat([t.indices + v0 for t, (v0, _) in zip(block_top, blocks)], 1)
+                cand_top[r0:r1] = ids.gather(1, values.topk(candidates, 1).indices)
+                cand_lse[r0:r1] = lse
 
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass B
                 w = v1 - v0
@@ -355,7 +380,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             ((u_row_sum - 1 + 2 * p_target).sum() / n_tok).to(torch.float32),
             torch.tensor(n_valid, device=dev),
         )
-        ctx.mark_non_differentiable(*stats)
+        ctx.mark_non_differentiable(*stats, cand_lse)
 
         grad_loc = grad_scale = grad_bias = grad_noise = grad_thr = None
         if need_loc:
@@ -373,7 +398,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         if need_W:
             grad_W = grad_W.to(weight.dtype)
         ctx.save_for_backward(grad_loc, grad_scale, grad_W, grad_bias, grad_noise, grad_thr)
-        return (loss, *stats)
+        return (loss, *stats, cand_top, cand_lse)
 
     @staticmethod
     def backward(ctx, grad_loss, *_):

@@ -443,7 +443,8 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             def loss_of(head: DecisionHead, b_noise, loc_U, scale_U):
                 # The cross-entropy of loc_S and the OvR loss in one chunked pass over W_A (lm_loss.py); the softmax
                 # objective is the same pass without the OvR term. An OvR loss over candidates is a term of its own
-                # (losses.candidate_ovr_loss: k + 1 rows of W_A per position) beside the cross-entropy's pass.
+                # (losses.candidate_ovr_loss: k + 1 rows of W_A per position) whose candidates the cross-entropy's
+                # pass finds from its own logits.
                 ovr = config.objective == "ovr"
                 candidates = config.ovr_candidates if ovr else None
                 loss, stats = torch.zeros((), device=z.device), {}
@@ -454,12 +455,13 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
                         ovr_trains_location=config.ovr_trains_location,
                         relative_threshold=config.ovr_relative_threshold,
                         num_items_in_batch=denom, chunk_size=self.loss_chunk_size, matmul_dtype=matmul_dtype,
+                        candidates=candidates,
                     )
                 if candidates is not None:
                     total, candidate_stats = candidate_ovr_loss(
                         loc_U, scale_U, head, targets, candidates, relative_threshold=config.ovr_relative_threshold,
-                        trains_location=config.ovr_trains_location, chunk_size=self.loss_chunk_size,
-                        matmul_dtype=matmul_dtype,
+                        trains_location=config.ovr_trains_location, matmul_dtype=matmul_dtype,
+                        rows=stats.pop("candidate_rows", None),
                     )
                     loss = loss + total / denom
                     stats = {**candidate_stats, **stats}  # the fused pass's softmax_nll where it ran

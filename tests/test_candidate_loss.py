@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
-from causalqwen_adapter.losses import DecisionHead, candidate_ovr_loss
+from causalqwen_adapter.lm_loss import chunked_lm_loss
+from causalqwen_adapter.losses import DecisionHead, candidate_ovr_loss, candidate_rows
 from causalqwen_adapter.training import CausalHeadArguments
 
 from conftest import tiny_qwen2_config
@@ -84,6 +85,60 @@ def test_matches_float64_reference(threshold, trains_location, relative, k):
                                rtol=1e-5, atol=1e-6)
     loc_S = wide["loc_U"].detach() @ wide["weight"].detach().T + wide["bias"].detach()
     torch.testing.assert_close(stats["softmax_nll"].double(), F.cross_entropy(loc_S, targets), rtol=1e-5, atol=1e-6)
+
+
+def same_rows(got, want):
+    """Candidate rows equal as sets per position (the order of the top-k is not part of the loss)."""
+    assert got.ids.shape == want.ids.shape
+    assert torch.equal(got.ids[:, :-1].sort(1).values, want.ids[:, :-1].sort(1).values)
+    assert torch.equal(got.ids[:, -1], want.ids[:, -1]) and torch.equal(got.counted[:, -1], want.counted[:, -1])
+    torch.testing.assert_close(got.log_partition, want.log_partition, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab_chunk_size", [None, 5])
+def test_the_cross_entropy_pass_finds_the_same_candidates(dtype, vocab_chunk_size):
+    """chunked_lm_loss(candidates=k) takes each position's top-k from its own logits, block by block then across
+    blocks (5 rows per block: the last one narrower than k), on the positions with a target, and the candidate loss
+    on its rows equals the loss that finds them itself."""
+    tensors, targets = make_inputs(n=9, v=29)
+    head = DecisionHead(*(tensors[name].detach().to(dtype) if name in ("weight", "bias") else tensors[name].detach()
+                          for name in NAMES[2:]))
+    labels = targets.clone()
+    labels[3] = -100
+    _, stats = chunked_lm_loss(tensors["loc_U"].detach(), None, head, labels, candidates=7, chunk_size=4,
+                               vocab_chunk_size=vocab_chunk_size)
+    valid = labels != -100
+    want, _ = candidate_rows(tensors["loc_U"].detach()[valid], head, targets[valid], 7)
+    same_rows(stats["candidate_rows"], want)
+    args = (tensors["loc_U"].detach()[valid], tensors["scale_U"].detach()[valid], head, targets[valid], 7)
+    fused, _ = candidate_ovr_loss(*args, rows=stats["candidate_rows"])
+    torch.testing.assert_close(fused, candidate_ovr_loss(*args)[0])
+
+
+def test_no_candidate_sized_tensor_outlives_its_chunk():
+    """What autograd keeps for backward is the [V, C] and [N, C] gradients, never the [N, k + 1, C] rows of W_A."""
+    tensors, targets = make_inputs(n=40, c=6, v=29)
+    saved = []
+
+    def keep(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss, _ = run(tensors, targets, 8, trains_location=True, chunk_size=4)
+    loss.backward()
+    n, c, v = 40, 6, 29
+    assert saved and max(saved) <= max(n * c, v * c)
+    assert tensors["weight"].grad.abs().sum() > 0
+
+
+def test_candidate_rows_of_another_shape_are_refused():
+    tensors, targets = make_inputs()
+    head = DecisionHead(*(tensors[name] for name in NAMES[2:]))
+    rows, _ = candidate_rows(tensors["loc_U"].detach(), head, targets, 3)
+    with pytest.raises(ValueError, match="candidate rows of shape"):
+        candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, targets, 4, rows=rows)
 
 
 def test_location_path_gets_no_gradient_by_default():

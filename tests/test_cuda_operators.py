@@ -21,7 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from causalqwen_adapter import cuda_kernels, dispatch  # noqa: E402
 from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa: E402
 from causalqwen_adapter.lm_loss import chunked_lm_loss  # noqa: E402
-from causalqwen_adapter.losses import DecisionHead, chunk_tokens, loss_shape, ovr_loss_shape  # noqa: E402
+from causalqwen_adapter.losses import (  # noqa: E402
+    DecisionHead,
+    candidate_rows,
+    chunk_tokens,
+    loss_shape,
+    ovr_loss_shape,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 if not kt.INTERPRETED:  # TRITON_INTERPRET=0 on a GPU: the real CUDA registration runs in the device-fixture tests
@@ -87,6 +93,24 @@ def test_loss_with_the_gpu_operators_in_bfloat16(triton_operators):
     tensors, labels = make_inputs(13, 8, 37)
     check(tensors, labels, rtol=4e-3, grad_rtol=3e-2, chunk_size=4, vocab_chunk_size=37, matmul_dtype=torch.bfloat16)
     assert triton_operators["loss_tile_triton"] and triton_operators["abs_linear_triton"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_candidates_from_the_gpu_operators_pass(triton_operators, dtype):
+    """The cross-entropy's pass through the Triton operators (float32 logits with b_A added by the logsumexp
+    kernel, or bf16 ones without it) finds the same candidates as `losses.candidate_rows`."""
+    tensors, labels = make_inputs(13, 8, 37)
+    head = DecisionHead(tensors["weight"].detach().to(dtype), tensors["bias"].detach().to(dtype),
+                        tensors["b_noise"].detach(), tensors["threshold"].detach())
+    loc_U = tensors["loc_U"].detach()
+    _, stats = chunked_lm_loss(loc_U, None, head, labels, candidates=6, chunk_size=4, vocab_chunk_size=37)
+    assert triton_operators["block_logsumexp_triton"]
+    valid = labels != -100
+    want, _ = candidate_rows(loc_U[valid], head, labels[valid], 6)
+    got = stats["candidate_rows"]
+    assert torch.equal(got.ids.sort(1).values, want.ids.sort(1).values) and torch.equal(got.counted[:, -1],
+                                                                                        want.counted[:, -1])
+    torch.testing.assert_close(got.log_partition, want.log_partition, rtol=1e-5, atol=1e-5)
 
 
 class LaunchCount(TorchDispatchMode):
