@@ -12,11 +12,12 @@ have, written here on the same tensors:
 
 | arm | loss |
 |---|---|
-| `ovr` | the default recipe: OvR loss (Cauchy) + softmax cross-entropy; the OvR gradient stops at the locations |
+| `ovr` | the OvR loss (Cauchy) over the whole vocabulary (`ovr_candidates=None`) + softmax cross-entropy; the OvR gradient stops at the locations |
+| `ovr_candidates` | the default recipe: the same over each position's 16 most likely tokens and the target, from γ₀ = 0.005 |
 | `softmax` | `--objective softmax`: the cross-entropy of loc_S alone |
 | `gce` | generalised cross-entropy (1 − p_y^q)/q, q = 0.7, of softmax(loc_S) over the vocabulary (here, not in the package) |
-| `ovr_logistic` | the default recipe with the logistic link σ(x) in place of the Cauchy CDF (here, not in the package) |
-| `ovr_location` | the default recipe with `ovr_trains_location=True`: the OvR loss's gradient reaches the locations too |
+| `ovr_logistic` | `ovr` with the logistic link σ(x) in place of the Cauchy CDF (here, not in the package) |
+| `ovr_location` | `ovr` with `ovr_trains_location=True`: the OvR loss's gradient reaches the locations too |
 
 Label noise flips training (and validation) labels, uniformly or class-dependently (evidence_data.inject_noise); the
 learning rate of each arm and noise setting is the best of --lrs by validation accuracy (noisy validation labels: what
@@ -58,14 +59,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence_data import NOISE_KINDS, TREC_FINE, inject_noise, task  # noqa: E402
 from heads_recipe import optimizer_for  # noqa: E402
 
+# "ovr", "ovr_logistic" and "ovr_location": the OvR loss over the whole vocabulary (the package's default before
+# ovr_candidates), from γ₀ = 1e-5
+VOCABULARY = {"ovr_candidates": None}
 ARMS = {
-    "ovr": dict(heads={}, loss="recipe"),
+    "ovr": dict(heads=VOCABULARY, loss="recipe"),
     "softmax": dict(heads={"objective": "softmax"}, loss="recipe"),
     "gce": dict(heads={"objective": "softmax"}, loss="gce"),
-    "ovr_logistic": dict(heads={}, loss="logistic"),
-    "ovr_location": dict(heads={"ovr_trains_location": True}, loss="recipe"),
-    # the OvR loss over the top-16 of loc_S and the target, from a scale where P_k is graded (docs/design.md,
-    # Training losses)
+    "ovr_logistic": dict(heads=VOCABULARY, loss="logistic"),
+    "ovr_location": dict(heads={**VOCABULARY, "ovr_trains_location": True}, loss="recipe"),
+    # the OvR loss over the top-16 of loc_S and the target, from a scale where P_k is graded (the package's default;
+    # docs/design.md, Training losses)
     "ovr_candidates": dict(heads={"ovr_candidates": 16, "gamma_init": 0.005}, loss="recipe"),
 }
 GCE_Q = 0.7
@@ -402,18 +406,21 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=1076)
     parser.add_argument("--cache", default="build/evidence")
     parser.add_argument("--out", default="build/evidence")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads of each arm's training (the base's feature extraction uses every core)")
     parser.add_argument("--quick", action="store_true",
-                        help="a subset: 160/80/160 rows, noise 0 and uniform:0.4 (or 50 %% known), seeds 0 1, lr 1e-3, 10 steps")
+                        help="a subset: 160/80/160 rows, noise 0 and uniform:0.4 (or 50 %% known), seeds 0 1, lr 1e-3, "
+                             "10 steps, the arms ovr_candidates (the default recipe), ovr and softmax unless --arms")
     args = parser.parse_args()
     if args.protocol == "unknown" and args.task != "trec":
         parser.error("--protocol unknown runs on TREC's fine classes: --task trec")
     if args.protocol == "unknown" and args.arms == list(ARMS):
-        args.arms = ["ovr", "softmax"]
+        args.arms = ["ovr_candidates", "ovr", "softmax"]
     if args.quick:
         args.train, args.validation, args.test = 160, 80, 160
         args.noise, args.seeds, args.lrs, args.steps, args.known = ["0", "uniform:0.4"], [0, 1], [1e-3], 10, [0.5]
-    torch.set_num_threads(args.threads)
+        if args.arms == list(ARMS):
+            args.arms = ["ovr_candidates", "ovr", "softmax"]
     settings = []
     for spec in args.noise:
         kind, _, rate = spec.partition(":")
@@ -426,6 +433,7 @@ def main() -> None:
     base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32)
     labels = label_set(tokenizer, data["labels"], base.config.vocab_size)
     features = cached_features(args, base, data, labels, tokenizer)
+    torch.set_num_threads(args.threads)
     trainer_defaults = CausalSFTConfig("unused", report_to="none", use_cpu=True)
     if args.protocol == "noise":
         label_noise(args, settings, base, features, labels, tokenizer.eos_token_id, trainer_defaults)

@@ -191,7 +191,7 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int) ->
 
 
 def loss(sizes: list[int], rounds: int, repeat: int) -> None:
-    variants = ["a", "d"]
+    variants = ["a", "d", "v"]
     try:
         import liger_kernel  # noqa: F401
 
@@ -252,7 +252,7 @@ def loss(sizes: list[int], rounds: int, repeat: int) -> None:
         for v in times:
             print(f"N={n} ({v}) {LOSS_VARIANTS[v]:<24} {statistics.median(times[v]) * 1e3:8.1f} ms (median of rounds)  "
                   f"peak above inputs {peaks.get(v, float('nan')):8.0f} MiB  kernels per step {kernels.get(v, 0)}")
-        for mine, other in (("d", "a"), ("d", "l"), ("l", "a")):
+        for mine, other in (("d", "a"), ("d", "l"), ("v", "a"), ("v", "l"), ("l", "a")):
             if mine in times and other in times:
                 print(f"N={n} {mine}/{other} time {spread(round_ratios(times[mine], times[other]))}×  "
                       f"peak memory {peaks[mine] / peaks[other]:.2f}×")

@@ -42,25 +42,28 @@ HELD_OUT_MODULES = ["copy", "tempfile", "pathlib", "shutil", "glob", "fnmatch", 
 
 # Each configuration: head fields for from_base, the learning rate and the per-role ratios of the trainer.
 CONFIGS = {
-    "seeds": dict(heads=dict(gamma_init=10.0, b_noise_init=0.1, ovr_threshold_init=0.0, softmax_loss_weight=0.0,
-                             ovr_trains_location=True),
+    "seeds": dict(heads=dict(ovr_candidates=None, gamma_init=10.0, b_noise_init=0.1, ovr_threshold_init=0.0,
+                             softmax_loss_weight=0.0, ovr_trains_location=True),
                   learning_rate=1e-4, location_lr_ratio=1.0, threshold_lr_ratio=1.0),
     "default": dict(heads=dict(), learning_rate=None),  # the package's defaults, whatever they are
+    # the OvR loss over the whole vocabulary from γ₀ = 1e-5 (the default before ovr_candidates)
+    "vocabulary": dict(heads=dict(ovr_candidates=None), learning_rate=None),
     "softmax": dict(heads=dict(objective="softmax"), learning_rate=None),
-    "ovr_location": dict(heads=dict(ovr_trains_location=True), learning_rate=None),
+    "ovr_location": dict(heads=dict(ovr_candidates=None, ovr_trains_location=True), learning_rate=None),
     # thresholds compared with loc_S itself (the default before relative thresholds), calibrated on data
-    "absolute_thresholds": dict(heads=dict(ovr_relative_threshold=False), learning_rate=None),
+    "absolute_thresholds": dict(heads=dict(ovr_candidates=None, ovr_relative_threshold=False), learning_rate=None),
     # per-token thresholds, learned fast (0.1): under the accepted-proposal distribution they gate, they do not rank
-    "learned_thresholds": dict(heads=dict(learnable_threshold=True), learning_rate=None, threshold_lr_ratio=1000.0),
+    "learned_thresholds": dict(heads=dict(ovr_candidates=None, learnable_threshold=True), learning_rate=None,
+                               threshold_lr_ratio=1000.0),
     # the OvR loss over the top-16 of loc_S and the target (ovr_candidates), from a scale where P_k is graded
     "candidates": dict(heads=dict(ovr_candidates=16, gamma_init=0.005), learning_rate=None),
     # the same from a larger scale, the scale path 10× faster
     "candidates_fast_scale": dict(heads=dict(ovr_candidates=16, gamma_init=0.03), learning_rate=None,
                                   scale_lr_ratio=10.0),
     # the same loss from the vocabulary loss's initial scale
-    "candidates_default_scale": dict(heads=dict(ovr_candidates=16), learning_rate=None),
+    "candidates_default_scale": dict(heads=dict(ovr_candidates=16, gamma_init=1e-5), learning_rate=None),
     # the vocabulary loss with the scale path 30× faster: does the scale learn when it can move?
-    "fast_scale": dict(heads=dict(), learning_rate=None, scale_lr_ratio=30.0),
+    "fast_scale": dict(heads=dict(ovr_candidates=None), learning_rate=None, scale_lr_ratio=30.0),
 }
 
 

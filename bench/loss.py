@@ -4,13 +4,15 @@ Forward + backward (float32 by default) on the real head shape (V = 151936, C = 
   (a) ``F.linear`` lm_head + ``F.cross_entropy`` on float32 logits, as transformers' causal-LM loss upcasts them
   (b) naive OvR: ``cauchy_linear`` + ``ovr_loss``   full [N × V] loc_S / scale_S, autograd
   (c) ``chunked_ovr_loss``: the OvR loss alone, every head tensor trained by it (distillation's kernel)
-  (d) ``chunked_lm_loss`` as ``forward(labels=...)`` runs it with the config's defaults: cross-entropy of loc_S
-      (weight ``softmax_loss_weight``) + the OvR loss on the scale path, relative thresholds, one fused pass
+  (d) the loss ``forward(labels=...)`` computes with the config's defaults: the cross-entropy of loc_S (weight
+      ``softmax_loss_weight``) in ``chunked_lm_loss``'s fused pass, which also finds each position's candidates,
+      + the OvR loss over them (``candidate_ovr_loss``) on the scale path, relative thresholds
+  (v) the same with the OvR loss over the whole vocabulary (``ovr_candidates=None``): one fused pass, five products
   (p) the three N × V × C products of (a) alone (logits, ∂hidden, ∂W), operands in the products' dtype
-  (q) the five N × V × C products of (d) alone (loc_S, scale_S, ∂scale_U, ∂loc_U, ∂W) on the rows (d) scores (the
-      labelled 7/8), with (d)'s chunks, blocks, |W| block and accumulation (`lm_loss._product`), on random tiles:
-      q/a is the floor the design's math sets for d/a (its products alone against the reference's whole work),
-      q/p the two sides' products alone, d/q what (d) spends beyond its products
+  (q) the five N × V × C products of (v) alone (loc_S, scale_S, ∂scale_U, ∂loc_U, ∂W) on the rows (v) scores (the
+      labelled 7/8), with (v)'s chunks, blocks, |W| block and accumulation (`lm_loss._product`), on random tiles:
+      q/a is the floor the design's math sets for v/a (its products alone against the reference's whole work),
+      q/p the two sides' products alone, v/q what (v) spends beyond its products
   (l) Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (needs ``liger_kernel`` and a GPU: bench/gpu.py runs it)
 
 ``--dtype bfloat16`` stores the weight and the activations in bfloat16 (a bfloat16 model: lm_head's product in
@@ -42,7 +44,8 @@ from stats import round_ratios, spread
 
 V, C = 151936, 896
 VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss",
-            "d": "forward(labels) loss", "p": "(a)'s 3 products alone", "q": "(d)'s 5 products alone",
+            "d": "forward(labels) loss", "v": "loss over the vocabulary", "p": "(a)'s 3 products alone",
+            "q": "(v)'s 5 products alone",
             "l": "Liger fused linear CE"}
 
 
@@ -76,7 +79,7 @@ def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autoc
     from causalqwen_adapter.cauchy import cauchy_linear, fuse_noise, ovr_loss
     from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
     from causalqwen_adapter.lm_loss import _product, chunked_lm_loss, equal_chunk_size, logits_dtype
-    from causalqwen_adapter.losses import DecisionHead, chunk_tokens, chunked_ovr_loss
+    from causalqwen_adapter.losses import DecisionHead, candidate_ovr_loss, chunk_tokens, chunked_ovr_loss
 
     # In place, so that no temporary [V × C] copy raises the baseline peak.
     weight = torch.randn(V, C).mul_(0.02).requires_grad_()
@@ -154,16 +157,27 @@ def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autoc
                                         chunk_size=chunk_size or None,
                                         vocab_chunk_size=vocab_chunk_size or None)[0]  # None: ovr_loss_shape
         else:
-            config = CausalQwenConfig()
+            config = CausalQwenConfig(ovr_candidates=None) if variant == "v" else CausalQwenConfig()
             threshold = torch.full((), config.ovr_threshold_init)  # a buffer, as with learnable_threshold=False
+            k, valid = config.ovr_candidates, labels != -100
+            mm = torch.bfloat16 if autocast else None
 
-            def step():
-                return chunked_lm_loss(loc_U, scale_U, DecisionHead(weight, bias, b_noise, threshold), labels,
-                                       matmul_dtype=torch.bfloat16 if autocast else None,
-                                       softmax_weight=config.softmax_loss_weight,
-                                       ovr_trains_location=config.ovr_trains_location,
-                                       relative_threshold=config.ovr_relative_threshold, chunk_size=chunk_size or None,
-                                       vocab_chunk_size=vocab_chunk_size or None)[0]  # None: loss_shape
+            def step():  # as heads_loss: the fused pass, then (d) the candidates' term on the labelled rows
+                head = DecisionHead(weight, bias, b_noise, threshold)
+                loss, stats = chunked_lm_loss(loc_U, None if k else scale_U, head, labels, matmul_dtype=mm,
+                                              softmax_weight=config.softmax_loss_weight,
+                                              ovr_trains_location=config.ovr_trains_location,
+                                              relative_threshold=config.ovr_relative_threshold,
+                                              chunk_size=chunk_size or None,
+                                              vocab_chunk_size=vocab_chunk_size or None,  # None: loss_shape
+                                              candidates=k)
+                if k:
+                    total, _ = candidate_ovr_loss(loc_U[valid], scale_U[valid], head, labels[valid], k,
+                                                  relative_threshold=config.ovr_relative_threshold,
+                                                  trains_location=config.ovr_trains_location, matmul_dtype=mm,
+                                                  rows=stats["candidate_rows"])
+                    loss = loss + total / valid.sum()
+                return loss
 
     return step, params
 
@@ -226,7 +240,7 @@ def main():
                 print(f"N={n} run {run + 1} ({v}) {VARIANTS[v]:<26} time {r['time_s']:7.2f} s (first {r['first_s']:.2f} s, "
                       f"cpu {r['cpu_s']:.2f} s)  extra peak {r['extra_mib']:8.0f} MiB  whole-process peak "
                       f"{r['peak_mib']:8.0f} MiB", flush=True)
-        for mine, other in (("c", "a"), ("c", "b"), ("d", "a"), ("q", "p"), ("q", "a"), ("d", "q")):
+        for mine, other in (("c", "a"), ("c", "b"), ("d", "a"), ("v", "a"), ("q", "p"), ("q", "a"), ("v", "q")):
             c, o = results.get(mine, []), results.get(other, [])
             if len(c) == len(o) and c:
                 print(f"N={n} {mine}/{other}, median (min–max) over {len(c)} runs: "

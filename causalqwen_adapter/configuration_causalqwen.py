@@ -27,6 +27,10 @@ QWEN2_VOCAB_SIZE = 151936
 QWEN2_RESERVED_ROWS = 271
 # The absolute threshold where the demo base's standard-mode argmax agrees best with its own (BENCHMARKS.md).
 ABSOLUTE_THRESHOLD_INIT = 16.0
+# The initial scale of U (gamma_init) for each OvR loss: over candidates P_k is graded from the first step; over the
+# whole vocabulary the V − 1 negatives hold the scale near 0 anyway (docs/design.md, Training losses).
+CANDIDATES_GAMMA_INIT = 0.005
+VOCABULARY_LOSS_GAMMA_INIT = 1e-5
 # The numbers of the config: each must be finite in float32, the widest dtype the heads compute in (bfloat16 has the
 # same range), and at least its minimum where one is given (the bounds of `check_number`).
 AT_LEAST_0 = {"minimum": 0}
@@ -84,9 +88,11 @@ class CausalQwenConfig(PreTrainedConfig):
             `LlamaConfig`, ...; a dict without `model_type` is read as Qwen2's); `get_text_config()` returns it so that
             generation sees the decoder layout.
         causal_size (`int`, *optional*): size C of the individual U; defaults to the base hidden size H.
-        gamma_init (`float`): initial scale of U, softplus(b_scale) = gamma_init. Small (1e-5): with a scale of
-            order 1 every P_k is near ½ and Σ_k P_k is half the vocabulary (BENCHMARKS.md, "Heads that learn").
-        b_noise_init (`float`): initial value of every component of b_noise (a tenth of gamma_init).
+        gamma_init (`float`, *optional*): initial scale of U, softplus(b_scale) = gamma_init. Unset: 0.005 with the
+            OvR loss over candidates (`ovr_candidates`), where P_k is graded from the first step and the scale
+            learns; 1e-5 with the loss over the whole vocabulary, whose V − 1 negatives would pull a larger scale down
+            anyway (with a scale of order 1 every P_k is near ½ and Σ_k P_k is half the vocabulary).
+        b_noise_init (`float`): initial value of every component of b_noise.
         ovr_threshold_init (`float`, *optional*): initial OvR threshold C_k. Unset: log ½ with relative thresholds
             (a token is accepted when the compatible model gives it more than half the probability), 16 with absolute
             ones (where the demo base's standard-mode argmax agrees best with its own; the trainers calibrate it on
@@ -124,8 +130,9 @@ class CausalQwenConfig(PreTrainedConfig):
             whose polynomial Cauchy tail costs about 2 nats of NLL (docs/design.md, OvR probabilities).
         ovr_candidates (`int`, *optional*): with objective="ovr", the tokens whose binary cross-entropy the OvR loss
             sums at each position: the `ovr_candidates` tokens of largest loc_S (the compatible model's top-K) and the
-            target. Unset (None): every token of the vocabulary, the seeds' loss, whose V − 1 negatives hold the
+            target (default 16). None: every token of the vocabulary, the seeds' loss, whose V − 1 negatives hold the
             scales near 0, so that P_k is a step function of the location (docs/design.md, Training losses).
+            Adapters saved before this option existed load with None.
         distill_tail_weight (`float`): in offline distillation, the weight of the tail term Σ_{k∉K} −log(1 − P_k)
             beside the top-K MSE (0 = the top-K MSE alone, which leaves the other tokens' P_k free).
     """
@@ -139,7 +146,7 @@ class CausalQwenConfig(PreTrainedConfig):
     base_model_revision: str | None = None
     text_config: dict | PreTrainedConfig | None = None
     causal_size: int | None = None
-    gamma_init: float = 1e-5
+    gamma_init: float | None = None
     b_noise_init: float = 1e-6
     ovr_threshold_init: float | None = None
     ovr_relative_threshold: bool = True
@@ -155,7 +162,7 @@ class CausalQwenConfig(PreTrainedConfig):
     softmax_loss_weight: float = 1.0
     ovr_trains_location: bool = False
     ovr_distribution: str = "accept_once"
-    ovr_candidates: int | None = None
+    ovr_candidates: int | None = 16
     distill_tail_weight: float = 1.0
 
     def __post_init__(self, **kwargs):
@@ -168,6 +175,8 @@ class CausalQwenConfig(PreTrainedConfig):
             self.causal_size = self.text_config.hidden_size
         for name, choices in CONFIG_CHOICES.items():
             check_choice(name, getattr(self, name), choices)
+        if self.gamma_init is None:
+            self.gamma_init = VOCABULARY_LOSS_GAMMA_INIT if self.ovr_candidates is None else CANDIDATES_GAMMA_INIT
         if self.ovr_threshold_init is None:
             self.ovr_threshold_init = math.log(0.5) if self.ovr_relative_threshold else ABSOLUTE_THRESHOLD_INIT
         for name, bounds in NUMBER_FIELDS.items():
@@ -178,7 +187,7 @@ class CausalQwenConfig(PreTrainedConfig):
             check_number("ovr_candidates", self.ovr_candidates, minimum=1, integer=True)
             if self.ovr_candidates >= self.vocab_size:
                 raise ValueError(f"ovr_candidates={self.ovr_candidates} must be below the vocabulary size "
-                                 f"{self.vocab_size} (unset it to sum the OvR loss over every token)")
+                                 f"{self.vocab_size}: pass fewer, or ovr_candidates=None to sum the OvR loss over every token")
         if self.action_weight != "full" and self.causal_size != self.text_config.hidden_size:
             raise ValueError(
                 f"action_weight={self.action_weight!r} reuses the base's [vocab × hidden] output weights, so "
@@ -208,6 +217,9 @@ class CausalQwenConfig(PreTrainedConfig):
         # A saved config without the field is an adapter whose thresholds were trained against loc_S itself.
         if "ovr_relative_threshold" not in config_dict and "ovr_relative_threshold" not in kwargs:
             config_dict = {**config_dict, "ovr_relative_threshold": False}
+        # ... and one without ovr_candidates, an adapter trained with the OvR loss over the whole vocabulary.
+        if "ovr_candidates" not in config_dict and "ovr_candidates" not in kwargs:
+            config_dict = {**config_dict, "ovr_candidates": None}
         if kwargs:
             return super().from_dict(config_dict, **kwargs)
         # What the parent does without kwargs, its info line formatted only when shown: the parent builds the whole

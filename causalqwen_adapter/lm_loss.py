@@ -42,6 +42,7 @@ from .losses import (
     kernel_target_columns,
     loss_shape,
     ovr_tile,
+    saved_gradients,
     target_columns,
     zero_row_mask,
     zero_rows,
@@ -402,10 +403,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        grads = ctx.saved_tensors
-        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
-            grads = [None if g is None else g.mul_(grad_loss) for g in grads]  # in place: see _ChunkedOvRLoss
-        return (*grads, None, None, None)
+        return (*saved_gradients(ctx, grad_loss), None, None, None)
 
 
 def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool, scratch: torch.Tensor):

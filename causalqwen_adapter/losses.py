@@ -173,12 +173,17 @@ class _ChunkedOvRLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        grads = ctx.saved_tensors
-        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
-            # In place, so no second [V × C] buffer; the saved tensors' version check then makes a
-            # second backward through this graph fail loudly instead of scaling twice.
-            grads = [None if g is None else g.mul_(grad_loss) for g in grads]
-        return (*grads, *([None] * 9))
+        return (*saved_gradients(ctx, grad_loss), *([None] * 9))
+
+
+def saved_gradients(ctx, grad_loss: torch.Tensor) -> list:
+    """The backward of the losses that compute their gradients in the forward: the saved gradients times the loss's
+    incoming gradient. In place, so no second [V × C] buffer; the saved tensors' version check then makes a second
+    backward through the same graph fail loudly instead of scaling twice."""
+    grads = list(ctx.saved_tensors)
+    if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
+        grads = [None if g is None else g.mul_(grad_loss) for g in grads]
+    return grads
 
 
 def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor, chunk, vblock, dtype,
@@ -594,10 +599,7 @@ class _CandidateOvRLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        grads = ctx.saved_tensors
-        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
-            grads = [None if g is None else g.mul_(grad_loss) for g in grads]  # in place: see _ChunkedOvRLoss
-        return (*grads, None, None, None)
+        return (*saved_gradients(ctx, grad_loss), None, None, None)
 
 
 LOGITS_BUDGET_BYTES = 128 * 2**20  # one chunk's logits: 220 tokens of float32 (441 of bfloat16) at Qwen2's V = 151,936

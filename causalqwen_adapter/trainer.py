@@ -150,8 +150,8 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
 
     _tag_names = ["trl", "sft", "causalqwen"]
     _name = "CausalSFT"
-    _card_metric_names = ("target_prob", "ovr_prob_sum", "softmax_nll", "units_mean_loc", "units_mean_scale",
-                          "numeric_nll")
+    _card_metric_names = ("target_prob", "ovr_prob_sum", "candidate_prob_sum", "softmax_nll", "units_mean_loc",
+                          "units_mean_scale", "numeric_nll")
     _raw_metric_names = ("num_input_tokens",)  # summed into TRL's running `num_tokens`, not averaged
     # `None`: the Trainer counts the loss as already scaled for gradient accumulation exactly when it received
     # `num_items_in_batch` (it divides by the accumulation steps otherwise), which is what `compute_loss` does.

@@ -38,6 +38,7 @@ from .configuration_causalqwen import (
     CONFIG_CHOICES,
     INTEGER_FIELDS,
     NUMBER_FIELDS,
+    VOCABULARY_LOSS_GAMMA_INIT,
     CausalQwenConfig,
     check_choice,
     check_number,
@@ -95,7 +96,8 @@ class CausalHeadArguments:
     ovr_trains_location: bool | None = config_argument("ovr_trains_location", "Applies to adapters too.")
     softmax_loss_weight: float | None = config_argument("softmax_loss_weight", "Applies to adapters too.")
     ovr_distribution: str | None = config_argument("ovr_distribution", "Applies to adapters too.")
-    ovr_candidates: int | None = config_argument("ovr_candidates", "Applies to adapters too.")
+    ovr_candidates: int | None = config_argument("ovr_candidates", "0: every token of the vocabulary. Applies to "
+                                                 "adapters too.")
     location_lr_ratio: float = field(
         default=1.0,
         metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A, b_A: what ranks the tokens) as "
@@ -117,7 +119,8 @@ class CausalHeadArguments:
                 check_number(name, getattr(self, name), **bounds)
         for name in (*INTEGER_FIELDS, "num_token_id", "ovr_candidates"):
             if getattr(self, name, None) is not None:
-                check_number(name, getattr(self, name), minimum=0 if name == "num_token_id" else 1, integer=True)
+                minimum = 0 if name in ("num_token_id", "ovr_candidates") else 1
+                check_number(name, getattr(self, name), minimum=minimum, integer=True)
         for name, choices in CONFIG_CHOICES.items():
             if getattr(self, name, None) is not None:
                 check_choice(name, getattr(self, name), choices)
@@ -415,12 +418,22 @@ def check_resumable(checkpoint: Path) -> None:
                      f"run stopped while saving leaves it so), so training cannot resume from it; {what}")
 
 
-def head_options(args: CausalHeadArguments) -> dict:
+def head_options(args: CausalHeadArguments, loss: str = "sft") -> dict:
     """The config fields the arguments set for fresh heads (None leaves the config's default; the learning-rate
-    ratios are the optimizer's, not the config's)."""
+    ratios are the optimizer's, not the config's). Distillation's tail term sums over the whole vocabulary: its fresh
+    heads start from that loss's scale (`gamma_init` 1e-5) unless the arguments set one."""
     config_fields = CausalQwenForCausalLM.config_class.__dataclass_fields__
-    return {f.name: getattr(args, f.name) for f in fields(CausalHeadArguments)
-            if f.name in config_fields and getattr(args, f.name) is not None}
+    options = {f.name: config_value(f.name, getattr(args, f.name)) for f in fields(CausalHeadArguments)
+               if f.name in config_fields and getattr(args, f.name) is not None}
+    if loss == "distill":
+        options.setdefault("gamma_init", VOCABULARY_LOSS_GAMMA_INIT)
+    return options
+
+
+def config_value(name: str, value):
+    """An argument's value as the config field takes it: `ovr_candidates` 0 (a command line has no None) is the
+    config's None, the OvR loss over the whole vocabulary."""
+    return None if name == "ovr_candidates" and value == 0 else value
 
 
 def prepare_causal_model(model, args, loss: str = "sft") -> tuple[CausalQwenForCausalLM, bool]:
@@ -430,9 +443,9 @@ def prepare_causal_model(model, args, loss: str = "sft") -> tuple[CausalQwenForC
     distillation loss), as the config sets it, can never reach are frozen (`freeze_unreachable_parameters`)."""
     fresh = False
     if isinstance(model, (str, os.PathLike)):
-        model, fresh = _load_model(str(model), args)
+        model, fresh = _load_model(str(model), args, loss)
     elif isinstance(model, PreTrainedModel) and not isinstance(model, CausalQwenForCausalLM):
-        model, fresh = CausalQwenForCausalLM.from_base(model, **head_options(args)), True  # checks the base
+        model, fresh = CausalQwenForCausalLM.from_base(model, **head_options(args, loss)), True  # checks the base
     elif not isinstance(model, CausalQwenForCausalLM):
         raise TypeError(
             f"model must be a CausalQwenForCausalLM, a base causal LM (*ForCausalLM), or a path/Hub id of either, got "
@@ -458,8 +471,8 @@ def prepare_causal_model(model, args, loss: str = "sft") -> tuple[CausalQwenForC
     for name in ("objective", "softmax_loss_weight", "ovr_trains_location", "ovr_distribution", "ovr_candidates",
                  "distill_tail_weight"):
         value = getattr(args, name, None)  # distill_tail_weight is the distillation config's only
-        if value is not None and value != getattr(model.config, name):
-            setattr(model.config, name, value)
+        if value is not None and config_value(name, value) != getattr(model.config, name):
+            setattr(model.config, name, config_value(name, value))
             changed = True
     if changed:
         model.config.__post_init__()  # validates the new values
@@ -580,7 +593,7 @@ def calibrate_threshold_on_features(model: CausalQwenForCausalLM, z: torch.Tenso
     return threshold
 
 
-def _load_model(name: str, args) -> CausalQwenForCausalLM:
+def _load_model(name: str, args, loss: str = "sft") -> CausalQwenForCausalLM:
     """An adapter (model_type causalqwen) loads with its heads; a base gets fresh heads from the config."""
     kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
     kwargs.pop("trust_remote_code", None)  # the package's own code is used, not the folder's copy
@@ -593,7 +606,7 @@ def _load_model(name: str, args) -> CausalQwenForCausalLM:
     model_type = config.get("model_type")
     if model_type == CausalQwenForCausalLM.config_class.model_type:
         return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs), False
-    heads = head_options(args)
+    heads = head_options(args, loss)
     check_supported_base(AutoConfig.from_pretrained(name, revision=revision), name)  # before loading any weights
     base = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
     return CausalQwenForCausalLM.from_base(base, revision=revision, **heads), True

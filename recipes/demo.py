@@ -141,11 +141,13 @@ def train_heads(base: str, tokenizer, steps: int, out: Path) -> Path:
     )
     trainer = CausalSFTTrainer(base, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
-    print("step  loss     P_y     ΣP")
+    # ΣP: over the candidates the loss scores (ovr_candidates), or over the vocabulary
+    print("step  loss     P_y     ΣP  scale_U")
     for log in trainer.state.log_history:
         if "loss" in log:
+            prob_sum = log.get("candidate_prob_sum", log.get("ovr_prob_sum", float("nan")))
             print(f"{log['step']:>4}  {log['loss']:7.3f}  {log.get('target_prob', float('nan')):.3f}  "
-                  f"{log.get('ovr_prob_sum', float('nan')):8.2f}")
+                  f"{prob_sum:8.2f}  {log.get('units_mean_scale', float('nan')):.3g}")
     trainer.save_model(str(out))
     return out
 

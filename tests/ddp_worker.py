@@ -25,6 +25,7 @@ from conftest import PAIRS
 # reach it too.
 CONFIGURATIONS = {
     "ovr": dict(learnable_threshold=True),
+    "ovr_vocabulary": dict(learnable_threshold=True, ovr_candidates=0),  # the OvR loss over every token
     "softmax": dict(objective="softmax", learnable_threshold=True),
     "softmax_loss_weight=0": dict(softmax_loss_weight=0.0),
     "numeric": dict(numeric=True),

@@ -192,7 +192,7 @@ def test_config_refuses_bad_values():
     with pytest.raises(ValueError, match="below the vocabulary size"):
         CausalQwenConfig(text_config=text_config, ovr_candidates=text_config.vocab_size)
     with pytest.raises(ValueError, match="ovr_candidates"):
-        CausalHeadArguments(ovr_candidates=0)
+        CausalHeadArguments(ovr_candidates=-1)
 
 
 def test_model_loss_is_the_cross_entropy_plus_the_candidate_term(tiny_base):
@@ -229,3 +229,15 @@ def test_without_the_cross_entropy_only_the_candidate_term_trains(tiny_base):
     assert torch.isfinite(out.loss) and out.loss > 0
     assert model.abduction.scale.bias.grad.abs().sum() > 0
     assert model.action.weight.grad is None or not model.action.weight.grad.abs().sum()
+
+
+def test_defaults_and_adapters_saved_before_the_option():
+    """Fresh heads score 16 candidates from γ₀ = 0.005; without candidates γ₀ is the vocabulary loss's 1e-5; a saved
+    config without the field is an adapter trained with the loss over the whole vocabulary, and loads so."""
+    config = CausalQwenConfig(text_config=tiny_qwen2_config())
+    assert (config.ovr_candidates, config.gamma_init) == (16, 0.005)
+    assert CausalQwenConfig(text_config=tiny_qwen2_config(), ovr_candidates=None).gamma_init == 1e-5
+    saved = config.to_dict()
+    del saved["ovr_candidates"]
+    assert CausalQwenConfig.from_dict(saved).ovr_candidates is None
+    assert CausalQwenConfig.from_dict(config.to_dict()).ovr_candidates == 16

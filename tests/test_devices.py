@@ -72,15 +72,21 @@ def _naive_training_loss(model, params: dict, input_ids, labels):
     x = (loc_o - threshold) / (scale_U @ W.abs().T)
     log_P = torch.log(torch.atan2(torch.ones_like(x), -x) / math.pi)
     log_not_P = torch.log(torch.atan2(torch.ones_like(x), x) / math.pi)
-    ovr = -log_not_P.sum(-1) - log_P.gather(1, y[:, None]).squeeze(1) + log_not_P.gather(1, y[:, None]).squeeze(1)
+    if config.ovr_candidates is None:  # every token of the vocabulary
+        ovr = -log_not_P.sum(-1) - log_P.gather(1, y[:, None]).squeeze(1) + log_not_P.gather(1, y[:, None]).squeeze(1)
+    else:  # the top-k of loc_S and the target, each once
+        member = torch.zeros_like(x, dtype=torch.bool).scatter_(1, loc_S.detach().topk(config.ovr_candidates).indices, True)
+        is_target = F.one_hot(y, x.shape[1]).bool()
+        ovr = (torch.where(is_target, -log_P, -log_not_P) * (member | is_target)).sum(-1)
     return loss + ovr.mean()
 
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"ovr_trains_location": True, "ovr_relative_threshold": False, "ovr_threshold_init": 0.0,
-          "learnable_threshold": True, "softmax_loss_weight": 0.5}],
-    ids=["default", "trains-location-absolute-learnable"],
+    [{}, {"ovr_candidates": None}] + [
+        {"ovr_trains_location": True, "ovr_relative_threshold": False, "ovr_threshold_init": 0.0,
+         "learnable_threshold": True, "softmax_loss_weight": 0.5, "ovr_candidates": k} for k in (5, None)],
+    ids=["default", "vocabulary", "trains-location-absolute-learnable", "vocabulary-trains-location-absolute-learnable"],
 )
 def test_training_loss_and_gradients_match_float64(tied_base, input_ids, device, options):
     model = _away_from_init(CausalQwenForCausalLM.from_base(tied_base, gamma_init=0.5, **options)).to(device)

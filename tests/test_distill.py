@@ -236,7 +236,7 @@ def test_one_sgd_step_matches_the_hand_computed_update(tiny_teacher, features, t
     model = trainer.model
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # The reference: the same heads, the whole store as one batch, autograd through the naive loss.
-    ref = CausalQwenForCausalLM.from_base(str(folder))
+    ref = CausalQwenForCausalLM.from_base(str(folder), gamma_init=model.config.gamma_init)
     rows = load_features(features)[:]
     loc_U, scale_U = ref.abduction(rows["hidden_state"])
     params = dict(ref.named_parameters())
@@ -330,7 +330,7 @@ def test_features_of_another_base_are_refused(features, tmp_path):
         CausalDistillTrainer(str(wide), args=_args(tmp_path / "out"), train_dataset=str(features))
     small = save_tiny_qwen2(tmp_path / "small", vocab_size=16)
     with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 16\)"):
-        CausalDistillTrainer(str(small), args=_args(tmp_path / "out"), train_dataset=str(features))
+        CausalDistillTrainer(str(small), args=_args(tmp_path / "out", ovr_candidates=4), train_dataset=str(features))
     with pytest.raises(ValueError, match=r"lacks the feature columns \['hidden_state', 'topk_ids', 'topk_probs'\]"):
         CausalDistillTrainer(str(wide), args=_args(tmp_path / "out"), train_dataset=Dataset.from_dict({"text": ["a"]}))
     with pytest.raises(ValueError, match="remove_unused_columns=True would drop the feature columns"):
@@ -385,3 +385,15 @@ def test_recipes_extract_then_distill(sft_base, tmp_path):
     model = CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
     assert model.config.action_weight == "tied"
     assert model.config.base_model_name_or_path == str(sft_base)
+
+
+def test_fresh_heads_start_from_the_vocabulary_losss_scale(tiny_teacher, features, tmp_path):
+    """The tail term sums over every token: fresh heads for distillation start at γ₀ = 1e-5 (the SFT default over
+    candidates is 0.005) unless the arguments set one."""
+    folder, _ = tiny_teacher
+    trainer = CausalDistillTrainer(str(folder), args=_args(tmp_path / "a"), train_dataset=str(features))
+    assert trainer.model.config.gamma_init == 1e-5
+    softplus = torch.nn.functional.softplus(trainer.model.abduction.scale.bias.detach())
+    torch.testing.assert_close(softplus, torch.full_like(softplus, 1e-5))
+    trainer = CausalDistillTrainer(str(folder), args=_args(tmp_path / "b", gamma_init=0.01), train_dataset=str(features))
+    assert trainer.model.config.gamma_init == 0.01

@@ -69,7 +69,9 @@ def test_cached_loss_is_the_recipes_loss(base, heads):
 
 @pytest.mark.parametrize("heads", [{}, {"ovr_trains_location": True}, {"ovr_relative_threshold": False, "ovr_threshold_init": 0.5}])
 def test_link_loss_with_the_cauchy_link_is_the_packages(base, heads):
-    """The bench's OvR loss on [N, V] tensors, Cauchy link: the package's heads_loss, value and every gradient."""
+    """The bench's OvR loss on [N, V] tensors, Cauchy link: the package's heads_loss over the vocabulary, value and
+    every gradient."""
+    heads = {**heads, "ovr_candidates": None}
     reference = _moved(CausalQwenForCausalLM.from_base(base, **heads))
     written = _moved(CausalQwenForCausalLM.from_base(base, **heads))
     z = torch.randn(6, base.config.hidden_size, generator=torch.Generator().manual_seed(1))

@@ -51,14 +51,15 @@ def test_launch_configurations_keep_what_the_heads_need():
 
 # (how the model is sharded, head options): accelerate's own FSDP2 wrap (layers, the input embedding as a unit of its
 # own, the root with the heads) with each action weight on a tied base, whose `tied` and `lora` W_A is the sharded
-# embedding; and each head module a unit of its own, learnable thresholds included.
+# embedding; and each head module a unit of its own, learnable thresholds included. The OvR loss is over candidates
+# (the default) but in the vocabulary case.
 # The shipped config loads the base on rank 0 (cpu_ram_efficient_loading); the last case has every rank read it.
 FSDP2_CASES = {
     "accelerate-full": ("accelerate", {}, {}),
     "accelerate-tied": ("accelerate", {"action_weight": "tied"}, {}),
     "accelerate-lora": ("accelerate", {"action_weight": "lora", "action_lora_rank": 4}, {}),
     "heads-as-units": ("heads", {"learnable_threshold": True}, {}),
-    "heads-as-units-candidates": ("heads", {"ovr_candidates": 8, "gamma_init": 0.05}, {}),
+    "heads-as-units-vocabulary": ("heads", {"ovr_candidates": None}, {}),  # the OvR loss over every token
     "every-rank-loads": ("accelerate", {"causal_size": 24}, {"FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}),
 }
 

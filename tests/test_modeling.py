@@ -209,7 +209,8 @@ def test_zero_vocabulary_row_gives_a_finite_score(tied_base, input_ids):
 def test_loss_matches_float64_bce_reference(tied_base, input_ids, relative, threshold):
     # the OvR loss alone (no auxiliary cross-entropy); relative thresholds compare with log softmax(loc_S)
     model = CausalQwenForCausalLM.from_base(tied_base, ovr_threshold_init=threshold, softmax_loss_weight=0.0,
-                                            ovr_trains_location=True, ovr_relative_threshold=relative)
+                                            ovr_trains_location=True, ovr_relative_threshold=relative,
+                                            ovr_candidates=None)
     with torch.no_grad():
         model.action.weight[0].normal_(std=0.05)  # no degenerate row: the reference divides by scale_S
     labels = input_ids.clone()

@@ -106,6 +106,7 @@ def test_regression_head_is_the_cauchy_law_of_the_fused_individual(model, mode):
 def test_loss_is_ovr_plus_lambda_times_the_nll_of_num_targets(numeric_base, model):
     model.config.numeric_loss_weight = 0.5
     model.config.softmax_loss_weight = 0.0  # the OvR loss alone beside the NLL (the CE term has its own test)
+    model.config.ovr_candidates = None  # over the vocabulary, as the reference writes it
     labels = IDS.clone()
     labels[0, 1] = -100  # a masked <NUM> target does not count
     loss = model(IDS, numeric_values=VALUES, labels=labels).loss

@@ -157,10 +157,11 @@ def test_gradient_accumulation_matches_one_big_batch(sft_base, tmp_path, micro_b
 def test_logs_ovr_metrics_in_training_and_evaluation(sft_base, tmp_path):
     trainer = CausalSFTTrainer(
         str(sft_base), args=_args(tmp_path, max_steps=2, learning_rate=0.0, gamma_init=4.0, ovr_threshold_init=0.0,
-                                  ovr_relative_threshold=False),
+                                  ovr_relative_threshold=False, ovr_candidates=0),
         train_dataset=_prompt_completion(), eval_dataset=_prompt_completion(3),
     )
     trainer.train()
+    assert trainer.model.config.ovr_candidates is None  # 0: the loss over the whole vocabulary
     first = trainer.state.log_history[0]
     for key in ("loss", "target_prob", "ovr_prob_sum", "units_mean_loc", "units_mean_scale", "num_tokens"):
         assert key in first, key
@@ -171,6 +172,15 @@ def test_logs_ovr_metrics_in_training_and_evaluation(sft_base, tmp_path):
     metrics = trainer.evaluate()
     assert {"eval_loss", "eval_target_prob", "eval_ovr_prob_sum", "eval_units_mean_loc"} <= set(metrics)
     assert metrics["eval_units_mean_scale"] == pytest.approx(4.0, rel=1e-5)
+    # the default loss, over 16 candidates and the target: Σ P over the 16 or 17 tokens it scores, each near ½
+    trainer = CausalSFTTrainer(
+        str(sft_base), args=_args(tmp_path / "candidates", max_steps=1, learning_rate=0.0, gamma_init=4.0,
+                                  ovr_threshold_init=0.0, ovr_relative_threshold=False),
+        train_dataset=_prompt_completion(),
+    )
+    trainer.train()
+    first = trainer.state.log_history[0]
+    assert "ovr_prob_sum" not in first and 16 * 0.4 < first["candidate_prob_sum"] < 17 * 0.6
 
 
 # --------------------------------------------------------------------------------------- checkpoints
@@ -505,7 +515,9 @@ def test_an_adapter_keeps_its_loss_and_distribution_options_unless_asked(sft_bas
     args = _args(tmp_path / "b", objective="ovr", ovr_distribution="accept", ovr_candidates=8)
     changed = CausalSFTTrainer(str(adapter), args=args, train_dataset=_prompt_completion()).model.config
     assert (changed.objective, changed.ovr_distribution, changed.ovr_candidates) == ("ovr", "accept", 8)
-    assert kept.ovr_candidates is None
+    assert kept.ovr_candidates == 16
+    args = _args(tmp_path / "b0", objective="ovr", ovr_candidates=0)  # 0: the loss over the whole vocabulary
+    assert CausalSFTTrainer(str(adapter), args=args, train_dataset=_prompt_completion()).model.config.ovr_candidates is None
     with pytest.raises(ValueError, match="ovr_distribution='sample': choose one of accept, accept_once, normalize"):
         CausalSFTTrainer(str(adapter), args=_args(tmp_path / "c", ovr_distribution="sample"),
                          train_dataset=_prompt_completion())

@@ -21,8 +21,8 @@ WORKER = Path(__file__).resolve().parent / "zero3_worker.py"
 
 
 @pytest.mark.parametrize("options", [{}, {"action_weight": "tied"}, {"action_weight": "lora", "action_lora_rank": 4},
-                                     {"learnable_threshold": True}, {"ovr_candidates": 8, "gamma_init": 0.05}],
-                         ids=["full", "tied", "lora", "thresholds", "candidates"])
+                                     {"learnable_threshold": True}, {"ovr_candidates": None}],
+                         ids=["full", "tied", "lora", "thresholds", "vocabulary"])
 def test_zero3_step_matches_one_process(tied_base, tmp_path, options):
     batch = torch.randint(1, TINY_VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
     torch.save(batch, tmp_path / "batch.pt")
