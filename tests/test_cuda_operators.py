@@ -23,6 +23,8 @@ from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa
 from causalqwen_adapter.lm_loss import chunked_lm_loss  # noqa: E402
 from causalqwen_adapter.losses import (  # noqa: E402
     DecisionHead,
+    candidate_chunk_tokens,
+    candidate_ovr_loss,
     candidate_rows,
     chunk_tokens,
     loss_shape,
@@ -130,10 +132,12 @@ class LaunchCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_launches_per_chunk_are_few_and_do_not_grow_with_the_vocabulary(triton_operators, monkeypatch):
+@pytest.mark.parametrize("loss", ["candidates pass", "candidates", "vocabulary"])
+def test_launches_per_chunk_are_few_and_do_not_grow_with_the_vocabulary(triton_operators, monkeypatch, loss):
     """The loss's launches per token chunk, counted as the torch operators dispatched plus up to three per Triton
     call (a kernel, its partial sums), at two chunk counts: the difference is per chunk, and it is the same at two
-    vocabulary sizes (no loop over the vocabulary)."""
+    vocabulary sizes (no loop over the vocabulary). The default loss is the cross-entropy's pass, which finds the
+    candidates, then the candidates' term in chunks of its own (`candidate_chunk_tokens`)."""
     for name in ("loss_tile_triton", "block_logsumexp_triton", "abs_linear_triton", "abs_matmul_triton"):
         counted = getattr(kt, name)
 
@@ -148,13 +152,25 @@ def test_launches_per_chunk_are_few_and_do_not_grow_with_the_vocabulary(triton_o
         labels.clamp_(min=0)
         head = DecisionHead(*(tensors[k] for k in ("weight", "bias", "b_noise", "threshold")))
         triton_operators.update(dict.fromkeys(triton_operators, 0))
+        if loss == "candidates":
+            _, stats = chunked_lm_loss(tensors["loc_U"].detach(), None, head, labels, candidates=16)
         with LaunchCount() as mode:
-            chunked_lm_loss(tensors["loc_U"], tensors["scale_U"], head, labels, chunk_size=48 // chunks,
-                            vocab_chunk_size=vocab)
+            if loss == "vocabulary":
+                chunked_lm_loss(tensors["loc_U"], tensors["scale_U"], head, labels, chunk_size=48 // chunks,
+                                vocab_chunk_size=vocab)
+            elif loss == "candidates pass":
+                chunked_lm_loss(tensors["loc_U"], None, head, labels, chunk_size=48 // chunks,
+                                vocab_chunk_size=vocab, candidates=16)
+            else:
+                candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, 16,
+                                   rows=stats["candidate_rows"], chunk_size=48 // chunks)
         return mode.count + 3 * sum(triton_operators.values())
 
     per_chunk = [(launches(vocab, 6) - launches(vocab, 2)) / 4 for vocab in (37, 150)]
-    assert per_chunk[0] == per_chunk[1] <= 50
+    # the candidates' term runs its chunk's autograd (about 120 launches), in chunks of thousands of tokens there
+    assert per_chunk[0] == per_chunk[1] <= (130 if loss == "candidates" else 50)
+    if loss == "candidates":
+        assert candidate_chunk_tokens(16, 896, "cuda") >= 4096 > candidate_chunk_tokens(16, 896, "cpu")
 
 
 def test_distillation_loss_tiles_run_on_the_gpu_operator(triton_operators):
