@@ -6,7 +6,8 @@ save the adapter, reload it the way any user would (`AutoModelForCausalLM` with
 every inference mode beside the base model. Then train the heads with `CausalSFTTrainer` and the
 package's default recipe on text no one here wrote and that ships on every machine (docstrings of
 Python's standard library), evaluate the base, the fresh and the trained heads on docstrings of
-modules the training never saw, and generate with the trained adapter beside the base.
+modules the training never saw, and generate with the trained adapter beside the base. Models run in bf16, or in
+float32 on a CPU without bfloat16 instructions.
 
     python recipes/demo.py --base build/demo-base --out build/demo-adapter
 """
@@ -58,10 +59,11 @@ def main() -> None:
     section("attach causal heads")
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     tokenizer.padding_side = "left"
-    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).to(device).eval()
+    dtype = model_dtype(device)
+    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=dtype).to(device).eval()
     model = CausalQwenForCausalLM.from_base(base).eval()  # the heads on the base's device
     n_heads = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"base: {args.base} ({sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, bf16)")
+    print(f"base: {args.base} ({sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, {dtype})")
     print(f"causal heads: {n_heads / 1e6:.1f}M trainable parameters; backbone frozen")
 
     section("verify initialization: loc_S against the base logits")
@@ -76,7 +78,7 @@ def main() -> None:
 
     section("reload with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)")
     start = time.perf_counter()
-    reloaded = AutoModelForCausalLM.from_pretrained(args.out, trust_remote_code=True, dtype=torch.bfloat16).to(device)
+    reloaded = AutoModelForCausalLM.from_pretrained(args.out, trust_remote_code=True, dtype=dtype).to(device)
     print(f"loaded {type(reloaded).__module__}.{type(reloaded).__name__} in {time.perf_counter() - start:.1f}s")
     with torch.no_grad():
         a = model(**batch, inference_mode="standard")
@@ -98,12 +100,24 @@ def main() -> None:
     if args.train_steps > 0:
         section(f"train the heads: CausalSFTTrainer, {args.train_steps} steps on standard-library docstrings")
         trained_dir = train_heads(args.base, tokenizer, args.train_steps, Path(args.out).with_name("demo-trained"))
-        trained = AutoModelForCausalLM.from_pretrained(trained_dir, trust_remote_code=True, dtype=torch.bfloat16)
+        trained = AutoModelForCausalLM.from_pretrained(trained_dir, trust_remote_code=True, dtype=dtype)
         trained = trained.to(device)
         section("held-out docstrings: the base, the fresh heads and the trained heads (causalqwen_adapter.evaluation)")
         print(held_out_table({"base": base, "fresh heads": reloaded, "trained heads": trained}, tokenizer))
         section("generate with the trained adapter beside the base")
         generate_in_every_mode(trained, base, tokenizer, fresh=False)
+
+
+def model_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16, but float32 on a CPU without bfloat16 instructions (x86 flags avx512_bf16 / amx_bf16), where
+    bfloat16 products run several times slower than float32 ones."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
 def stdlib_docstrings(limit: int = 2000) -> list[str]:
