@@ -495,8 +495,9 @@ def candidate_ovr_loss(
     nll = None
     if rows is None:
         rows, nll = candidate_rows(loc_U.detach(), head, targets, k, matmul_dtype=matmul_dtype)
-    if rows.ids.shape != (len(targets), k + 1):
-        raise ValueError(f"candidate rows of shape {tuple(rows.ids.shape)} for {len(targets)} positions and k = {k}")
+    if rows.ids.shape != (len(targets), k + 1) or not torch.equal(rows.ids[:, -1], targets):
+        raise ValueError(f"candidate rows of shape {tuple(rows.ids.shape)} for {len(targets)} positions and k = {k}: "
+                         "pass the rows found for these positions and targets (their last column is the target)")
     options = (relative_threshold, trains_location, temperature,
                chunk_size or candidate_chunk_tokens(k, loc_U.shape[1], loc_U.device))
     loss, target_prob, prob_sum = _CandidateOvRLoss.apply(loc_U, scale_U, *head, rows, options,

@@ -139,6 +139,8 @@ def test_candidate_rows_of_another_shape_are_refused():
     rows, _ = candidate_rows(tensors["loc_U"].detach(), head, targets, 3)
     with pytest.raises(ValueError, match="candidate rows of shape"):
         candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, targets, 4, rows=rows)
+    with pytest.raises(ValueError, match="their last column is the target"):  # rows of other targets
+        candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, targets.roll(1), 3, rows=rows)
 
 
 def test_location_path_gets_no_gradient_by_default():
