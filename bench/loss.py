@@ -78,8 +78,8 @@ def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autoc
 
     from causalqwen_adapter.cauchy import cauchy_linear, fuse_noise, ovr_loss
     from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
-    from causalqwen_adapter.lm_loss import _product, chunked_lm_loss, equal_chunk_size, logits_dtype
-    from causalqwen_adapter.losses import DecisionHead, candidate_ovr_loss, chunk_tokens, chunked_ovr_loss
+    from causalqwen_adapter.lm_loss import _product, equal_chunk_size, logits_dtype, training_loss
+    from causalqwen_adapter.losses import DecisionHead, chunk_tokens, chunked_ovr_loss
 
     # In place, so that no temporary [V × C] copy raises the baseline peak.
     weight = torch.randn(V, C).mul_(0.02).requires_grad_()
@@ -159,25 +159,13 @@ def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autoc
         else:
             config = CausalQwenConfig(ovr_candidates=None) if variant == "v" else CausalQwenConfig()
             threshold = torch.full((), config.ovr_threshold_init)  # a buffer, as with learnable_threshold=False
-            k, valid = config.ovr_candidates, labels != -100
-            mm = torch.bfloat16 if autocast else None
+            valid = labels != -100
 
-            def step():  # as heads_loss: the fused pass, then (d) the candidates' term on the labelled rows
-                head = DecisionHead(weight, bias, b_noise, threshold)
-                loss, stats = chunked_lm_loss(loc_U, None if k else scale_U, head, labels, matmul_dtype=mm,
-                                              softmax_weight=config.softmax_loss_weight,
-                                              ovr_trains_location=config.ovr_trains_location,
-                                              relative_threshold=config.ovr_relative_threshold,
-                                              chunk_size=chunk_size or None,
-                                              vocab_chunk_size=vocab_chunk_size or None,  # None: loss_shape
-                                              candidates=k)
-                if k:
-                    total, _ = candidate_ovr_loss(loc_U[valid], scale_U[valid], head, labels[valid], k,
-                                                  relative_threshold=config.ovr_relative_threshold,
-                                                  trains_location=config.ovr_trains_location, matmul_dtype=mm,
-                                                  rows=stats["candidate_rows"])
-                    loss = loss + total / valid.sum()
-                return loss
+            def step():  # heads_loss's: the labelled positions, then the model's training loss
+                return training_loss(loc_U[valid], scale_U[valid], DecisionHead(weight, bias, b_noise, threshold),
+                                     labels[valid], config, chunk_size=chunk_size or None,
+                                     vocab_chunk_size=vocab_chunk_size or None,  # None: loss_shape
+                                     matmul_dtype=torch.bfloat16 if autocast else None)[0]
 
     return step, params
 

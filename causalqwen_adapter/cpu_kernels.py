@@ -95,7 +95,8 @@ def build() -> Path:
         return library
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU (/proc/cpuinfo); empty where unknown."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -121,7 +122,7 @@ def _try_load() -> frozenset:
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         logger.info("Not x86-64 Linux: the CPU kernels are not built and the torch code runs")
         return frozenset()
-    if not {"avx512f", "avx512bw"} <= _cpu_flags():
+    if not {"avx512f", "avx512bw"} <= cpu_flags():
         logger.info("This CPU has no AVX-512: the CPU kernels are not built and the torch code runs")
         return frozenset()
     compiler = shutil.which(os.environ.get("CXX") or "c++")

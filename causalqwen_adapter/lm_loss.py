@@ -37,6 +37,7 @@ from .dispatch import (
 )
 from .losses import (
     DecisionHead,
+    candidate_ovr_loss,
     candidate_set,
     check_head_inputs,
     kernel_target_columns,
@@ -106,6 +107,35 @@ def chunked_lm_loss(
     if candidates is not None:
         labels = labels.reshape(-1)
         stats["candidate_rows"] = candidate_set(top, labels[labels != ignore_index], lse)
+    return loss, stats
+
+
+def training_loss(loc_U, scale_U, head: DecisionHead, targets: torch.Tensor, config, *, num_items_in_batch=None,
+                  chunk_size: int | None = None, vocab_chunk_size: int | None = None,
+                  matmul_dtype: torch.dtype | None = None):
+    """The loss of ``forward(labels=...)`` after the abduction network, as ``config`` (a `CausalQwenConfig`) sets it,
+    on positions that all have a target: the cross-entropy of loc_S and the OvR loss over the vocabulary in one
+    `chunked_lm_loss` pass (the softmax objective: the same pass without the OvR term), or, with ``ovr_candidates``,
+    the pass finding each position's candidates and `losses.candidate_ovr_loss` over them. Returns (loss, stats)."""
+    ovr = config.objective == "ovr"
+    candidates = config.ovr_candidates if ovr else None
+    denom = max(len(targets), 1) if num_items_in_batch is None else num_items_in_batch
+    loss, stats = torch.zeros((), device=loc_U.device), {}
+    if candidates is None or config.softmax_loss_weight > 0:
+        loss, stats = chunked_lm_loss(
+            loc_U, scale_U if ovr and candidates is None else None, head, targets,
+            softmax_weight=config.softmax_loss_weight if ovr else 1.0, ovr_trains_location=config.ovr_trains_location,
+            relative_threshold=config.ovr_relative_threshold, num_items_in_batch=denom, chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size, matmul_dtype=matmul_dtype, candidates=candidates,
+        )
+    if candidates is not None:
+        total, candidate_stats = candidate_ovr_loss(
+            loc_U, scale_U, head, targets, candidates, relative_threshold=config.ovr_relative_threshold,
+            trains_location=config.ovr_trains_location, matmul_dtype=matmul_dtype,
+            rows=stats.pop("candidate_rows", None),
+        )
+        loss = loss + total / denom
+        stats = {**candidate_stats, **stats}  # the fused pass's softmax_nll where it ran
     return loss, stats
 
 
@@ -192,7 +222,11 @@ class _ChunkedLMLoss(torch.autograd.Function):
         torch_tile = chunk * vblock if tile_kernel is None else 0
         c_tile = chunk * vblock if tile_kernel is not None and mm_dtype == dtype else 0
         d_buf, s_buf, a_buf = (torch.empty(torch_tile or c_tile, dtype=dtype, device=dev) for _ in range(3))
-        t_buf, u_buf, x_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(3))
+        t_buf, u_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(2))
+        # x_buf: a block's float32 loc_S read from narrower stored products (`scores`), for the torch tiles and for
+        # the candidates' top-k
+        x_low = chunk * vblock if candidates and logits_dtype(mm_dtype, dtype) != dtype else 0
+        x_buf = torch.empty(torch_tile or x_low, dtype=dtype, device=dev)
         abs_buf = torch.empty(vblock if ovr and abs_add is None else 0, width, dtype=mm_dtype, device=dev)
         # Every tile-sized tensor of the loop lives in a buffer allocated once: a fresh multi-MiB tensor per block
         # costs its page faults each time, more than the elementwise work on it. With narrower products, their
@@ -324,8 +358,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     lse_kernel(stored, None if bias_f is None else bias_f[v0:v1], stored.dtype == dtype,
                                block_lse[:, i], tile_threads)
                     if candidates:
-                        x = stored if stored.dtype == dtype or bias is None else stored.to(dtype).add_(bias_f[v0:v1])
-                        block_top.append(x.topk(min(candidates, v1 - v0), 1))
+                        block_top.append(scores(stored, v0, v1).topk(min(candidates, v1 - v0), 1))
                     continue
                 if bias is not None and stored.dtype == dtype:
                     stored.add_(bias[v0:v1])

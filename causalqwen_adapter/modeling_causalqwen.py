@@ -41,8 +41,8 @@ from .heads import (
     check_numeric_values,
     fused_decode_applies,
 )
-from .lm_loss import chunked_lm_loss
-from .losses import DecisionHead, candidate_ovr_loss, log_partition, topk_mse_loss
+from .lm_loss import training_loss
+from .losses import DecisionHead, log_partition, topk_mse_loss
 
 logger = logging.get_logger(__name__)
 
@@ -441,30 +441,9 @@ class CausalQwenForCausalLM(CausalGenerationMixin, CausalQwenModel, GenerationMi
             }
 
             def loss_of(head: DecisionHead, b_noise, loc_U, scale_U):
-                # The cross-entropy of loc_S and the OvR loss in one chunked pass over W_A (lm_loss.py); the softmax
-                # objective is the same pass without the OvR term. An OvR loss over candidates is a term of its own
-                # (losses.candidate_ovr_loss: k + 1 rows of W_A per position) whose candidates the cross-entropy's
-                # pass finds from its own logits.
-                ovr = config.objective == "ovr"
-                candidates = config.ovr_candidates if ovr else None
-                loss, stats = torch.zeros((), device=z.device), {}
-                if candidates is None or config.softmax_loss_weight > 0:
-                    loss, stats = chunked_lm_loss(
-                        loc_U, scale_U if ovr and candidates is None else None, head, targets,
-                        softmax_weight=config.softmax_loss_weight if ovr else 1.0,
-                        ovr_trains_location=config.ovr_trains_location,
-                        relative_threshold=config.ovr_relative_threshold,
-                        num_items_in_batch=denom, chunk_size=self.loss_chunk_size, matmul_dtype=matmul_dtype,
-                        candidates=candidates,
-                    )
-                if candidates is not None:
-                    total, candidate_stats = candidate_ovr_loss(
-                        loc_U, scale_U, head, targets, candidates, relative_threshold=config.ovr_relative_threshold,
-                        trains_location=config.ovr_trains_location, matmul_dtype=matmul_dtype,
-                        rows=stats.pop("candidate_rows", None),
-                    )
-                    loss = loss + total / denom
-                    stats = {**candidate_stats, **stats}  # the fused pass's softmax_nll where it ran
+                # the cross-entropy and the OvR loss (lm_loss.training_loss), then the numeric NLL
+                loss, stats = training_loss(loc_U, scale_U, head, targets, config, num_items_in_batch=denom,
+                                            chunk_size=self.loss_chunk_size, matmul_dtype=matmul_dtype)
                 if config.numeric:  # λ · Σ NLL over the same denominator
                     nll = self.numeric.nll(loc_U, scale_U, b_noise, targets, numeric_values, config.num_token_id)
                     loss = loss + config.numeric_loss_weight * nll.sum() / denom

@@ -195,7 +195,7 @@ def test_operators_refuse_what_they_do_not_compute(dtype):
 def test_without_avx512_nothing_is_built_and_the_reference_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma"})
     with caplog.at_level("INFO", logger=cpu_kernels.__name__):
         assert not cpu_kernels.available(torch.float32)
     assert "no AVX-512" in caplog.text
@@ -210,7 +210,7 @@ def test_without_a_compiler_nothing_is_built_and_the_reference_runs(monkeypatch,
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PATH", str(tmp_path))  # nor c++, nor ninja
     monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
     with caplog.at_level("INFO", logger=cpu_kernels.__name__):
         assert not cpu_kernels.available(torch.bfloat16)
     assert "No C++ compiler or no ninja" in caplog.text
@@ -226,7 +226,7 @@ def test_a_failed_build_warns_and_the_reference_runs(monkeypatch, caplog):
 
     monkeypatch.setattr(cpu_kernels, "build", failed_build)
     monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: "/usr/bin/c++")
     monkeypatch.setattr("torch.utils.cpp_extension.is_ninja_available", lambda: True)
     if sys.platform != "linux" or cpu_kernels.platform.machine().lower() not in ("x86_64", "amd64"):
@@ -294,7 +294,7 @@ def test_the_library_builds_where_torch_puts_extensions_and_loads_from_there(bui
     assert library.parent.parent == extensions and library.name == f"{cpu_kernels.extension_name()}.so"
     record = library.with_name(library.name + ".sha256")
     assert record.read_text().strip() == _sha256(library) == report["loaded"][-1]
-    flags = cpu_kernels._cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     f32 = {"avx512f", "avx512bw"} <= flags
     assert report["bits"] == f32 | (f32 and "avx512_bf16" in flags) << 1  # what the library finds, /proc/cpuinfo says
     built_at = library.stat().st_mtime_ns
