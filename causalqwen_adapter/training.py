@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
-from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
@@ -238,6 +238,18 @@ class AdapterCheckpointMixin:
                 f"learning_rate or max_grad_norm and {resume_advice(self.args.output_dir)}"
             )
         super()._save_checkpoint(model, trial)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's, except that under FSDP it would also write the whole model gathered (`pytorch_model_fsdp.bin`:
+        the frozen base with it, a 70B base in every checkpoint) for a resume that reads the adapter folder
+        (`_load_from_checkpoint`). The optimizer's state covers the trained parameters only."""
+        if not self.is_fsdp_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from accelerate.utils import save_fsdp_optimizer
+
+        save_fsdp_optimizer(self.accelerator.state.fsdp_plugin, self.accelerator, self.optimizer, self.model, output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _non_finite_adapter_tensors(self) -> list[str]:
         """The adapter tensors holding NaN or ±inf, the same names on every rank (each checks its own shards)."""

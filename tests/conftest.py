@@ -3,6 +3,7 @@
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,13 @@ def build_tiny_base_with_tokenizer(folder: Path) -> Path:
 @pytest.fixture(scope="session")
 def sft_base(tmp_path_factory) -> Path:
     return build_tiny_base_with_tokenizer(tmp_path_factory.mktemp("trainer-tiny-base"))
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a distributed job's MASTER_PORT."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_processes(commands: list[tuple[list[str], dict]], *, cwd=None, timeout: float = 180,

@@ -4,30 +4,23 @@ process: every row, in corpus order."""
 
 import json
 import os
-import socket
 import sys
 
 import torch
 
 from causalqwen_adapter.features import extract_features, features_info, load_features
 
-from conftest import REPO_ROOT, run_processes
+from conftest import REPO_ROOT, free_port, run_processes
 
 # Uneven on purpose: 7 sequences over 2 processes, one empty, one longer than max_length (truncated).
 SEQUENCES = [[5, 9, 17, 3, 44, 60, 2], [7, 8], [], [100, 101, 102, 103, 104], [12], [30, 31, 32, 33],
              list(range(40, 75))]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(args: list[str], world: int, cwd) -> list[tuple[int, str]]:
     """The recipe in `world` processes with the environment torchrun gives each; (return code, stderr) per rank."""
     env = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     script = [sys.executable, str(REPO_ROOT / "recipes" / "extract_features.py"), *args]
     results = run_processes([(script, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world)],
                             cwd=cwd, what="the extraction processes")

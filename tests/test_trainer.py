@@ -10,7 +10,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from causalqwen_adapter.training import (
     unreachable_parameters,
 )
 
-from conftest import PAIRS
+from conftest import PAIRS, free_port
 from conftest import TOKENIZER_BASE_VOCAB as VOCAB
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -421,12 +420,6 @@ def test_recipe_takes_trls_model_flags(sft_base, tmp_path):
     assert not out.exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_recipe_under_accelerate_launch_two_processes(sft_base, tmp_path):
     """Two CPU processes (gloo DDP), 2 examples each per step, equal one process accumulating those 2 micro-batches."""
     data = _write_data(tmp_path / "data")["prompt-completion"]
@@ -439,7 +432,7 @@ def test_recipe_under_accelerate_launch_two_processes(sft_base, tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     launch = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
     ]
     # Own session, so that a timeout takes the workers down with the launcher.
     proc = subprocess.Popen(
@@ -711,7 +704,7 @@ def test_ddp_step_matches_one_process_in_every_loss_configuration(sft_base, tmp_
 
     names = list(ddp_worker.CONFIGURATIONS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+           "MASTER_PORT": str(free_port())}
     results = run_processes(
         [([sys.executable, str(REPO_ROOT / "tests" / "ddp_worker.py"), str(sft_base), str(tmp_path), *names],
           {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(2)],
