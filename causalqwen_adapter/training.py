@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -240,15 +241,24 @@ class AdapterCheckpointMixin:
         super()._save_checkpoint(model, trial)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The Trainer's, except that under FSDP it would also write the whole model gathered (`pytorch_model_fsdp.bin`:
-        the frozen base with it, a 70B base in every checkpoint) for a resume that reads the adapter folder
-        (`_load_from_checkpoint`). The optimizer's state covers the trained parameters only."""
-        if not self.is_fsdp_enabled:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        from accelerate.utils import save_fsdp_optimizer
+        """The Trainer's, without the frozen base that it would write into every checkpoint under sharding: under FSDP
+        the whole model gathered (`pytorch_model_fsdp.bin`) for a resume that reads the adapter folder
+        (`_load_from_checkpoint`); under DeepSpeed each rank's partition of the base (`frozen_param_fragments`). A
+        70B base, every checkpoint. The optimizer's state covers the trained parameters only."""
+        if self.is_deepspeed_enabled:
+            from accelerate.utils import DeepSpeedSchedulerWrapper
 
-        save_fsdp_optimizer(self.accelerator.state.fsdp_plugin, self.accelerator, self.optimizer, self.model, output_dir)
-        if self.args.should_save:
+            self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=True)
+            scheduler_saved = isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper)  # inside DeepSpeed's files
+        elif self.is_fsdp_enabled:
+            from accelerate.utils import save_fsdp_optimizer
+
+            save_fsdp_optimizer(self.accelerator.state.fsdp_plugin, self.accelerator, self.optimizer, self.model,
+                                output_dir)
+            scheduler_saved = False
+        else:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save and not scheduler_saved:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _non_finite_adapter_tensors(self) -> list[str]:
@@ -271,6 +281,19 @@ class AdapterCheckpointMixin:
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             check_resumable(Path(resume_from_checkpoint))
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """The Trainer's; under DeepSpeed a resume loads checkpoints without the frozen base
+        (`_save_optimizer_and_scheduler`), which the Trainer's strict load would refuse as missing keys."""
+        if not (self.is_deepspeed_enabled and resume_from_checkpoint is not None):
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        deepspeed_load_checkpoint(self.model_wrapped, resume_from_checkpoint, load_module_strict=False)
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        self._load_scaler(resume_from_checkpoint)
+        return model, train_dataloader
 
     def _last_complete_checkpoint(self) -> str | bool:
         output_dir = self.args.output_dir
@@ -616,12 +639,46 @@ def _load_model(name: str, args, loss: str = "sft") -> CausalQwenForCausalLM:
     check_found(name, "model", MODEL_HINT)
     config, _ = PreTrainedConfig.get_config_dict(name, revision=revision)
     model_type = config.get("model_type")
-    if model_type == CausalQwenForCausalLM.config_class.model_type:
-        return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs), False
-    heads = head_options(args, loss)
-    check_supported_base(AutoConfig.from_pretrained(name, revision=revision), name)  # before loading any weights
-    base = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
-    return CausalQwenForCausalLM.from_base(base, revision=revision, **heads), True
+    with loaded_whole_under_zero3(args):
+        if model_type == CausalQwenForCausalLM.config_class.model_type:
+            return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs), False
+        heads = head_options(args, loss)
+        check_supported_base(AutoConfig.from_pretrained(name, revision=revision), name)  # before loading any weights
+        base = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs)
+        return CausalQwenForCausalLM.from_base(base, revision=revision, **heads), True
+
+
+@contextmanager
+def loaded_whole_under_zero3(args):
+    """Under DeepSpeed ZeRO-3, once accelerate has registered its config, transformers builds every model partitioned
+    (`deepspeed.zero.Init`) whatever the config's `zero3_init_flag`. The heads are built from whole tensors (W_A copies
+    the output layer; the base's logits are checked against it; an adapter's tensors are loaded into them), so the
+    model is read whole there, as `zero3_init_flag: false` asks (recipes/configs/deepspeed_zero3.yaml), and
+    `deepspeed.initialize` partitions it afterwards."""
+    from transformers.integrations.deepspeed import (
+        is_deepspeed_zero3_enabled,
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is None or not is_deepspeed_zero3_enabled():
+        yield
+        return
+    if plugin.zero3_init_flag:
+        raise ValueError(
+            "DeepSpeed ZeRO-3 with zero3_init_flag true builds the base partitioned, but the causal heads are built "
+            "from its whole output layer: set zero3_init_flag: false in the accelerate config (as "
+            "recipes/configs/deepspeed_zero3.yaml does) or ACCELERATE_DEEPSPEED_ZERO3_INIT=false; each rank then "
+            "reads the base once and DeepSpeed partitions it when the trainer prepares it"
+        )
+    # the config object transformers holds a weak reference to: the Trainer's (`--deepspeed`) or accelerate's
+    registered = getattr(args, "hf_deepspeed_config", None) or plugin.dschf
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)
 
 
 def configure_backbone(model: CausalQwenForCausalLM, peft_config) -> None:

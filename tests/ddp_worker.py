@@ -32,8 +32,9 @@ CONFIGURATIONS = {
 }
 
 
-def build(base, output_dir, name: str, **overrides) -> CausalSFTTrainer:
-    """The trainer of configuration `name` on the test sentences, as every rank builds it."""
+def build(base, output_dir, name: str, evaluate: bool = False, **overrides) -> CausalSFTTrainer:
+    """The trainer of configuration `name` on the test sentences (also its evaluation set if `evaluate`), as every rank
+    builds it."""
     values = dict(
         bf16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
         dataloader_pin_memory=False, per_device_train_batch_size=2, learning_rate=1e-2, seed=0, max_steps=2,
@@ -52,7 +53,7 @@ def build(base, output_dir, name: str, **overrides) -> CausalSFTTrainer:
     else:
         data = Dataset.from_dict({"prompt": [p for p, _ in PAIRS], "completion": [c for _, c in PAIRS]})
     return CausalSFTTrainer(str(base), args=CausalSFTConfig(str(output_dir), **values), train_dataset=data,
-                            processing_class=tokenizer)
+                            eval_dataset=data if evaluate else None, processing_class=tokenizer)
 
 
 def result(trainer: CausalSFTTrainer) -> dict:

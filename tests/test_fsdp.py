@@ -6,33 +6,21 @@ need."""
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
 import pytest
+import sharded_trainer_worker
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
 
-from conftest import TINY_VOCAB, free_port, run_processes
+from conftest import TINY_VOCAB, run_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 CONFIGS = REPO_ROOT / "recipes" / "configs"
-
-
-def launch_environment(config_file: Path) -> dict:
-    """The environment `accelerate launch --config_file <config_file>` gives each training process (FSDP_*,
-    ACCELERATE_*), built by accelerate's own launcher code."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
-    args, _, _ = _validate_launch_command(args)
-    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("FSDP_", "ACCELERATE_"))}
 
 
 def test_launch_configurations_keep_what_the_heads_need():
@@ -71,7 +59,7 @@ def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
     wrap, options, launch = FSDP2_CASES[case]
     batch = torch.randint(1, TINY_VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
     torch.save(batch, tmp_path / "batch.pt")
-    env = {**os.environ, **launch_environment(CONFIGS / "fsdp2.yaml"), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, **sharded_trainer_worker.launch_environment(CONFIGS / "fsdp2.yaml"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO_ROOT), **launch}
     argv = [sys.executable, str(WORKER), str(tied_base), str(tmp_path)]
     results = run_processes([([*argv, str(rank), "2", wrap, json.dumps(options)], env) for rank in range(2)],
@@ -115,70 +103,23 @@ def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+
 # ------------------------------------------------------------------------------------ the Trainer under FSDP2
-
-TRAINER_WORKER = Path(__file__).resolve().parent / "fsdp_trainer_worker.py"
-
-
-def _run_trainer_workers(base: Path, work: Path, scenario: str) -> list[tuple[int, str, str]]:
-    """Two ranks of tests/fsdp_trainer_worker.py with the launch environment of the shipped FSDP2 config (float32:
-    gloo has no bf16 all-reduce here, and one process is the reference)."""
-    env = {**os.environ, **launch_environment(CONFIGS / "fsdp2.yaml"), "ACCELERATE_MIXED_PRECISION": "no",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    argv = [sys.executable, str(TRAINER_WORKER), str(base), str(work), scenario]
-    results = run_processes([(argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(2)],
-                            cwd=REPO_ROOT, timeout=300, what=f"the FSDP2 trainer workers ({scenario})")
-    for rank, (code, out, err) in enumerate(results):
-        assert code == 0, f"rank {rank}:\n{out[-2000:]}\n{err[-4000:]}"
-    return results
 
 
 def test_fsdp2_trainer_resumes_as_an_uninterrupted_run_and_checkpoints_no_base(sft_base, tmp_path):
-    """The Trainer's own FSDP2 path (accelerate's preparation, clipping, checkpoints): 4 steps equal one process
-    accumulating the same micro-batches; resuming from checkpoint-2 (adapter tensors, the optimizer's moments, the
-    schedule) continues exactly; a checkpoint holds the adapter and the optimizer of the trained tensors, never the
-    gathered base."""
-    import ddp_worker
-
-    _run_trainer_workers(sft_base, tmp_path, "resume")
-    result = torch.load(tmp_path / "resume.pt", weights_only=False)
-    full, resumed = result["full"], result["resumed"]
-    assert full["fsdp"] and full["sharded"]  # the heads were DTensors: the Trainer ran FSDP2, not DDP
-    assert not [name for name in result["checkpoint"] if name.startswith("pytorch_model")], result["checkpoint"]
-    assert {"model.safetensors", "optimizer.bin", "scheduler.pt", "trainer_state.json"} <= set(result["checkpoint"])
-
-    # Resumed from step 2, steps 3 and 4 are the uninterrupted run's (Adam's moments and the schedule came back).
-    assert sorted(resumed["losses"]) == sorted(full["losses"]) == [1, 2, 3, 4]
-    for step in (3, 4):
-        assert resumed["losses"][step] == pytest.approx(full["losses"][step], rel=1e-6), step
-    for key, value in full["heads"].items():
-        torch.testing.assert_close(resumed["heads"][key], value, rtol=1e-6, atol=1e-7, msg=key)
-
-    single = ddp_worker.build(sft_base, tmp_path / "single", "ovr", max_steps=4, gradient_accumulation_steps=2)
-    single.train()
-    reference = ddp_worker.result(single)
-    for step, loss in reference["losses"].items():
-        assert full["losses"][step] == pytest.approx(loss, rel=1e-5), step
-    for key, value in reference["heads"].items():
-        # Adam divides by √v: float rounding of the reduce-scatter shows up at 1e-6 relative in the smallest updates
-        torch.testing.assert_close(full["heads"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    """The Trainer's own FSDP2 path (tests/sharded_trainer_worker.py): 4 steps equal one process; resuming from
+    checkpoint-2 continues exactly; a checkpoint holds the adapter and the optimizer of the trained tensors, never the
+    gathered base (the Trainer's `pytorch_model_fsdp.bin`)."""
+    sharded_trainer_worker.run_ranks(sft_base, tmp_path, "fsdp2", "resume")
+    files = sharded_trainer_worker.check_resumed_as_uninterrupted(sft_base, tmp_path)
+    assert not [name for name in files if name.startswith("pytorch_model")], files
+    assert {"model.safetensors", "optimizer.bin", "scheduler.pt", "trainer_state.json"} <= set(files)
 
 
 def test_fsdp2_recipe_runs_to_its_last_line(sft_base, tmp_path):
     """recipes/sft_ovr.py under the Trainer's FSDP2: trains, writes the card and the adapter folder, and every rank
     prints the same digest of the gathered heads before the final barrier and `trainer.end()`."""
-    from conftest import PAIRS
-
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for prompt, completion in PAIRS:
-            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
-    results = _run_trainer_workers(sft_base, tmp_path, "recipe")
-    stdout = "".join(out for _, out, _ in results)
-    digests = dict(re.findall(r"rank (\d)/2: adapter sha256 ([0-9a-f]{64})", stdout))
-    assert set(digests) == {"0", "1"} and digests["0"] == digests["1"], stdout[-2000:]
-    assert stdout.count("recipe finished") == 2
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
-    saved = load_file(tmp_path / "out" / "model.safetensors")
-    assert set(saved) == set(loaded.adapter_state_dict())
-    assert "data.jsonl" in (tmp_path / "out" / "README.md").read_text()
+    sharded_trainer_worker.write_recipe_data(tmp_path)
+    results = sharded_trainer_worker.run_ranks(sft_base, tmp_path, "fsdp2", "recipe")
+    sharded_trainer_worker.check_recipe_ran(results, tmp_path)
