@@ -62,6 +62,10 @@ CONFIGS = {
                                   scale_lr_ratio=10.0),
     # the same loss from the vocabulary loss's initial scale
     "candidates_default_scale": dict(heads=dict(ovr_candidates=16, gamma_init=1e-5), learning_rate=None),
+    # the default with an exogenous noise at the scale of U's: does it make `causal` and `sampling` differ from
+    # `standard`?
+    "noise_0.01": dict(heads=dict(b_noise_init=0.01), learning_rate=None),
+    "noise_0.05": dict(heads=dict(b_noise_init=0.05), learning_rate=None),
     # the vocabulary loss with the scale path 30× faster: does the scale learn when it can move?
     "fast_scale": dict(heads=dict(ovr_candidates=None), learning_rate=None, scale_lr_ratio=30.0),
 }
@@ -119,7 +123,9 @@ def scale_quantiles(model, z, limit=4096):
     from one position to the next?)."""
     scale = model.abduction(z[:limit].to(model.action.bias.dtype))[1].float().mean(-1)
     q = torch.quantile(scale, torch.tensor([0.05, 0.5, 0.95]))
-    return "scale_U (mean over components) 5/50/95 %: " + " / ".join(f"{v:.3g}" for v in q.tolist())
+    noise = torch.quantile(model.action.b_noise.detach().float().abs(), torch.tensor([0.05, 0.5, 0.95]))
+    return ("scale_U (mean over components) 5/50/95 %: " + " / ".join(f"{v:.3g}" for v in q.tolist())
+            + "; |b_noise| (components) 5/50/95 %: " + " / ".join(f"{v:.3g}" for v in noise.tolist()))
 
 
 def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio, fused=False, scale_lr_ratio=1.0):
