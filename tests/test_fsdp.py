@@ -1,8 +1,8 @@
 """Sharded training under FSDP2 with the shipped `recipes/configs/fsdp2.yaml`, on 2 CPU processes with gloo: the
 environment `accelerate launch` would give each process, accelerate's own FSDP2 model preparation, then the same
 loss and the same adapter tensors as one process on the same global batch, and the gathered adapter loads through
-`AutoModelForCausalLM` with `trust_remote_code=True`. The launch configurations are checked against what the heads
-need."""
+`AutoModelForCausalLM` with `trust_remote_code=True`; then the Trainer's own FSDP2 path (resume, checkpoints, the
+recipe). The launch configurations are checked against what the heads need."""
 
 import json
 import os
@@ -101,7 +101,6 @@ def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter", trust_remote_code=True)
     for key, value in loaded.adapter_state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
-
 
 
 # ------------------------------------------------------------------------------------ the Trainer under FSDP2

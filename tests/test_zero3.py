@@ -1,6 +1,7 @@
 """Sharded training under DeepSpeed ZeRO-3 on 2 CPU processes (gloo): every parameter partitioned, the losses read
 W_A, b_A, b_noise and the thresholds inside the heads' forwards (where ZeRO-3 gathers them) and a tied or LoRA W_A
-gathers the frozen embedding; one step equals one process on the same global batch."""
+gathers the frozen embedding; one step equals one process on the same global batch. Then the Trainer under the shipped
+`deepspeed_zero3.yaml` (fresh heads, resume, checkpoints, the best checkpoint, the recipe)."""
 
 import json
 import os
