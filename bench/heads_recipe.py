@@ -56,16 +56,17 @@ CONFIGS = {
     "learned_thresholds": dict(heads=dict(ovr_candidates=None, learnable_threshold=True), learning_rate=None,
                                threshold_lr_ratio=1000.0),
     # the OvR loss over the top-16 of loc_S and the target (ovr_candidates), from a scale where P_k is graded
-    "candidates": dict(heads=dict(ovr_candidates=16, gamma_init=0.005), learning_rate=None),
+    "candidates": dict(heads=dict(ovr_candidates=16, gamma_init=0.005, b_noise_init=1e-6), learning_rate=None),
     # the same from a larger scale, the scale path 10× faster
-    "candidates_fast_scale": dict(heads=dict(ovr_candidates=16, gamma_init=0.03), learning_rate=None,
+    "candidates_fast_scale": dict(heads=dict(ovr_candidates=16, gamma_init=0.03, b_noise_init=1e-6), learning_rate=None,
                                   scale_lr_ratio=10.0),
     # the same loss from the vocabulary loss's initial scale
-    "candidates_default_scale": dict(heads=dict(ovr_candidates=16, gamma_init=1e-5), learning_rate=None),
-    # the default with an exogenous noise at the scale of U's: does it make `causal` and `sampling` differ from
-    # `standard`?
-    "noise_0.01": dict(heads=dict(b_noise_init=0.01), learning_rate=None),
-    "noise_0.05": dict(heads=dict(b_noise_init=0.05), learning_rate=None),
+    "candidates_default_scale": dict(heads=dict(ovr_candidates=16, gamma_init=1e-5, b_noise_init=1e-6),
+                                     learning_rate=None),
+    # candidates with an exogenous noise at the scale of U's (0.01: the package's default): does it make `causal` and
+    # `sampling` differ from `standard`?
+    "noise_0.01": dict(heads=dict(ovr_candidates=16, gamma_init=0.005, b_noise_init=0.01), learning_rate=None),
+    "noise_0.05": dict(heads=dict(ovr_candidates=16, gamma_init=0.005, b_noise_init=0.05), learning_rate=None),
     # the vocabulary loss with the scale path 30× faster: does the scale learn when it can move?
     "fast_scale": dict(heads=dict(ovr_candidates=None), learning_rate=None, scale_lr_ratio=30.0),
 }

@@ -31,6 +31,11 @@ ABSOLUTE_THRESHOLD_INIT = 16.0
 # whole vocabulary the V − 1 negatives hold the scale near 0 anyway (docs/design.md, Training losses).
 CANDIDATES_GAMMA_INIT = 0.005
 VOCABULARY_LOSS_GAMMA_INIT = 1e-5
+# The initial exogenous noise (b_noise_init), likewise: over candidates at U's own scale, so that `standard` (U's scale
+# + the noise), `causal` (U's alone) and `sampling` (U shifted by the noise) differ; over the vocabulary next to
+# nothing, as that loss's scale is.
+CANDIDATES_B_NOISE_INIT = 0.01
+VOCABULARY_LOSS_B_NOISE_INIT = 1e-6
 # The numbers of the config: each must be finite in float32, the widest dtype the heads compute in (bfloat16 has the
 # same range), and at least its minimum where one is given (the bounds of `check_number`).
 AT_LEAST_0 = {"minimum": 0}
@@ -92,7 +97,10 @@ class CausalQwenConfig(PreTrainedConfig):
             OvR loss over candidates (`ovr_candidates`), where P_k is graded from the first step and the scale
             learns; 1e-5 with the loss over the whole vocabulary, whose V − 1 negatives would pull a larger scale down
             anyway (with a scale of order 1 every P_k is near ½ and Σ_k P_k is half the vocabulary).
-        b_noise_init (`float`): initial value of every component of b_noise.
+        b_noise_init (`float`, *optional*): initial value of every component of b_noise, the exogenous noise that
+            `standard` adds to U's scale and `sampling` to its location (`causal` leaves it out). Unset: 0.01 with
+            the OvR loss over candidates, at the scale U learns there, so that the three modes differ; 1e-6 with the
+            loss over the whole vocabulary, whose scale stays near 0.
         ovr_threshold_init (`float`, *optional*): initial OvR threshold C_k. Unset: log ½ with relative thresholds
             (a token is accepted when the compatible model gives it more than half the probability), 16 with absolute
             ones (where the demo base's standard-mode argmax agrees best with its own; the trainers calibrate it on
@@ -147,7 +155,7 @@ class CausalQwenConfig(PreTrainedConfig):
     text_config: dict | PreTrainedConfig | None = None
     causal_size: int | None = None
     gamma_init: float | None = None
-    b_noise_init: float = 1e-6
+    b_noise_init: float | None = None
     ovr_threshold_init: float | None = None
     ovr_relative_threshold: bool = True
     learnable_threshold: bool = False
@@ -175,8 +183,11 @@ class CausalQwenConfig(PreTrainedConfig):
             self.causal_size = self.text_config.hidden_size
         for name, choices in CONFIG_CHOICES.items():
             check_choice(name, getattr(self, name), choices)
+        vocabulary_loss = self.ovr_candidates is None
         if self.gamma_init is None:
-            self.gamma_init = VOCABULARY_LOSS_GAMMA_INIT if self.ovr_candidates is None else CANDIDATES_GAMMA_INIT
+            self.gamma_init = VOCABULARY_LOSS_GAMMA_INIT if vocabulary_loss else CANDIDATES_GAMMA_INIT
+        if self.b_noise_init is None:
+            self.b_noise_init = VOCABULARY_LOSS_B_NOISE_INIT if vocabulary_loss else CANDIDATES_B_NOISE_INIT
         if self.ovr_threshold_init is None:
             self.ovr_threshold_init = math.log(0.5) if self.ovr_relative_threshold else ABSOLUTE_THRESHOLD_INIT
         for name, bounds in NUMBER_FIELDS.items():

@@ -39,6 +39,7 @@ from .configuration_causalqwen import (
     CONFIG_CHOICES,
     INTEGER_FIELDS,
     NUMBER_FIELDS,
+    VOCABULARY_LOSS_B_NOISE_INIT,
     VOCABULARY_LOSS_GAMMA_INIT,
     CausalQwenConfig,
     check_choice,
@@ -456,12 +457,14 @@ def check_resumable(checkpoint: Path) -> None:
 def head_options(args: CausalHeadArguments, loss: str = "sft") -> dict:
     """The config fields the arguments set for fresh heads (None leaves the config's default; the learning-rate
     ratios are the optimizer's, not the config's). Distillation's tail term sums over the whole vocabulary: its fresh
-    heads start from that loss's scale (`gamma_init` 1e-5) unless the arguments set one."""
+    heads start from that loss's scale and noise (`gamma_init` 1e-5, `b_noise_init` 1e-6) unless the arguments set
+    them."""
     config_fields = CausalQwenForCausalLM.config_class.__dataclass_fields__
     options = {f.name: config_value(f.name, getattr(args, f.name)) for f in fields(CausalHeadArguments)
                if f.name in config_fields and getattr(args, f.name) is not None}
     if loss == "distill":
         options.setdefault("gamma_init", VOCABULARY_LOSS_GAMMA_INIT)
+        options.setdefault("b_noise_init", VOCABULARY_LOSS_B_NOISE_INIT)
     return options
 
 

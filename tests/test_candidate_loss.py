@@ -234,12 +234,15 @@ def test_without_the_cross_entropy_only_the_candidate_term_trains(tiny_base):
 
 
 def test_defaults_and_adapters_saved_before_the_option():
-    """Fresh heads score 16 candidates from γ₀ = 0.005; without candidates γ₀ is the vocabulary loss's 1e-5; a saved
-    config without the field is an adapter trained with the loss over the whole vocabulary, and loads so."""
+    """Fresh heads score 16 candidates from γ₀ = 0.005 and b_noise 0.01; without candidates γ₀ and b_noise are the
+    vocabulary loss's 1e-5 and 1e-6; a saved config without the field is an adapter trained with the loss over the
+    whole vocabulary, and loads so; a saved b_noise_init is kept."""
     config = CausalQwenConfig(text_config=tiny_qwen2_config())
-    assert (config.ovr_candidates, config.gamma_init) == (16, 0.005)
-    assert CausalQwenConfig(text_config=tiny_qwen2_config(), ovr_candidates=None).gamma_init == 1e-5
+    assert (config.ovr_candidates, config.gamma_init, config.b_noise_init) == (16, 0.005, 0.01)
+    vocabulary = CausalQwenConfig(text_config=tiny_qwen2_config(), ovr_candidates=None)
+    assert (vocabulary.gamma_init, vocabulary.b_noise_init) == (1e-5, 1e-6)
     saved = config.to_dict()
     del saved["ovr_candidates"]
     assert CausalQwenConfig.from_dict(saved).ovr_candidates is None
+    assert CausalQwenConfig.from_dict(saved).b_noise_init == 0.01  # what the file says, whatever the loss
     assert CausalQwenConfig.from_dict(config.to_dict()).ovr_candidates == 16

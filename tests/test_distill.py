@@ -236,7 +236,8 @@ def test_one_sgd_step_matches_the_hand_computed_update(tiny_teacher, features, t
     model = trainer.model
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # The reference: the same heads, the whole store as one batch, autograd through the naive loss.
-    ref = CausalQwenForCausalLM.from_base(str(folder), gamma_init=model.config.gamma_init)
+    ref = CausalQwenForCausalLM.from_base(str(folder), gamma_init=model.config.gamma_init,
+                                        b_noise_init=model.config.b_noise_init)
     rows = load_features(features)[:]
     loc_U, scale_U = ref.abduction(rows["hidden_state"])
     params = dict(ref.named_parameters())
@@ -388,11 +389,12 @@ def test_recipes_extract_then_distill(sft_base, tmp_path):
 
 
 def test_fresh_heads_start_from_the_vocabulary_losss_scale(tiny_teacher, features, tmp_path):
-    """The tail term sums over every token: fresh heads for distillation start at γ₀ = 1e-5 (the SFT default over
-    candidates is 0.005) unless the arguments set one."""
+    """The tail term sums over every token: fresh heads for distillation start at γ₀ = 1e-5 and b_noise 1e-6 (the SFT
+    defaults over candidates are 0.005 and 0.01) unless the arguments set them."""
     folder, _ = tiny_teacher
     trainer = CausalDistillTrainer(str(folder), args=_args(tmp_path / "a"), train_dataset=str(features))
-    assert trainer.model.config.gamma_init == 1e-5
+    assert (trainer.model.config.gamma_init, trainer.model.config.b_noise_init) == (1e-5, 1e-6)
+    assert torch.all(trainer.model.action.b_noise == 1e-6)
     softplus = torch.nn.functional.softplus(trainer.model.abduction.scale.bias.detach())
     torch.testing.assert_close(softplus, torch.full_like(softplus, 1e-5))
     trainer = CausalDistillTrainer(str(folder), args=_args(tmp_path / "b", gamma_init=0.01), train_dataset=str(features))

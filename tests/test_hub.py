@@ -569,13 +569,13 @@ def test_card_of_fresh_heads_on_a_local_base(tied_base, tmp_path):
     assert meta["license"] == "mit" and "datasets" not in meta
     assert f'AutoTokenizer.from_pretrained("{base}")' in body and "## Training" not in body
     # the card reads the head fields from the config it is saved with
-    assert "| OvR threshold | -0.6931 (fixed), relative: compared with log softmax(loc_S) |" in body and "| initial scale γ₀ / `b_noise` | 0.005 / 1e-06 |" in body
+    assert "| OvR threshold | -0.6931 (fixed), relative: compared with log softmax(loc_S) |" in body and "| initial scale γ₀ / `b_noise` | 0.005 / 0.01 |" in body
     assert ("| training loss | OvR over each position's 16 most likely tokens and the target + 1.0 × the softmax "
             "cross-entropy of loc_S |") in body
     assert "`logits` are `loc_S + log P_k`" in body
     CausalQwenForCausalLM.from_base(base, ovr_distribution="normalize", gamma_init=0.5).save_pretrained(tmp_path / "n")
     _, body = _card((tmp_path / "n" / "README.md").read_text())
-    assert "(`ovr_distribution=\"normalize\"`) the returned `logits` are `log P_k`" in body and "0.5 / 1e-06" in body
+    assert "(`ovr_distribution=\"normalize\"`) the returned `logits` are `log P_k`" in body and "0.5 / 0.01" in body
 
 
 @pytest.mark.parametrize("problem", ["no template", "no jinja2", "render error"])
