@@ -146,7 +146,8 @@ def gathered(trainer) -> dict:
     return {
         "heads": model.gathered_adapter_state_dict(),  # a collective: every rank calls it
         "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
-        "sharded": trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled,
+        # every parameter a shard: an FSDP2 DTensor or a ZeRO-3 partition (not a DDP replica)
+        "sharded": all(type(p).__name__ == "DTensor" or hasattr(p, "ds_tensor") for p in model.parameters()),
     }
 
 
