@@ -15,10 +15,15 @@ with the same optimiser, steps and learning-rate grid (picked per arm on validat
 - `gaussian`: mean w·z + b, log σ read from softplus(W z + c) (W the size of the abduction scale path);
 - `student_t`: the same with a Student-t law and ν learned;
 - `cauchy_free`: the baselines' parametrisation with the Cauchy law (separates the law from the parametrisation);
+- `digits`: the softmax LM writing the rating with one decimal, its output rows of the answer's tokens trained by the
+  SFT cross-entropy, decoding constrained to −4.0 … 4.0 and read exactly (evidence_digits: no regression head at all);
+- `digits_zero_shot`: the same with the base's rows untrained (what the base writes when asked);
 - `constant`: the training targets' median and empirical quantiles for every text (the floor).
 
 Targets are clean, or with 20% of the training (and validation) targets permuted among their rows ("shuffled": a user
-has no clean labels to validate on); test targets are always clean. On test: the median absolute error of the
+has no clean labels to validate on). The heads trained on shuffled targets are scored on clean test targets
+("shuffled") and on test targets shuffled alike ("shuffled_test": the outliers are in the data the intervals must
+cover, not only in the training labels). On test: the median absolute error of the
 predictive median, and for the 50/80/90/95% central intervals their coverage, mean width and interval (Winkler)
 score, each family through its exact quantiles. Mean ± standard error over seeds (each seed: split, initialisation,
 corruption), and the paired differences against `cauchy` on the same splits. Writes OUTPUT.json and OUTPUT.md.
@@ -28,6 +33,7 @@ corruption), and the paired differences against `cauchy` on the same splits. Wri
 """
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import json
@@ -41,6 +47,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import evidence_digits as digits  # noqa: E402
 
 GROUND_TRUTH_SUFFIX = "_GroundTruth.txt"
 INNER_ARCHIVE = "hutto_ICWSM_2014.tar.gz"
@@ -98,25 +107,34 @@ def _read_tar(archive: tarfile.TarFile) -> list[dict]:
 # --- features ---------------------------------------------------------------------------------------------------
 
 
-def feature_cache_path(cache: Path, base: str) -> Path:
+def feature_cache_path(cache: Path, base: str, answers: bool = False) -> Path:
     key = hashlib.sha256(f"{Path(base).resolve()}\n{PROMPT}".encode()).hexdigest()[:12]
-    return cache / f"vader-z-{key}.pt"
+    return cache / f"vader-{'answers' if answers else 'z'}-{key}.pt"
 
 
-def extract_features(base: str, rows: list[dict], texts: int, cache: Path, batch_size: int = 16) -> dict:
+def extract_features(base: str, rows: list[dict], texts: int, cache: Path, batch_size: int = 16,
+                     answers: bool = False) -> dict:
     """z at the last prompt token for the first `texts` rows of a fixed permutation (seed 0) of all rows; resumes a
-    partial cache (saved after every batch), so a long extraction can be stopped and continued."""
-    path = feature_cache_path(cache, base)
+    partial cache (saved after every batch), so a long extraction can be stopped and continued. With `answers`, also
+    the states the digits arm reads (evidence_digits.answer_states; z is their first) and the base's output rows of
+    the answer tokens, in a cache of their own."""
+    path = feature_cache_path(cache, base, answers)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
-    store = torch.load(path) if path.exists() else {"prompt": PROMPT, "base": str(base), "keys": [], "z": [],
-                                                   "rating": [], "seconds": 0.0}
+    store = torch.load(path, weights_only=False) if path.exists() else {
+        "prompt": PROMPT, "base": str(base), "keys": [], "z": [], "rating": [], "seconds": 0.0}
     if len(store["keys"]) >= texts:
         return store
-    from transformers import AutoTokenizer, Qwen2Model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.padding_side = "left"  # the last position is every row's prompt end; RoPE sees relative positions only
-    model = Qwen2Model.from_pretrained(base, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if answers:
+        tree = digits.answer_tree(tokenizer, PROMPT.format(text=""))
+        store.setdefault("tree", dataclasses.asdict(tree))
+        store.setdefault("rows", digits.output_rows(model, tree))
+        store.setdefault("states", torch.empty(0, len(tree.nodes), model.config.hidden_size))
+        store.setdefault("rest_lse", torch.empty(0, len(tree.nodes)))
     todo = [rows[i] for i in order[len(store["keys"]) : texts]]
     for start in range(0, len(todo), batch_size * 4):
         # sort a window by length so a batch pads little; the store keeps the permutation's order
@@ -125,22 +143,39 @@ def extract_features(base: str, rows: list[dict], texts: int, cache: Path, batch
         lengths = [len(tokenizer(p).input_ids) for p in prompts]
         by_length = sorted(range(len(window)), key=lengths.__getitem__)
         z = torch.empty(len(window), model.config.hidden_size)
+        if answers:
+            states = torch.empty(len(window), len(tree.nodes), model.config.hidden_size)
+            rest_lse = torch.empty(len(window), len(tree.nodes))
         began = time.perf_counter()
         with torch.inference_mode():
             for b in range(0, len(window), batch_size):
                 idx = by_length[b : b + batch_size]
                 enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True)
-                z[idx] = model(**enc).last_hidden_state[:, -1].float()
+                if answers:
+                    out = digits.answer_states(model, tree, enc.input_ids, enc.attention_mask, tokenizer.pad_token_id)
+                    states[idx], rest_lse[idx] = out["states"], out["rest_lse"]
+                    z[idx] = out["states"][:, 0]
+                else:
+                    z[idx] = model.get_decoder()(**enc).last_hidden_state[:, -1].float()
         store["seconds"] += time.perf_counter() - began
         store["keys"] += [f"{r['source']}:{r['id']}" for r in window]
         store["rating"] += [r["rating"] for r in window]
         store["z"] = torch.cat([torch.as_tensor(store["z"]).reshape(-1, z.shape[1]), z])
+        if answers:
+            store["states"] = torch.cat([store["states"], states])
+            store["rest_lse"] = torch.cat([store["rest_lse"], rest_lse])
         tmp = path.with_suffix(".tmp")
         torch.save(store, tmp)
         os.replace(tmp, path)
         print(f"  extracted {len(store['keys'])}/{texts} texts, {store['seconds'] / len(store['keys']):.2f} s/text",
               flush=True)
     return store
+
+
+def answer_features(store: dict, texts: int) -> "digits.AnswerFeatures":
+    """The digits arm's inputs from a store extracted with `answers`."""
+    return digits.AnswerFeatures(store["states"][:texts], store["rest_lse"][:texts], store["rows"],
+                                 digits.AnswerTree(**store["tree"]))
 
 
 # --- predictive laws: quantiles and metrics ---------------------------------------------------------------------
@@ -227,7 +262,19 @@ def mean_and_standard_error(values) -> tuple[float, float]:
 # --- arms -------------------------------------------------------------------------------------------------------
 
 
-class PackageCauchyHead(torch.nn.Module):
+class LocationScalePrediction:
+    """The median and central intervals of a head whose law is loc + scale·X, X its family's standard law."""
+
+    def predict(self, z, levels):
+        """(median, {level: (lower, upper)}); None when the head gives a non-finite location or a scale not > 0."""
+        loc, scale = self(z)
+        if not (torch.isfinite(loc).all() and torch.isfinite(scale).all() and (scale > 0).all()):
+            return None
+        df = self.law().get("df")
+        return loc, {level: central_interval(self.family, loc, scale, level, df) for level in levels}
+
+
+class PackageCauchyHead(LocationScalePrediction, torch.nn.Module):
     """The package's numeric path on z: AbductionNetwork → standard-mode noise fusion → NumericHead, fresh as
     `from_base(numeric=True)` makes it (the config's γ₀ and b_noise, b = median, exp(s) = IQR/2 of the targets)."""
 
@@ -235,11 +282,10 @@ class PackageCauchyHead(torch.nn.Module):
 
     def __init__(self, hidden_size: int, targets: torch.Tensor):
         super().__init__()
-        from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
         from causalqwen_adapter.heads import AbductionNetwork, NumericHead
         from causalqwen_adapter.numeric import numeric_statistics
 
-        config = CausalQwenConfig()
+        config = self.config()
         self.abduction = AbductionNetwork(hidden_size, hidden_size)
         self.abduction.reset_parameters(config.gamma_init)
         self.numeric = NumericHead(hidden_size, hidden_size)
@@ -248,6 +294,13 @@ class PackageCauchyHead(torch.nn.Module):
         # what bench/numeric.py trains: the numeric head and the abduction scale path (d only matters for inputs)
         for name, param in self.named_parameters():
             param.requires_grad_(name.startswith(("numeric.", "abduction.scale.")) and name != "numeric.direction")
+
+    @staticmethod
+    def config():
+        """The configuration fresh heads get by default (γ₀ and b_noise are recorded with every run)."""
+        from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
+
+        return CausalQwenConfig()
 
     def forward(self, z):
         loc_U, scale_U = self.abduction(z)
@@ -262,7 +315,7 @@ class PackageCauchyHead(torch.nn.Module):
         return {}
 
 
-class LocationScaleHead(torch.nn.Module):
+class LocationScaleHead(LocationScalePrediction, torch.nn.Module):
     """A head a user would write: location w·z + b, log-scale read from a softplus layer of the abduction scale path's
     size, log σ = v·softplus(W z + c) + s; Gaussian (σ² the variance), Student-t (ν learned) or Cauchy."""
 
@@ -307,19 +360,31 @@ class LocationScaleHead(torch.nn.Module):
         return {"df": self.df().item()} if self.family == "student_t" else {}
 
 
-ARMS = {
-    "cauchy": lambda h, y: PackageCauchyHead(h, y),
-    "gaussian": lambda h, y: LocationScaleHead(h, y, "gaussian"),
-    "student_t": lambda h, y: LocationScaleHead(h, y, "student_t"),
-    "cauchy_free": lambda h, y: LocationScaleHead(h, y, "cauchy"),
+ARMS = {  # arm → fresh head from (its inputs, the training targets)
+    "cauchy": lambda z, y: PackageCauchyHead(z.shape[1], y),
+    "gaussian": lambda z, y: LocationScaleHead(z.shape[1], y, "gaussian"),
+    "student_t": lambda z, y: LocationScaleHead(z.shape[1], y, "student_t"),
+    "cauchy_free": lambda z, y: LocationScaleHead(z.shape[1], y, "cauchy"),
+    "digits": lambda x, y: digits.DigitsHead(x),
+    "digits_zero_shot": lambda x, y: digits.DigitsHead(x, train=False),  # the base as it is: what it writes unasked
+}
+DIGIT_ARMS = ("digits", "digits_zero_shot")  # these read the answer states (evidence_digits), the others z
+CONDITIONS = {
+    "clean": "clean training targets (test targets clean)",
+    "shuffled": "shuffled training and validation targets (test targets clean)",
+    "shuffled_test": "shuffled targets everywhere: the same heads as above, scored on test targets shuffled alike",
 }
 
 
-def train_head(arm: str, z, y, *, lr: float, steps: int, batch_size: int, seed: int):
+def train_head(arm: str, x, y, *, lr: float, steps: int, batch_size: int, seed: int):
     """Fresh head of `arm`, AdamW (no weight decay, constant rate, as bench/numeric.py trains the numeric head) on
-    minibatches of the mean NLL."""
+    minibatches of the mean NLL (the digits arm: of its SFT cross-entropy). A head with nothing to train is returned
+    as it starts."""
     torch.manual_seed(seed)
-    head = ARMS[arm](z.shape[1], y)
+    head = ARMS[arm](x, y)
+    loss_of = getattr(head, "training_loss", head.nll)
+    if not any(p.requires_grad for p in head.parameters()):
+        return head.eval()
     # ν is one scalar: at the head's rate Adam moves log ν by about lr a step, too little to leave its start
     df = [p for name, p in head.named_parameters() if name == "log_df"]
     rest = [p for name, p in head.named_parameters() if p.requires_grad and name != "log_df"]
@@ -328,7 +393,7 @@ def train_head(arm: str, z, y, *, lr: float, steps: int, batch_size: int, seed: 
     batches = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         idx = torch.randint(len(y), (batch_size,), generator=batches)
-        loss = head.nll(z[idx], y[idx]).mean()
+        loss = loss_of(x[idx], y[idx]).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -337,16 +402,16 @@ def train_head(arm: str, z, y, *, lr: float, steps: int, batch_size: int, seed: 
     return head.eval()
 
 
-def score_head(head, z, y) -> dict:
+def score_head(head, x, y) -> dict:
     """Test metrics of a trained head; non-finite predictions score inf (a diverged run is a loss, not an error)."""
     with torch.no_grad():
-        loc, scale = head(z)
-        if not (torch.isfinite(loc).all() and torch.isfinite(scale).all() and (scale > 0).all()):
+        prediction = head.predict(x, LEVELS)
+        if prediction is None:
             return {"diverged": True, "score": float("inf")}
-        nll = head.nll(z, y).double().mean().item()
-    law = head.law()
-    intervals = {level: central_interval(head.family, loc, scale, level, law.get("df")) for level in LEVELS}
-    return {"median_abs_error": median_absolute_error(loc, y), "nll": nll, **law, **interval_metrics(intervals, y)}
+        median, intervals = prediction
+        nll = head.nll(x, y).double().mean().item()
+    law = head.law() if isinstance(head, LocationScalePrediction) else {}
+    return {"median_abs_error": median_absolute_error(median, y), "nll": nll, **law, **interval_metrics(intervals, y)}
 
 
 def interval_metrics(intervals: dict, y) -> dict:
@@ -376,15 +441,15 @@ def score_constant(train_y, y) -> dict:
 
 
 def split_and_corrupt(n: int, seed: int, fraction: float, train_share=0.6, validation_share=0.2):
-    """(train, validation, test) indices of a seeded split, and for the shuffled condition a permutation of the
-    training and validation targets: `fraction` of each part's rows, chosen at random, each get the target of another
-    chosen row (a cycle, so no chosen row keeps its own)."""
+    """(train, validation, test) indices of a seeded split, and for the shuffled conditions a permutation of each
+    part's targets: `fraction` of the part's rows, chosen at random, each get the target of another chosen row (a
+    cycle, so no chosen row keeps its own)."""
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(n, generator=g)
     n_train, n_val = int(n * train_share), int(n * validation_share)
     parts = order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
     shuffles = []
-    for part in parts[:2]:
+    for part in parts:
         chosen = torch.randperm(len(part), generator=g)[: round(fraction * len(part))]
         mapping = torch.arange(len(part))
         mapping[chosen] = chosen.roll(1)
@@ -393,33 +458,43 @@ def split_and_corrupt(n: int, seed: int, fraction: float, train_share=0.6, valid
 
 
 def run_protocol(z, ratings, *, seeds, steps, batch_size, learning_rates, fraction, arms, select="score",
-                 log=print) -> list[dict]:
+                 answers=None, log=print) -> list[dict]:
     """One row per (seed, condition, arm): the test metrics at the learning rate whose validation `select` ("score",
     the mean Winkler score, or "nll") is lowest; `candidates` keeps every rate's validation and test metrics, so
-    another rule can be applied to the JSON afterwards."""
+    another rule can be applied to the JSON afterwards. The digits arms read `answers` (evidence_digits'
+    AnswerFeatures of the same texts) instead of z. The heads trained on shuffled targets are scored twice: on clean
+    test targets ("shuffled") and on test targets shuffled alike ("shuffled_test")."""
+    if any(arm in DIGIT_ARMS for arm in arms) and (answers is None or len(answers) != len(ratings)):
+        raise ValueError("the digits arms need the answer states of the same texts: extract them with answers=True")
     results = []
     for seed in range(seeds):
-        (train, val, test), (shuffle_train, shuffle_val) = split_and_corrupt(len(ratings), seed, fraction)
-        for condition in ("clean", "shuffled"):
+        (train, val, test), (shuffle_train, shuffle_val, shuffle_test) = split_and_corrupt(len(ratings), seed, fraction)
+        tests = {"clean": {"clean": ratings[test]},
+                 "shuffled": {"shuffled": ratings[test], "shuffled_test": ratings[test][shuffle_test]}}
+        for training, y_tests in tests.items():
             y_train, y_val = ratings[train], ratings[val]
-            if condition == "shuffled":
+            if training == "shuffled":
                 y_train, y_val = y_train[shuffle_train], y_val[shuffle_val]
-            row = {"seed": seed, "condition": condition, "arm": "constant", **score_constant(y_train, ratings[test])}
-            results.append(row)
+            for condition, y_test in y_tests.items():
+                results.append({"seed": seed, "condition": condition, "arm": "constant",
+                                **score_constant(y_train, y_test)})
             for arm in arms:
+                x = answers if arm in DIGIT_ARMS else z
                 candidates = []
-                for lr in learning_rates:
-                    head = train_head(arm, z[train], y_train, lr=lr, steps=steps, batch_size=batch_size, seed=seed)
-                    candidates.append({"lr": lr, "validation": score_head(head, z[val], y_val),
-                                       "test": score_head(head, z[test], ratings[test])})
+                for lr in learning_rates if arm != "digits_zero_shot" else [0.0]:
+                    head = train_head(arm, x[train], y_train, lr=lr, steps=steps, batch_size=batch_size, seed=seed)
+                    candidates.append({"lr": lr, "validation": score_head(head, x[val], y_val),
+                                       **{condition: score_head(head, x[test], y) for condition, y in y_tests.items()}})
                 best = min(candidates, key=lambda c: c["validation"].get(select, float("inf")))
-                row = {"seed": seed, "condition": condition, "arm": arm, "lr": best["lr"],
-                       "validation_" + select: best["validation"].get(select, float("inf")), **best["test"],
-                       "candidates": candidates}
-                results.append(row)
-                log(f"  seed {seed} {condition:>8} {arm:>11}: lr {row['lr']:g}, test MedAE "
-                    f"{row.get('median_abs_error', float('nan')):.3f}, 90% coverage "
-                    f"{row.get('coverage_0.9', float('nan')):.3f}, mean Winkler {row['score']:.3f}")
+                for condition in y_tests:
+                    row = {"seed": seed, "condition": condition, "arm": arm, "lr": best["lr"],
+                           "validation_" + select: best["validation"].get(select, float("inf")), **best[condition],
+                           "candidates": [{"lr": c["lr"], "validation": c["validation"], "test": c[condition]}
+                                          for c in candidates]}
+                    results.append(row)
+                    log(f"  seed {seed} {condition:>13} {arm:>16}: lr {row['lr']:g}, test MedAE "
+                        f"{row.get('median_abs_error', float('nan')):.3f}, 90% coverage "
+                        f"{row.get('coverage_0.9', float('nan')):.3f}, mean Winkler {row['score']:.3f}")
     return results
 
 
@@ -429,7 +504,7 @@ METRICS = ["median_abs_error", "nll"] + [f"{m}_{lv}" for m in ("coverage", "widt
 def summarize(results: list[dict]) -> list[dict]:
     """Mean ± standard error over seeds for each (condition, arm)."""
     summary = []
-    for condition in ("clean", "shuffled"):
+    for condition in (c for c in CONDITIONS if any(r["condition"] == c for r in results)):
         for arm in dict.fromkeys(r["arm"] for r in results):
             rows = [r for r in results if r["condition"] == condition and r["arm"] == arm]
             entry = {"condition": condition, "arm": arm, "seeds": len(rows),
@@ -453,7 +528,7 @@ def paired_differences(results: list[dict], reference: str = "cauchy") -> list[d
     left out."""
     by_key = {(r["seed"], r["condition"], r["arm"]): r for r in results}
     out = []
-    for condition in ("clean", "shuffled"):
+    for condition in (c for c in CONDITIONS if any(r["condition"] == c for r in results)):
         for arm in dict.fromkeys(r["arm"] for r in results):
             if arm == reference:
                 continue
@@ -477,8 +552,8 @@ def markdown(summary: list[dict], paired: list[dict] = ()) -> str:
         return f"{mean:.{digits}f} ± {se:.{digits}f}"
 
     lines = []
-    for condition in ("clean", "shuffled"):
-        lines += [f"\n**{condition} training targets** (test targets clean)\n",
+    for condition in dict.fromkeys(e["condition"] for e in summary):
+        lines += [f"\n**{CONDITIONS[condition]}**\n",
                   "| arm | MedAE | NLL | " + " | ".join(f"cov {lv:.0%}" for lv in LEVELS) + " | "
                   + " | ".join(f"width {lv:.0%}" for lv in LEVELS) + " | "
                   + " | ".join(f"Winkler {lv:.0%}" for lv in LEVELS) + " | ν | lr picked |",
@@ -529,22 +604,25 @@ def main() -> None:
     torch.set_num_threads(1)
 
     rows = read_vader_ratings(args.data)
-    store = extract_features(args.base, rows, args.texts, Path(args.cache))
+    with_answers = any(arm in DIGIT_ARMS for arm in args.arms)
+    store = extract_features(args.base, rows, args.texts, Path(args.cache), answers=with_answers)
     z = torch.as_tensor(store["z"])[: args.texts].float()
+    answers = answer_features(store, args.texts) if with_answers else None
     ratings = torch.tensor(store["rating"][: args.texts], dtype=torch.float32)
     print(f"{len(ratings)} of {len(rows)} texts, z {tuple(z.shape)} ({store['seconds'] / len(store['keys']):.2f} s/text "
           "to extract)")
     began = time.perf_counter()
     results = run_protocol(z, ratings, seeds=args.seeds, steps=args.steps, batch_size=args.batch_size,
                            learning_rates=args.learning_rates, fraction=args.shuffle_fraction, arms=args.arms,
-                           select=args.select)
+                           select=args.select, answers=answers)
     summary = summarize(results)
     paired = paired_differences(results)
     table = markdown(summary, paired)
     meta = {"command": "python bench/evidence_numbers.py " + " ".join(sys.argv[1:]), "texts": len(ratings),
             "seeds": args.seeds, "steps": args.steps, "batch_size": args.batch_size,
             "learning_rates": args.learning_rates, "shuffle_fraction": args.shuffle_fraction, "select": args.select,
-            "prompt": PROMPT, "base": str(args.base),
+            "prompt": PROMPT, "base": str(args.base), "arms": args.arms,
+            "cauchy_head": {k: getattr(PackageCauchyHead.config(), k) for k in ("gamma_init", "b_noise_init")},
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "protocol_seconds": round(time.perf_counter() - began, 1),
