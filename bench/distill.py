@@ -8,7 +8,8 @@ the last --heldout-texts held out, truncated to --max-length tokens. Measured in
   backbone) on the same texts and heads in the same process: the ratio is what skipping the transformer buys;
 - on the held-out tokens, before and after distillation (once per --tail-weights value): the evaluation harness
   with the base's greedy token as the target (agreement of each mode's argmax with the teacher, ΣP, calibration),
-  and `eval_top1_match` (the base's top-1 ranked first among its K).
+  and `eval_top1_match` (the base's top-1 ranked first among its K); and the fit to the teacher, the distillation
+  loss's top-K term (Σ_{k∈K} (P_k − p_teacher,k)², over the stored K and over the top 10).
 
     python bench/distill.py --base build/demo-base
 """
@@ -57,6 +58,21 @@ def against_teacher(model, features, modes=("compatible", "standard")) -> dict:
     return {mode: acc.compute() for mode, acc in accumulators.items()}
 
 
+@torch.no_grad()
+def topk_fit(model, features) -> dict[str, float]:
+    """How well the heads fit the teacher on stored held-out features: the distillation loss's own top-K term,
+    Σ_{k∈K} (P_k − p_teacher,k)² (mean over positions; the tail term off), and the same over the teacher's top 10."""
+    rows = load_features(features)[:]
+    z, ids, probs = rows["hidden_state"], rows["topk_ids"].long(), rows["topk_probs"]
+    tail, model.config.distill_tail_weight = model.config.distill_tail_weight, 0.0
+    try:
+        fit = {f"top-{ids.shape[1]}": model(hidden_state=z, topk_ids=ids, topk_probs=probs).loss.item(),
+               "top-10": model(hidden_state=z, topk_ids=ids[:, :10], topk_probs=probs[:, :10]).loss.item()}
+    finally:
+        model.config.distill_tail_weight = tail
+    return fit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="build/demo-base")
@@ -89,6 +105,7 @@ def main() -> None:
 
         fresh = CausalQwenForCausalLM.from_base(base, **heads).float()
         results = {"fresh heads": against_teacher(fresh, work / "heldout")}
+        fits = {"fresh heads": topk_fit(fresh, work / "heldout")}
         del fresh
 
         # Reference: the OvR loss through the frozen backbone, same texts, same heads, float32 heads.
@@ -124,6 +141,7 @@ def main() -> None:
             evals = [h for h in distill.state.log_history if "eval_loss" in h]
             runs[tail_weight] = (seconds, evals)
             results[f"distilled, tail weight {tail_weight:g}"] = against_teacher(distill.model, work / "heldout")
+            fits[f"distilled, tail weight {tail_weight:g}"] = topk_fit(distill.model, work / "heldout")
             print(markdown_table({f"distilled, tail weight {tail_weight:g}": results[f"distilled, tail weight {tail_weight:g}"]}),
                   flush=True)
             del distill
@@ -140,6 +158,9 @@ def main() -> None:
                   f"{evals[0]['eval_top1_match']:.3f} → {evals[-1]['eval_top1_match']:.3f}")
         print("\nHeld-out tokens, the teacher's greedy token as target (top1_accuracy = agreement with the teacher):")
         print(markdown_table(results))
+        print("\nHeld-out fit to the teacher's probabilities, Σ_k (P_k − p_teacher,k)² per position (standard mode):")
+        for name, fit in fits.items():
+            print(f"  {name:<28}" + "  ".join(f"{k} {v:.4f}" for k, v in fit.items()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -498,6 +498,21 @@ def run_protocol(z, ratings, *, seeds, steps, batch_size, learning_rates, fracti
     return results
 
 
+def reselect(results: list[dict], select: str) -> list[dict]:
+    """The rows as if `select` had picked each arm's learning rate: every rate's validation and test metrics are kept
+    in a row's `candidates`, so no head is retrained."""
+    out = []
+    for row in results:
+        if "candidates" not in row:  # the constant predictor: nothing to pick
+            out.append(row)
+            continue
+        best = min(row["candidates"], key=lambda c: c["validation"].get(select, float("inf")))
+        kept = {k: row[k] for k in ("seed", "condition", "arm", "candidates")}
+        out.append({**kept, "lr": best["lr"], "validation_" + select: best["validation"].get(select, float("inf")),
+                    **best["test"]})
+    return out
+
+
 METRICS = ["median_abs_error", "nll"] + [f"{m}_{lv}" for m in ("coverage", "width", "winkler") for lv in LEVELS]
 
 
@@ -544,6 +559,13 @@ def paired_differences(results: list[dict], reference: str = "cauchy") -> list[d
     return out
 
 
+def all_paired_differences(results: list[dict]) -> list[dict]:
+    """Paired differences against the package's head, and against the digits LM when it ran (the strongest
+    baseline)."""
+    references = [arm for arm in ("cauchy", "digits") if any(r["arm"] == arm for r in results)]
+    return [entry for reference in references for entry in paired_differences(results, reference)]
+
+
 def markdown(summary: list[dict], paired: list[dict] = ()) -> str:
     def cell(entry, metric, digits=3):
         if metric not in entry:
@@ -564,9 +586,11 @@ def markdown(summary: list[dict], paired: list[dict] = ()) -> str:
             cells += [cell(entry, "df", 2), ", ".join(f"{lr:g}" for lr in entry["lr"]) or "–"]
             diverged = f" ({entry['diverged']} diverged)" if entry["diverged"] else ""
             lines.append(f"| {entry['arm']}{diverged} | " + " | ".join(cells) + " |")
-        rows = [e for e in paired if e["condition"] == condition]
-        if rows:
-            lines += [f"\nPaired over seeds, arm − {rows[0]['reference']} (negative: the arm is better)\n",
+        for reference in dict.fromkeys(e["reference"] for e in paired):
+            rows = [e for e in paired if e["condition"] == condition and e["reference"] == reference]
+            if not rows:
+                continue
+            lines += [f"\nPaired over seeds, arm − {reference} (negative: the arm is better)\n",
                       "| arm | ΔMedAE | " + " | ".join(f"ΔWinkler {lv:.0%}" for lv in LEVELS) + " |",
                       "|---" * (2 + len(LEVELS)) + "|"]
             lines += [f"| {e['arm']} | " + " | ".join(cell(e, m) for m in PAIRED_METRICS) + " |" for e in rows]
@@ -588,19 +612,21 @@ def main() -> None:
                         help="the validation metric that picks each arm's learning rate: mean Winkler score, or NLL")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--quick", action="store_true",
-                        help="a subset under ~10 minutes: 200 texts, 3 seeds, 200 steps, two learning rates")
+                        help="a subset under 10 minutes: 200 texts, 3 seeds, 200 steps, rates 3e-4 and 3e-3")
     parser.add_argument("--output", default="bench/results/evidence_numbers", help="writes OUTPUT.json and OUTPUT.md")
-    parser.add_argument("--summarize", metavar="JSON", help="only re-render OUTPUT.md from a JSON this script wrote")
+    parser.add_argument("--summarize", metavar="JSON",
+                        help="only re-render OUTPUT.md from a JSON this script wrote (with --select: re-picked)")
     args = parser.parse_args()
     if args.summarize:
         saved = json.loads(Path(args.summarize).read_text())
-        meta, results = saved["meta"], saved["runs"]
-        table = markdown(summarize(results), paired_differences(results))
-        Path(f"{args.output}.md").write_text(f"{meta['command']}  ({meta['date']}, {meta['machine']})\n{table}")
+        meta, results = saved["meta"], reselect(saved["runs"], args.select)
+        table = markdown(summarize(results), all_paired_differences(results))
+        rule = f"; learning rates re-picked by validation {args.select}" if args.select != meta["select"] else ""
+        Path(f"{args.output}.md").write_text(f"{meta['command']}  ({meta['date']}, {meta['machine']}{rule})\n{table}")
         print(table)
         return
     if args.quick:
-        args.texts, args.seeds, args.steps, args.learning_rates = 200, 3, 200, [1e-3, 3e-3]
+        args.texts, args.seeds, args.steps, args.learning_rates = 200, 3, 200, [3e-4, 3e-3]
     torch.set_num_threads(1)
 
     rows = read_vader_ratings(args.data)
@@ -616,7 +642,7 @@ def main() -> None:
                            learning_rates=args.learning_rates, fraction=args.shuffle_fraction, arms=args.arms,
                            select=args.select, answers=answers)
     summary = summarize(results)
-    paired = paired_differences(results)
+    paired = all_paired_differences(results)
     table = markdown(summary, paired)
     meta = {"command": "python bench/evidence_numbers.py " + " ".join(sys.argv[1:]), "texts": len(ratings),
             "seeds": args.seeds, "steps": args.steps, "batch_size": args.batch_size,

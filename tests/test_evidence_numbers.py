@@ -331,3 +331,17 @@ def test_extraction_is_each_prompt_alone_and_resumes(sft_base, tmp_path):
         for k, i in enumerate(order):
             ids = tokenizer(evidence.PROMPT.format(text=rows[i]["text"]), return_tensors="pt").input_ids
             torch.testing.assert_close(store["z"][k], model(ids).last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_reselect_picks_what_a_run_with_that_rule_picks():
+    torch.manual_seed(0)
+    z = torch.randn(120, 4)
+    ratings = z[:, 0] + 0.2 * torch.randn(120)
+    kwargs = dict(seeds=1, steps=20, batch_size=16, learning_rates=[1e-4, 1e-2, 1e-1], fraction=0.2,
+                  arms=["cauchy", "gaussian"], log=lambda *_: None)
+    by_score = evidence.run_protocol(z, ratings, select="score", **kwargs)
+    by_nll = evidence.run_protocol(z, ratings, select="nll", **kwargs)
+    assert evidence.reselect(by_score, "nll") == by_nll
+    assert evidence.reselect(by_nll, "score") == by_score
+    table = evidence.markdown(evidence.summarize(by_nll), evidence.all_paired_differences(by_nll))
+    assert table.count("arm − cauchy") == 3 and "arm − digits" not in table  # one per condition; no digits run
