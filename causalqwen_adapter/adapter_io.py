@@ -32,7 +32,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .configuration_causalqwen import CausalQwenConfig, check_number
 from .model_card import CARD_NAME, write_model_card
-from .sharding import gathered_tensors
+from .sharding import gathered, gathered_tensors
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
 LORA_FOLDER = "lora"
@@ -124,15 +124,20 @@ def causal_lm_parts(base, name) -> tuple[nn.Module, nn.Linear]:
         )
     shape = (base.config.vocab_size, base.config.hidden_size)
     weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
-    if not isinstance(lm_head, nn.Linear) or not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+    if not isinstance(lm_head, nn.Linear) or not isinstance(weight, torch.Tensor) or whole_shape(weight) != shape:
         raise ValueError(
             f"{name} ({type(base).__name__}): its output layer is a {type(lm_head).__name__} with weight "
-            f"{None if weight is None else tuple(weight.shape)}, not one [vocab × hidden] = {list(shape)} linear map: "
+            f"{None if weight is None else whole_shape(weight)}, not one [vocab × hidden] = {list(shape)} linear map: "
             f"W_A cannot copy it. CausalQwen heads attach to {SUPPORTED_BASES}"
         )
-    if bias is not None and tuple(bias.shape) != shape[:1]:
-        raise ValueError(f"{name}: its output layer's bias has shape {tuple(bias.shape)}, not [{shape[0]}]")
+    if bias is not None and whole_shape(bias) != shape[:1]:
+        raise ValueError(f"{name}: its output layer's bias has shape {whole_shape(bias)}, not [{shape[0]}]")
     return backbone, lm_head
+
+
+def whole_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's shape, or the whole shape of a DeepSpeed ZeRO-3 partition (which holds none of it here)."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
 
 
 @torch.no_grad()
@@ -483,13 +488,16 @@ class CausalAdapterMixin:
         model = cls._assemble(config, backbone, None if tied else lm_head)
         with torch.no_grad():
             model.abduction.reset_parameters(config.gamma_init)
-            weight = lm_head.weight
-            if config.causal_size != config.text_config.hidden_size:
-                # W_A = W_base · W_loc⁺ keeps loc_S = W_base z exactly when C > H (W_loc⁺ W_loc = I)
-                # and as the least-squares best when C < H.
-                pinv = torch.linalg.pinv(model.abduction.loc.weight.double())
-                weight = (weight.double() @ pinv).to(weight.dtype)
-            model.action.reset_parameters(config.b_noise_init, weight, lm_head.bias)
+            # a base built partitioned (DeepSpeed ZeRO-3 with zero3_init_flag) is gathered for the copy only: every
+            # rank reads the output layer, nothing else of the base
+            with gathered(*(p for p in (lm_head.weight, lm_head.bias) if p is not None)):
+                weight = lm_head.weight
+                if config.causal_size != config.text_config.hidden_size:
+                    # W_A = W_base · W_loc⁺ keeps loc_S = W_base z exactly when C > H (W_loc⁺ W_loc = I)
+                    # and as the least-squares best when C < H.
+                    pinv = torch.linalg.pinv(model.abduction.loc.weight.double())
+                    weight = (weight.double() @ pinv).to(weight.dtype)
+                model.action.reset_parameters(config.b_noise_init, weight, lm_head.bias)
             if config.numeric:
                 model.numeric.reset_parameters()  # median 0, scale 1 until the trainer sees the data
         model.generation_config = base.generation_config

@@ -32,6 +32,7 @@ from .training import (
     HeadLearningRatesMixin,
     LossMetricsMixin,
     calibrate_threshold,
+    check_can_calibrate,
     check_output_dir,
     configure_backbone,
     prepare_causal_model,
@@ -243,6 +244,7 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
         for name, dataset in eval_datasets.items():
             _check_targets(dataset, vocab_size, name, require_targets=False)
         if fresh_heads and args.ovr_threshold_init is None and not model.config.ovr_relative_threshold:
+            check_can_calibrate(model)
             calibrate_threshold(model, self._calibration_batches())
 
     def _calibration_batches(self, rows: int = 64):

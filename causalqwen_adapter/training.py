@@ -583,6 +583,17 @@ def freeze_unreachable_parameters(model: CausalQwenForCausalLM, loss: str = "sft
 
 
 @torch.no_grad()
+def check_can_calibrate(model: CausalQwenForCausalLM) -> None:
+    """Calibrating absolute thresholds runs the backbone before training: refused when it is partitioned."""
+    if any(hasattr(p, "ds_id") for p in model.model.parameters()):
+        raise ValueError(
+            "absolute OvR thresholds (ovr_relative_threshold false) are calibrated on the base's hidden states before "
+            "training, but DeepSpeed ZeRO-3 with zero3_init_flag true has loaded the base partitioned: pass "
+            "--ovr_threshold_init (a threshold), or set zero3_init_flag: false in the accelerate config "
+            "(ACCELERATE_DEEPSPEED_ZERO3_INIT=false) so that the base loads whole"
+        )
+
+
 def calibrate_threshold(model: CausalQwenForCausalLM, batches, max_positions: int = 1024) -> float:
     """The uniform OvR threshold C at which fresh heads rank tokens most like their base, measured on data.
 
@@ -642,7 +653,7 @@ def _load_model(name: str, args, loss: str = "sft") -> CausalQwenForCausalLM:
     check_found(name, "model", MODEL_HINT)
     config, _ = PreTrainedConfig.get_config_dict(name, revision=revision)
     model_type = config.get("model_type")
-    with loaded_whole_under_zero3(args):
+    with base_loading_under_zero3(args):
         if model_type == CausalQwenForCausalLM.config_class.model_type:
             return CausalQwenForCausalLM.from_pretrained(name, revision=revision, dtype=dtype, **kwargs), False
         heads = head_options(args, loss)
@@ -652,12 +663,12 @@ def _load_model(name: str, args, loss: str = "sft") -> CausalQwenForCausalLM:
 
 
 @contextmanager
-def loaded_whole_under_zero3(args):
+def base_loading_under_zero3(args):
     """Under DeepSpeed ZeRO-3, once accelerate has registered its config, transformers builds every model partitioned
-    (`deepspeed.zero.Init`) whatever the config's `zero3_init_flag`. The heads are built from whole tensors (W_A copies
-    the output layer; the base's logits are checked against it; an adapter's tensors are loaded into them), so the
-    model is read whole there, as `zero3_init_flag: false` asks (recipes/configs/deepspeed_zero3.yaml), and
-    `deepspeed.initialize` partitions it afterwards."""
+    (`deepspeed.zero.Init`) whatever the config's `zero3_init_flag`. With the flag true (recipes/configs/
+    deepspeed_zero3.yaml) that is what happens: the base loads partitioned, no rank holds it whole, and `from_base`
+    gathers only the output layer to copy it into W_A (the heads are built whole and partitioned by
+    `deepspeed.initialize`). With the flag false the base is read whole on every rank, as the flag asks."""
     from transformers.integrations.deepspeed import (
         is_deepspeed_zero3_enabled,
         set_hf_deepspeed_config,
@@ -665,16 +676,9 @@ def loaded_whole_under_zero3(args):
     )
 
     plugin = getattr(args, "deepspeed_plugin", None)
-    if plugin is None or not is_deepspeed_zero3_enabled():
+    if plugin is None or plugin.zero3_init_flag or not is_deepspeed_zero3_enabled():
         yield
         return
-    if plugin.zero3_init_flag:
-        raise ValueError(
-            "DeepSpeed ZeRO-3 with zero3_init_flag true builds the base partitioned, but the causal heads are built "
-            "from its whole output layer: set zero3_init_flag: false in the accelerate config (as "
-            "recipes/configs/deepspeed_zero3.yaml does) or ACCELERATE_DEEPSPEED_ZERO3_INIT=false; each rank then "
-            "reads the base once and DeepSpeed partitions it when the trainer prepares it"
-        )
     # the config object transformers holds a weak reference to: the Trainer's (`--deepspeed`) or accelerate's
     registered = getattr(args, "hf_deepspeed_config", None) or plugin.dschf
     unset_hf_deepspeed_config()

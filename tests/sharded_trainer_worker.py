@@ -47,11 +47,12 @@ def launch_environment(config_file: Path) -> dict:
     return {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
 
 
-def run_ranks(base: Path, work: Path, engine: str, scenario: str) -> list[tuple[int, str, str]]:
-    """Both ranks of this worker (float32: gloo here, and one process is the reference); fails on a rank's error."""
+def run_ranks(base: Path, work: Path, engine: str, scenario: str, **overrides: str) -> list[tuple[int, str, str]]:
+    """Both ranks of this worker (float32: gloo here, and one process is the reference); fails on a rank's error.
+    `overrides`: launch-environment variables that differ from the shipped config's."""
     from conftest import free_port, run_processes
 
-    env = {**os.environ, **launch_environment(CONFIG_FILES[engine]), "ACCELERATE_MIXED_PRECISION": "no",
+    env = {**os.environ, **launch_environment(CONFIG_FILES[engine]), **overrides, "ACCELERATE_MIXED_PRECISION": "no",
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}
     argv = [sys.executable, str(Path(__file__).resolve()), str(base), str(work), engine, scenario]
@@ -141,9 +142,25 @@ def deepspeed_on_cpu() -> dict:
     return {"use_cpu": False, "ddp_backend": "gloo"}
 
 
+BUILT_FROM = {}  # whether the base the heads were built on was partitioned (ZeRO-3 zero3_init_flag) when they were
+
+
+def record_base_partitioning() -> None:
+    from causalqwen_adapter import CausalQwenForCausalLM
+
+    from_base = CausalQwenForCausalLM.from_base.__func__
+
+    def spy(cls, base, **kwargs):
+        BUILT_FROM["partitioned"] = hasattr(base.get_output_embeddings().weight, "ds_id")
+        return from_base(cls, base, **kwargs)
+
+    CausalQwenForCausalLM.from_base = classmethod(spy)
+
+
 def gathered(trainer) -> dict:
     model = trainer.accelerator.unwrap_model(trainer.model)
     return {
+        "base_partitioned_at_load": BUILT_FROM.get("partitioned"),
         "heads": model.gathered_adapter_state_dict(),  # a collective: every rank calls it
         "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
         # every parameter a shard: an FSDP2 DTensor or a ZeRO-3 partition (not a DDP replica)
@@ -203,6 +220,7 @@ if __name__ == "__main__":
         device_args = {}
     else:
         device_args = deepspeed_on_cpu()
+    record_base_partitioning()
     {"resume": resume, "best": best, "recipe": recipe}[scenario](sys.argv[1], Path(sys.argv[2]), device_args)
     # Skip interpreter finalization, as tests/fsdp_worker.py does: a gloo thread may still hold work at exit.
     sys.stdout.flush()

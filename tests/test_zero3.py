@@ -57,12 +57,13 @@ def test_zero3_step_matches_one_process(tied_base, tmp_path, options):
 
 
 def test_zero3_trainer_builds_fresh_heads_resumes_exactly_and_checkpoints_no_base(sft_base, tmp_path):
-    """The Trainer under the shipped `deepspeed_zero3.yaml` (tests/sharded_trainer_worker.py): fresh heads copy the
-    whole output layer although transformers builds models partitioned once accelerate registers ZeRO-3; 4 steps equal
-    one process; resuming from checkpoint-2 continues exactly; DeepSpeed's checkpoint holds the trained tensors'
-    partitions and optimizer, not the frozen base's (`frozen_param_fragments`)."""
+    """The Trainer under the shipped `deepspeed_zero3.yaml` (tests/sharded_trainer_worker.py; zero3_init_flag true):
+    the base loads partitioned and fresh heads copy its gathered output layer; 4 steps equal one process (whose heads
+    copied the whole base's); resuming from checkpoint-2 continues exactly; DeepSpeed's checkpoint holds the trained
+    tensors' partitions and optimizer, not the frozen base's (`frozen_param_fragments`)."""
     sharded_trainer_worker.run_ranks(sft_base, tmp_path, "zero3", "resume")
     files = sharded_trainer_worker.check_resumed_as_uninterrupted(sft_base, tmp_path)
+    assert torch.load(tmp_path / "resume.pt", weights_only=False)["full"]["base_partitioned_at_load"] is True
     states = [name for name in files if name.endswith("model_states.pt")]
     assert len(states) == 2 and "scheduler.pt" in files and "model.safetensors" in files, files
     for name in states:
@@ -70,32 +71,40 @@ def test_zero3_trainer_builds_fresh_heads_resumes_exactly_and_checkpoints_no_bas
         assert not saved.get("frozen_param_fragments"), name
 
 
+def test_zero3_with_the_base_loaded_whole_trains_the_same(sft_base, tmp_path):
+    """zero3_init_flag false: every rank reads the whole base (transformers would build it partitioned once ZeRO-3 is
+    registered, whatever the flag), and the run equals one process and resumes exactly as with the flag true."""
+    sharded_trainer_worker.run_ranks(sft_base, tmp_path, "zero3", "resume", ACCELERATE_DEEPSPEED_ZERO3_INIT="false")
+    sharded_trainer_worker.check_resumed_as_uninterrupted(sft_base, tmp_path)
+    assert torch.load(tmp_path / "resume.pt", weights_only=False)["full"]["base_partitioned_at_load"] is False
+
+
+def test_absolute_thresholds_on_a_partitioned_base_are_refused_with_the_ways_out(sft_base):
+    """Calibrating absolute thresholds runs the backbone before training: on a ZeRO-3 partitioned base it is
+    refused, naming both ways out."""
+    from causalqwen_adapter import CausalQwenForCausalLM
+    from causalqwen_adapter.training import check_can_calibrate
+
+    model = CausalQwenForCausalLM.from_base(str(sft_base))
+    check_can_calibrate(model)  # a whole base: calibrated as usual
+    next(model.model.parameters()).ds_id = 0  # what deepspeed.zero.Init marks a partitioned parameter with
+    with pytest.raises(ValueError, match="zero3_init_flag true.*--ovr_threshold_init.*zero3_init_flag: false"):
+        check_can_calibrate(model)
+
+
 def test_zero3_recipe_runs_to_its_last_line(sft_base, tmp_path):
     """recipes/sft_ovr.py under the Trainer's ZeRO-3: trains, writes the card and the adapter folder, and every rank
-    prints the same digest of the gathered heads before the final barrier and `trainer.end()`."""
+    prints the same digest of the gathered heads before the final barrier and `trainer.end()`; from a base, then from
+    the adapter it wrote."""
     sharded_trainer_worker.write_recipe_data(tmp_path)
     results = sharded_trainer_worker.run_ranks(sft_base, tmp_path, "zero3", "recipe")
     sharded_trainer_worker.check_recipe_ran(results, tmp_path)
-
-
-def test_zero3_with_partitioned_loading_is_refused_with_the_setting_to_change(sft_base, tmp_path, monkeypatch):
-    """zero3_init_flag true builds the base partitioned: fresh heads cannot copy its output layer, so the trainer
-    refuses, naming the setting, before any training."""
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
-
-    for key, value in sharded_trainer_worker.launch_environment(sharded_trainer_worker.CONFIG_FILES["zero3"]).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
-    args = CausalSFTConfig(str(tmp_path / "out"), report_to="none", max_steps=1, bf16=False)
-    try:
-        with pytest.raises(ValueError, match="zero3_init_flag true.*set zero3_init_flag: false"):
-            CausalSFTTrainer(str(sft_base), args=args, train_dataset=None)
-    finally:  # the arguments registered ZeRO-3 with transformers for this process: later tests load plain models
-        unset_hf_deepspeed_config()
-    assert not (tmp_path / "out").exists()
+    # and again from the adapter folder it wrote: its base loads partitioned, its heads from the folder
+    again = tmp_path / "again"
+    again.mkdir()
+    sharded_trainer_worker.write_recipe_data(again)
+    results = sharded_trainer_worker.run_ranks(tmp_path / "out", again, "zero3", "recipe")
+    sharded_trainer_worker.check_recipe_ran(results, again)
 
 
 def test_zero3_trainer_loads_the_best_checkpoint_at_the_end(sft_base, tmp_path):
