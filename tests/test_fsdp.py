@@ -34,8 +34,9 @@ def test_launch_configurations_keep_what_the_heads_need():
     assert fsdp.fsdp_config["fsdp_cpu_ram_efficient_loading"] is True
     zero3 = ClusterConfig.from_yaml_file(CONFIGS / "deepspeed_zero3.yaml")
     assert zero3.distributed_type == "DEEPSPEED" and zero3.deepspeed_config["zero_stage"] == 3
-    # the same copy needs the unpartitioned weight at construction; gathered 16-bit weights at save time
-    assert zero3.deepspeed_config["zero3_init_flag"] is False
+    # the base loads partitioned (fresh heads gather only its output layer: test_zero3.py); gathered 16-bit weights at
+    # save time
+    assert zero3.deepspeed_config["zero3_init_flag"] is True
     assert zero3.deepspeed_config["zero3_save_16bit_model"] is True
 
 
