@@ -582,7 +582,6 @@ def freeze_unreachable_parameters(model: CausalQwenForCausalLM, loss: str = "sft
     return names
 
 
-@torch.no_grad()
 def check_can_calibrate(model: CausalQwenForCausalLM) -> None:
     """Calibrating absolute thresholds runs the backbone before training: refused when it is partitioned."""
     if any(hasattr(p, "ds_id") for p in model.model.parameters()):
@@ -594,6 +593,7 @@ def check_can_calibrate(model: CausalQwenForCausalLM) -> None:
         )
 
 
+@torch.no_grad()
 def calibrate_threshold(model: CausalQwenForCausalLM, batches, max_positions: int = 1024) -> float:
     """The uniform OvR threshold C at which fresh heads rank tokens most like their base, measured on data.
 
