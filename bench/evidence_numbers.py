@@ -5,8 +5,9 @@ Task: VADER's human sentiment ratings (Hutto & Gilbert, ICWSM 2014; the `*_Groun
 people, in [−4, 4], 23,703 texts (tweets, movie and Amazon review snippets, New York Times editorial sentences).
 
 The frozen demo base runs once over a prompt per text; its final hidden state z at the prompt's last token (the
-position whose next token would be the answer's `<NUM>`) is cached under --cache. Every arm then trains on the same z,
-with the same optimiser, steps and learning-rate grid (picked per arm on validation):
+position whose next token would be the answer's `<NUM>`) is cached under --cache, with, when a digits arm runs, the
+states before every token of every answer the LM may write (evidence_digits). Every arm then trains on these frozen
+states, with the same optimiser, steps and learning-rate grid (picked per arm on validation):
 
 - `cauchy`: the package's numeric path as bench/numeric.py trains it: `AbductionNetwork` (identity location, its scale
   path trained) and `NumericHead` (w, b, s trained) on the standard-mode fused individual, loss `cauchy_nll`, the
