@@ -725,3 +725,12 @@ def test_ddp_step_matches_one_process_in_every_loss_configuration(sft_base, tmp_
         for key, value in reference["heads"].items():
             # Adam divides by √v: float rounding of the all-reduce shows up at 1e-6 relative in the smallest updates
             torch.testing.assert_close(ddp["heads"][key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
+
+def test_learnable_absolute_thresholds_are_calibrated_in_place(sft_base, tmp_path):
+    # one learnable threshold per token: the calibration fills the parameter (a leaf) without recording a graph
+    trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path, ovr_relative_threshold=False, learnable_threshold=True),
+                               train_dataset=_prompt_completion())
+    threshold = trainer.model.ovr.threshold
+    assert isinstance(threshold, torch.nn.Parameter) and threshold.requires_grad and threshold.grad_fn is None
+    assert torch.equal(threshold, torch.full_like(threshold, trainer.model.config.ovr_threshold_init))
