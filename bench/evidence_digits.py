@@ -146,9 +146,10 @@ class HistogramLaw:
     def __init__(self, probs: torch.Tensor, grid=GRID):
         self.probs, self.grid, self.width = probs.double(), grid, bin_width(grid)
         self.left = torch.tensor(grid, dtype=torch.float64) - self.width / 2
+        self.cdf = self.probs.cumsum(-1)  # at each bin's right edge
 
     def quantile(self, q: float) -> torch.Tensor:
-        cdf = self.probs.cumsum(-1)
+        cdf = self.cdf
         g = torch.searchsorted(cdf, torch.full((len(cdf), 1), q, dtype=torch.float64)).clamp_max(cdf.shape[-1] - 1)
         below = (cdf.gather(-1, g) - self.probs.gather(-1, g)).squeeze(-1)
         inside = ((q - below) / self.probs.gather(-1, g).squeeze(-1)).clamp(0, 1)
@@ -183,12 +184,13 @@ class DigitsHead(torch.nn.Module):
         g = grid_index(y, self.grid)
         return -self.token_log_probs(x)[torch.arange(len(g)), g].sum(-1) / self.mask[g].sum(-1)
 
-    def law(self, x: AnswerFeatures) -> HistogramLaw:
+    def distribution(self, x: AnswerFeatures) -> HistogramLaw:
+        """The law of the rating the LM writes: its answers' probabilities, renormalised over the answers."""
         return HistogramLaw(self.token_log_probs(x).sum(-1).double().softmax(-1), self.grid)
 
     def nll(self, x: AnswerFeatures, y: torch.Tensor) -> torch.Tensor:
-        return self.law(x).nll(y)
+        return self.distribution(x).nll(y)
 
     def predict(self, x: AnswerFeatures, levels) -> tuple[torch.Tensor, dict]:
-        law = self.law(x)
+        law = self.distribution(x)
         return law.quantile(0.5), {lv: (law.quantile((1 - lv) / 2), law.quantile((1 + lv) / 2)) for lv in levels}

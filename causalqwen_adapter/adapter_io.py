@@ -32,7 +32,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .configuration_causalqwen import CausalQwenConfig, check_number
 from .model_card import CARD_NAME, write_model_card
-from .sharding import gathered, gathered_tensors
+from .sharding import gathered, gathered_tensors, is_partitioned, whole_shape
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
 LORA_FOLDER = "lora"
@@ -135,18 +135,13 @@ def causal_lm_parts(base, name) -> tuple[nn.Module, nn.Linear]:
     return backbone, lm_head
 
 
-def whole_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    """A tensor's shape, or the whole shape of a DeepSpeed ZeRO-3 partition (which holds none of it here)."""
-    return tuple(getattr(tensor, "ds_shape", tensor.shape))
-
-
 @torch.no_grad()
 def check_logits_are_output_layer(base, backbone, lm_head, name) -> None:
     """Run the base once on a few tokens and check that its logits are its output layer applied to its backbone's
     last hidden state: what the heads copy. Catches what no config field names (a scale, a cap or a norm after the
     output layer in the base's forward). Skipped where the weights are not here (meta, a ZeRO-3 partition)."""
     weight = lm_head.weight
-    if weight.device.type == "meta" or hasattr(weight, "ds_id"):
+    if weight.device.type == "meta" or is_partitioned(weight):
         return
     seen = {}
 

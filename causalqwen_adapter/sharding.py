@@ -26,12 +26,22 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def is_partitioned(tensor: torch.Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds this parameter partitioned (whole or not at this moment)."""
+    return hasattr(tensor, "ds_id")
+
+
+def whole_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's shape, or the whole shape of a ZeRO-3 partition (which may hold none of it here)."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+
+
 def gathered(*params: torch.Tensor):
     """A context in which DeepSpeed ZeRO-3 partitioned parameters hold their whole value (read-only; every rank must
     enter it); a no-op for any other tensor."""
     # a parameter ZeRO-3 holds whole already (its module is running) is read as it is: gathering it again would
     # release it under that module on exit
-    partitioned = [p for p in params if hasattr(p, "ds_id") and p.ds_status.name != "AVAILABLE"]
+    partitioned = [p for p in params if is_partitioned(p) and p.ds_status.name != "AVAILABLE"]
     if not partitioned:
         return contextlib.nullcontext()
     return sys.modules["deepspeed"].zero.GatheredParameters(partitioned, modifier_rank=None)

@@ -47,7 +47,7 @@ from .configuration_causalqwen import (
 )
 from .model_card import write_model_card
 from .modeling_causalqwen import CausalQwenForCausalLM
-from .sharding import distribute_like, local_shard
+from .sharding import distribute_like, is_partitioned, local_shard
 
 logger = logging.get_logger(__name__)
 
@@ -584,7 +584,7 @@ def freeze_unreachable_parameters(model: CausalQwenForCausalLM, loss: str = "sft
 
 def check_can_calibrate(model: CausalQwenForCausalLM) -> None:
     """Calibrating absolute thresholds runs the backbone before training: refused when it is partitioned."""
-    if any(hasattr(p, "ds_id") for p in model.model.parameters()):
+    if any(map(is_partitioned, model.model.parameters())):
         raise ValueError(
             "absolute OvR thresholds (ovr_relative_threshold false) are calibrated on the base's hidden states before "
             "training, but DeepSpeed ZeRO-3 with zero3_init_flag true has loaded the base partitioned: pass "

@@ -105,7 +105,7 @@ def test_head_token_probabilities_are_the_full_vocabulary_softmax():
             assert got[i, g, : len(sequence)].tolist() == pytest.approx(ref, abs=1e-5)
             answer_logp.append(sum(ref))
         probs = torch.tensor(answer_logp).softmax(-1)  # constrained to the answers, renormalised
-        assert head.law(features[i : i + 1]).probs[0].tolist() == pytest.approx(probs.tolist(), abs=1e-6)
+        assert head.distribution(features[i : i + 1]).probs[0].tolist() == pytest.approx(probs.tolist(), abs=1e-6)
     y = torch.tensor([-1.02, 0.3, 1.49, 7.0, -3.0, 0.0])  # nearest answers, the ends beyond the grid
     assert digits.grid_index(y, grid=features.tree.grid).tolist() == [0, 3, 5, 5, 0, 2]
 
