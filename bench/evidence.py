@@ -18,6 +18,8 @@ have, written here on the same tensors:
 | `gce` | generalised cross-entropy (1 − p_y^q)/q, q = 0.7, of softmax(loc_S) over the vocabulary (here, not in the package) |
 | `ovr_logistic` | `ovr` with the logistic link σ(x) in place of the Cauchy CDF (here, not in the package) |
 | `ovr_location` | `ovr` with `ovr_trains_location=True`: the OvR loss's gradient reaches the locations too |
+| `ovr_alone` | the OvR loss over the candidates alone (`softmax_loss_weight=0`, `ovr_trains_location=True`), from γ₀ = 0.005: the Cauchy loss trains the locations |
+| `ovr_alone_logistic` | `ovr_alone` with the logistic link (here, not in the package) |
 
 Label noise flips training (and validation) labels, uniformly or class-dependently (evidence_data.inject_noise); the
 learning rate of each arm and noise setting is the best of --lrs by validation accuracy (noisy validation labels: what
@@ -62,6 +64,8 @@ from heads_recipe import optimizer_for  # noqa: E402
 # "ovr", "ovr_logistic" and "ovr_location": the OvR loss over the whole vocabulary (the package's default before
 # ovr_candidates), from γ₀ = 1e-5
 VOCABULARY = {"ovr_candidates": None}
+CANDIDATES = {"ovr_candidates": 16, "gamma_init": 0.005, "b_noise_init": 1e-6}
+ALONE = {**CANDIDATES, "ovr_trains_location": True, "softmax_loss_weight": 0.0}
 ARMS = {
     "ovr": dict(heads=VOCABULARY, loss="recipe"),
     "softmax": dict(heads={"objective": "softmax"}, loss="recipe"),
@@ -70,7 +74,11 @@ ARMS = {
     "ovr_location": dict(heads={**VOCABULARY, "ovr_trains_location": True}, loss="recipe"),
     # the OvR loss over the top-16 of loc_S and the target, from a scale where P_k is graded (docs/design.md, Training
     # losses), with the noise it was measured with (the package's default is now 0.01)
-    "ovr_candidates": dict(heads={"ovr_candidates": 16, "gamma_init": 0.005, "b_noise_init": 1e-6}, loss="recipe"),
+    "ovr_candidates": dict(heads=CANDIDATES, loss="recipe"),
+    # the OvR loss over the candidates alone trains the locations too (no cross-entropy): the seeds' robust classifier,
+    # whose bounded gradient on a confidently wrong label is the claim under test, and its logistic-link ablation
+    "ovr_alone": dict(heads=ALONE, loss="recipe"),
+    "ovr_alone_logistic": dict(heads=ALONE, loss="logistic"),
 }
 GCE_Q = 0.7
 
@@ -159,8 +167,9 @@ def training_targets(features: dict, labels: list[int], rows: torch.Tensor, labe
 
 def link_ovr_loss(model, z, targets, link: str) -> torch.Tensor:
     """The recipe's loss (softmax_loss_weight × cross-entropy of loc_S + OvR loss, relative thresholds), written on
-    [N, V] tensors with the OvR probability P = F(x) for `link` ∈ {cauchy, logistic}. With `cauchy` it is the
-    package's `heads_loss` (tests/test_evidence.py checks the loss and the gradients)."""
+    [N, V] tensors with the OvR probability P = F(x) for `link` ∈ {cauchy, logistic}, over the vocabulary or, with
+    `ovr_candidates` = K, over each position's K largest loc_S and the target. With `cauchy` it is the package's
+    `heads_loss` (tests/test_evidence.py checks the loss and the gradients)."""
     config = model.config
     loc_U, scale_U = model.abduction(z)
     weight, bias, b_noise = model.action.effective_weight(), model.action.bias, model.action.b_noise
@@ -180,7 +189,11 @@ def link_ovr_loss(model, z, targets, link: str) -> torch.Tensor:
     else:
         raise ValueError(f"unknown link {link!r}: cauchy or logistic")
     y = targets[:, None]
-    ovr = -log_1mP.sum(-1) - log_P.gather(1, y).squeeze(1) + log_1mP.gather(1, y).squeeze(1)
+    counted = torch.ones_like(x, dtype=torch.bool)
+    if config.ovr_candidates is not None:  # the negatives: the top-K tokens of loc_S other than the target
+        counted = torch.zeros_like(counted).scatter_(1, loc_S.detach().topk(config.ovr_candidates, -1).indices, True)
+    negatives = -log_1mP.masked_fill(~counted, 0.0).sum(-1) + (log_1mP * counted).gather(1, y).squeeze(1)
+    ovr = negatives - log_P.gather(1, y).squeeze(1)
     return (ovr + config.softmax_loss_weight * ce).mean()
 
 

@@ -67,11 +67,12 @@ def test_cached_loss_is_the_recipes_loss(base, heads):
     torch.testing.assert_close(cached, total / count, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("heads", [{}, {"ovr_trains_location": True}, {"ovr_relative_threshold": False, "ovr_threshold_init": 0.5}])
+@pytest.mark.parametrize("heads", [{}, {"ovr_trains_location": True}, {"ovr_relative_threshold": False, "ovr_threshold_init": 0.5},
+                                   evidence.CANDIDATES, evidence.ALONE])
 def test_link_loss_with_the_cauchy_link_is_the_packages(base, heads):
-    """The bench's OvR loss on [N, V] tensors, Cauchy link: the package's heads_loss over the vocabulary, value and
-    every gradient."""
-    heads = {**heads, "ovr_candidates": None}
+    """The bench's OvR loss on [N, V] tensors, Cauchy link: the package's heads_loss over the vocabulary or over each
+    position's candidates, value and every gradient."""
+    heads = {"ovr_candidates": None, **heads}
     reference = _moved(CausalQwenForCausalLM.from_base(base, **heads))
     written = _moved(CausalQwenForCausalLM.from_base(base, **heads))
     z = torch.randn(6, base.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -95,11 +96,13 @@ def test_link_loss_with_the_cauchy_link_is_the_packages(base, heads):
         scale = (scale_U.double() + written.action.b_noise.double().abs()) @ W.abs().T
         ref = loc - loc.logsumexp(-1, keepdim=True) if written.config.ovr_relative_threshold else loc
         x = (ref - written.ovr.threshold.double()) / scale
+        k = written.config.ovr_candidates
         total = 0.0
         for n, y in enumerate(targets.tolist()):
             P = torch.sigmoid(x[n])
-            ovr = -(1 - P).log().sum() - P[y].log() + (1 - P[y]).log()
-            total += (ovr - torch.log_softmax(loc[n], 0)[y]).item()
+            negatives = range(len(P)) if k is None else loc[n].topk(k).indices.tolist()
+            ovr = -P[y].log() - sum((1 - P[j]).log() for j in negatives if j != y)
+            total += (ovr - written.config.softmax_loss_weight * torch.log_softmax(loc[n], 0)[y]).item()
     assert logistic == pytest.approx(total / len(targets), rel=1e-4)
 
 
