@@ -174,13 +174,24 @@ def link_ovr_loss(model, z, targets, link: str) -> torch.Tensor:
     loc_U, scale_U = model.abduction(z)
     weight, bias, b_noise = model.action.effective_weight(), model.action.bias, model.action.b_noise
     loc_S = F.linear(loc_U, weight, bias)
-    log_r = torch.log_softmax(loc_S, -1)
-    ce = -log_r.gather(1, targets[:, None]).squeeze(1)
+    ce = -torch.log_softmax(loc_S, -1).gather(1, targets[:, None]).squeeze(1)
     keep = config.ovr_trains_location
+    y, k = targets[:, None], config.ovr_candidates
+    # the OvR terms' columns: the vocabulary, or the K largest loc_S then the target (the negatives are the first K
+    # other than the target), read as gathered rows of W_A
+    columns = None if k is None else torch.cat([loc_S.detach().topk(k, -1).indices, y], 1)
     # relative thresholds compare C with log softmax(loc_S): the log-partition is a reference point, without gradient
     reference = loc_S - loc_S.logsumexp(-1, keepdim=True).detach() if config.ovr_relative_threshold else loc_S
-    scale_S = F.linear(scale_U + b_noise.abs(), (weight if keep else weight.detach()).abs())
-    x = ((reference if keep else reference.detach()) - model.ovr.threshold) / scale_S.clamp_min(torch.finfo(scale_S.dtype).tiny)
+    magnitude = (weight if keep else weight.detach()).abs()
+    noisy_scale = scale_U + b_noise.abs()
+    threshold = model.ovr.threshold
+    if columns is None:
+        scale_S = F.linear(noisy_scale, magnitude)
+    else:
+        reference = reference.gather(1, columns)
+        scale_S = torch.bmm(magnitude[columns], noisy_scale.unsqueeze(-1)).squeeze(-1)
+        threshold = threshold[columns] if threshold.dim() else threshold
+    x = ((reference if keep else reference.detach()) - threshold) / scale_S.clamp_min(torch.finfo(scale_S.dtype).tiny)
     if link == "cauchy":
         log_1mP = torch.log(torch.atan2(torch.ones_like(x), x) / math.pi)
         log_P = torch.log(torch.atan2(torch.ones_like(x), -x) / math.pi)
@@ -188,12 +199,10 @@ def link_ovr_loss(model, z, targets, link: str) -> torch.Tensor:
         log_1mP, log_P = F.logsigmoid(-x), F.logsigmoid(x)
     else:
         raise ValueError(f"unknown link {link!r}: cauchy or logistic")
-    y = targets[:, None]
-    counted = torch.ones_like(x, dtype=torch.bool)
-    if config.ovr_candidates is not None:  # the negatives: the top-K tokens of loc_S other than the target
-        counted = torch.zeros_like(counted).scatter_(1, loc_S.detach().topk(config.ovr_candidates, -1).indices, True)
-    negatives = -log_1mP.masked_fill(~counted, 0.0).sum(-1) + (log_1mP * counted).gather(1, y).squeeze(1)
-    ovr = negatives - log_P.gather(1, y).squeeze(1)
+    if columns is None:
+        ovr = -log_1mP.sum(-1) + log_1mP.gather(1, y).squeeze(1) - log_P.gather(1, y).squeeze(1)
+    else:
+        ovr = -log_1mP[:, :k].masked_fill(columns[:, :k] == y, 0.0).sum(-1) - log_P[:, k]
     return (ovr + config.softmax_loss_weight * ce).mean()
 
 

@@ -68,7 +68,7 @@ def test_cached_loss_is_the_recipes_loss(base, heads):
 
 
 @pytest.mark.parametrize("heads", [{}, {"ovr_trains_location": True}, {"ovr_relative_threshold": False, "ovr_threshold_init": 0.5},
-                                   evidence.CANDIDATES, evidence.ALONE])
+                                   evidence.CANDIDATES, evidence.ALONE, {**evidence.ALONE, "learnable_threshold": True}])
 def test_link_loss_with_the_cauchy_link_is_the_packages(base, heads):
     """The bench's OvR loss on [N, V] tensors, Cauchy link: the package's heads_loss over the vocabulary or over each
     position's candidates, value and every gradient."""
