@@ -182,14 +182,14 @@ def link_ovr_loss(model, z, targets, link: str) -> torch.Tensor:
     columns = None if k is None else torch.cat([loc_S.detach().topk(k, -1).indices, y], 1)
     # relative thresholds compare C with log softmax(loc_S): the log-partition is a reference point, without gradient
     reference = loc_S - loc_S.logsumexp(-1, keepdim=True).detach() if config.ovr_relative_threshold else loc_S
-    magnitude = (weight if keep else weight.detach()).abs()
+    weight = weight if keep else weight.detach()
     noisy_scale = scale_U + b_noise.abs()
     threshold = model.ovr.threshold
     if columns is None:
-        scale_S = F.linear(noisy_scale, magnitude)
+        scale_S = F.linear(noisy_scale, weight.abs())
     else:
         reference = reference.gather(1, columns)
-        scale_S = torch.bmm(magnitude[columns], noisy_scale.unsqueeze(-1)).squeeze(-1)
+        scale_S = torch.bmm(weight[columns].abs(), noisy_scale.unsqueeze(-1)).squeeze(-1)
         threshold = threshold[columns] if threshold.dim() else threshold
     x = ((reference if keep else reference.detach()) - threshold) / scale_S.clamp_min(torch.finfo(scale_S.dtype).tiny)
     if link == "cauchy":
