@@ -1,0 +1,62 @@
+"""bench/evidence_paired.py: runs merge by seed across files, and the paired differences are the per-seed ones."""
+
+import importlib.util
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+SPEC = importlib.util.spec_from_file_location("evidence_paired", BENCH / "evidence_paired.py")
+paired = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(paired)
+
+
+def _row(arm, lr, seeds, accuracies, rate=0.4):
+    return {"task": "trec", "noise": "uniform", "rate": rate, "arm": arm, "lr": lr, "seeds": seeds,
+            "test_accuracy": accuracies}
+
+
+def _write(path, rows):
+    fresh = {"task": "trec", "noise": "none", "rate": 0.0, "arm": "fresh heads", "lr": 0.0, "seeds": [],
+             "test_accuracy": [{"softmax": 0.3, "ovr": 0.3}]}
+    path.write_text(json.dumps({"results": [fresh, *rows]}))
+    return path
+
+
+def test_seed_ranges_merge_and_the_difference_is_paired(tmp_path):
+    ovr = [0.70, 0.66, 0.73, 0.67, 0.71, 0.69]
+    soft = [0.70, 0.66, 0.66, 0.61, 0.71, 0.60]
+    first = _write(tmp_path / "a.json", [
+        _row("ovr_alone", 0.01, [0, 1, 2], [{"softmax": 0.0, "ovr": v} for v in ovr[:3]]),
+        _row("softmax", 0.01, [0, 1, 2, 3], [{"softmax": v} for v in soft[:4]])])
+    second = _write(tmp_path / "b.json", [
+        _row("ovr_alone", 0.01, [3, 4, 5], [{"softmax": 0.0, "ovr": v} for v in ovr[3:]]),
+        _row("softmax", 0.01, [3, 4, 5], [{"softmax": v} for v in soft[3:]])])
+    runs = paired.merged_runs([first, second])
+    assert sorted(runs[("trec", "uniform", 0.4, "ovr_alone", 0.01)]) == [0, 1, 2, 3, 4, 5]
+    d = paired.paired(runs[("trec", "uniform", 0.4, "ovr_alone", 0.01)], runs[("trec", "uniform", 0.4, "softmax", 0.01)])
+    diffs = [a - b for a, b in zip(ovr, soft)]  # the OvR arm by its own rule (P_k), not its softmax rule
+    assert d["mean"] == pytest.approx(statistics.fmean(diffs))
+    assert d["se"] == pytest.approx(statistics.stdev(diffs) / math.sqrt(6))
+    assert d["higher"] == sum(x > 0 for x in diffs) == 3  # ties are not higher
+    lines = paired.table(runs, "softmax")
+    assert len(lines) == 3 and "| 6 |" in lines[2] and "3 of 6" in lines[2]
+
+
+def test_only_common_seeds_are_compared(tmp_path):
+    path = _write(tmp_path / "a.json", [_row("gce", 0.01, [0, 1, 2], [{"softmax": v} for v in (0.5, 0.6, 0.7)]),
+                                        _row("softmax", 0.001, [1, 2, 3], [{"softmax": v} for v in (0.4, 0.4, 0.4)])])
+    runs = paired.merged_runs([path])
+    d = paired.paired(runs[("trec", "uniform", 0.4, "gce", 0.01)], runs[("trec", "uniform", 0.4, "softmax", 0.001)])
+    assert d["seeds"] == [1, 2] and d["mean"] == pytest.approx(0.25)
+
+
+def test_a_seed_with_two_results_is_refused(tmp_path):
+    a = _write(tmp_path / "a.json", [_row("softmax", 0.01, [0], [{"softmax": 0.5}])])
+    b = _write(tmp_path / "b.json", [_row("softmax", 0.01, [0], [{"softmax": 0.6}])])
+    with pytest.raises(ValueError, match="seed 0 .* two results"):
+        paired.merged_runs([a, b])
+    assert paired.merged_runs([a, a])  # the same run twice is one run
