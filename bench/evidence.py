@@ -240,6 +240,23 @@ def accuracies(model, arm: str, z, target, labels) -> dict[str, float]:
     return out
 
 
+@torch.no_grad()
+def head_outputs(model, arm: str, z, labels) -> dict[str, float] | None:
+    """What an OvR arm's heads say beyond the ranking, over prompts `z`: the median P_k of the label they pick, the
+    share of prompts where no label's P_k passes ½ (the heads answer "none of these"), the median Σ_k P_k over the
+    labels, and the median scale_S of the picked label (logit units). None for the softmax arms."""
+    if model.config.objective != "ovr":
+        return None
+    ids = torch.tensor(labels.token_ids)
+    _, _, loc_S, scale_S = model.causal_heads(z, "standard", model.config.causal_temperature)
+    x = model.ovr(loc_S, scale_S)[:, ids]
+    P = torch.sigmoid(x) if ARMS[arm]["loss"] == "logistic" else model.ovr_log_probs(loc_S, scale_S)[:, ids].exp()
+    top, pick = P.max(-1)
+    return {"picked_prob": top.median().item(), "none_accepted": (top <= 0.5).double().mean().item(),
+            "label_prob_sum": P.sum(-1).median().item(),
+            "picked_scale": scale_S[:, ids].gather(1, pick[:, None]).median().item()}
+
+
 def train_arm(base, arm, features, rows, train_labels, labels, eos, lr, steps, batch_rows, seed, trainer_defaults,
               position=None):
     """Fresh heads trained for `steps` on training `rows` (indices into `features`) with labels `train_labels`
@@ -314,14 +331,18 @@ def label_noise(args, settings, base, features, labels, eos, trainer_defaults) -
                                   args.batch_rows, seed, trainer_defaults)
                 val = accuracies(model, arm, features["validation"]["z"], noisy_val, labels)
                 test = accuracies(model, arm, features["test"]["z"], features["test"]["label"], labels)
+                heads[seed, lr] = head_outputs(model, arm, features["test"]["z"], labels)
                 rule = "ovr" if "ovr" in val else "softmax"
                 print(f"{args.task} {kind}:{rate} {arm} seed {seed} lr {lr:g}: validation (noisy) {val[rule]:.4f}, "
-                      f"clean test {test} ({time.perf_counter() - start:.0f}s)", flush=True)
+                      f"clean test {test}, heads {heads[seed, lr]} ({time.perf_counter() - start:.0f}s)", flush=True)
                 return val[rule], test
 
+            heads = {}
             chosen, per_seed = seeded_runs(args.seeds, args.lrs, run)
             row = {"task": args.task, "noise": kind, "rate": rate, "arm": arm, "lr": chosen, "seeds": args.seeds,
                    "test_accuracy": per_seed}
+            if heads[args.seeds[0], chosen] is not None:
+                row["heads"] = [heads[seed, chosen] for seed in args.seeds]
             for rule in per_seed[0]:
                 row[f"{rule}_mean"], row[f"{rule}_se"] = mean_se([t[rule] for t in per_seed])
             results.append(row)

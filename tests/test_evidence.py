@@ -106,6 +106,32 @@ def test_link_loss_with_the_cauchy_link_is_the_packages(base, heads):
     assert logistic == pytest.approx(total / len(targets), rel=1e-4)
 
 
+@pytest.mark.parametrize("arm", ["ovr_alone", "ovr_alone_logistic", "softmax"])
+def test_head_outputs_are_the_label_probabilities_summaries(base, arm):
+    """P_k over the labels from its definition in float64 (the link's CDF of the standardised relative location),
+    then the picked label's median P and scale, the share with no P above ½ and the median Σ_k P_k."""
+    from causalqwen_adapter.classification import LabelSet
+
+    model = _moved(CausalQwenForCausalLM.from_base(base, **evidence.ARMS[arm]["heads"]))
+    labels = LabelSet([" a", " b", " c"], LABEL_IDS)
+    z = torch.randn(9, base.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    out = evidence.head_outputs(model, arm, z, labels)
+    if arm == "softmax":
+        assert out is None
+        return
+    with torch.no_grad():
+        _, _, loc_S, scale_S = model.causal_heads(z, "standard", model.config.causal_temperature)
+    loc, scale = loc_S.double(), scale_S.double()
+    x = (loc - loc.logsumexp(-1, keepdim=True) - model.ovr.threshold.double()) / scale
+    P = torch.sigmoid(x) if arm == "ovr_alone_logistic" else 0.5 + torch.atan(x) / torch.pi
+    P, scale = P[:, LABEL_IDS], scale[:, LABEL_IDS]
+    top, pick = P.max(-1)
+    assert out["picked_prob"] == pytest.approx(top.median().item(), rel=1e-5)
+    assert out["none_accepted"] == (top <= 0.5).double().mean().item()
+    assert out["label_prob_sum"] == pytest.approx(P.sum(-1).median().item(), rel=1e-5)
+    assert out["picked_scale"] == pytest.approx(scale.gather(1, pick[:, None]).median().item(), rel=1e-5)
+
+
 def test_gce_loss_matches_its_formula(base):
     model = _moved(CausalQwenForCausalLM.from_base(base, objective="softmax"))
     z = torch.randn(4, base.config.hidden_size, generator=torch.Generator().manual_seed(2))
@@ -176,6 +202,9 @@ def test_protocols_run_end_to_end_and_write_their_tables(base, tmp_path):
     for row in results[1:]:
         assert row["lr"] in (1e-3, 1e-2) and len(row["test_accuracy"]) == 2
         assert 0 <= row["softmax_mean"] <= 1 and ("ovr_mean" in row) == (row["arm"] not in ("softmax", "gce"))
+        assert ("heads" in row) == ("ovr_mean" in row)  # the OvR heads' own outputs, per seed at the chosen rate
+        for heads in row.get("heads", []):
+            assert 0 <= heads["picked_prob"] <= 1 and 0 <= heads["none_accepted"] <= 1 and heads["picked_scale"] > 0
     assert (tmp_path / "label_noise-tiny.md").read_text().count("\n") == 2 + len(results)
 
     fine = LabelSet([f" f{i}" for i in range(6)], [60 + i for i in range(6)])
