@@ -249,8 +249,10 @@ def head_outputs(model, arm: str, z, labels) -> dict[str, float] | None:
         return None
     ids = torch.tensor(labels.token_ids)
     _, _, loc_S, scale_S = model.causal_heads(z, "standard", model.config.causal_temperature)
-    x = model.ovr(loc_S, scale_S)[:, ids]
-    P = torch.sigmoid(x) if ARMS[arm]["loss"] == "logistic" else model.ovr_log_probs(loc_S, scale_S)[:, ids].exp()
+    if ARMS[arm]["loss"] == "logistic":  # the same x, the logistic link
+        P = torch.sigmoid(model.ovr(loc_S, scale_S)[:, ids])
+    else:
+        P = model.ovr_log_probs(loc_S, scale_S)[:, ids].exp()
     top, pick = P.max(-1)
     return {"picked_prob": top.median().item(), "none_accepted": (top <= 0.5).double().mean().item(),
             "label_prob_sum": P.sum(-1).median().item(),
