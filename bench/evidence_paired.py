@@ -8,11 +8,20 @@ deviation / √n (the seeds draw the noise and the data order, the same for both
 arm is higher.
 
     python bench/evidence_paired.py bench/results/evidence_label_noise_trec_full_*.json --against softmax
+
+With `--runs LOG...` it reads the per-run lines bench/evidence.py prints instead ("trec uniform:0.4 softmax seed 3
+lr 0.01: validation (noisy) 0.4442, clean test {...}") and lets each seed choose its own rate, the best validation
+accuracy among the rates that seed ran at: every arm then gets the search the protocol gives its first seed, on
+every seed (seeds without every rate of their arm's grid are left out).
+
+    python bench/evidence_paired.py --runs bench/results/evidence-trec-full-runs.log --against softmax
 """
 
 import argparse
+import ast
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -37,6 +46,33 @@ def merged_runs(paths) -> dict[tuple, dict[int, dict]]:
                                      "the same run gave two results; pass the files of one protocol")
                 seen[seed] = accuracy
     return runs
+
+
+RUN_LINE = re.compile(r"^(?P<task>\S+) (?P<noise>\w+):(?P<rate>[\d.]+) (?P<arm>\w+) seed (?P<seed>\d+) lr (?P<lr>[\d.e+-]+): "
+                      r"validation \(noisy\) (?P<validation>[\d.]+), clean test (?P<test>\{[^}]*\})")
+
+
+def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
+    """{(task, noise, rate, arm, "per seed"): {seed: accuracies at the rate of best validation accuracy}} from the
+    run lines of bench/evidence.py's logs; a seed is kept when it ran every rate its arm ran at in that setting."""
+    runs: dict[tuple, dict[int, dict[float, tuple]]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            m = RUN_LINE.match(line)
+            if m is None:
+                continue
+            key = (m["task"], m["noise"], float(m["rate"]), m["arm"], "per seed")
+            run = (float(m["validation"]), ast.literal_eval(m["test"]))
+            seen = runs.setdefault(key, {}).setdefault(int(m["seed"]), {})
+            if seen.get(float(m["lr"]), run) != run:
+                raise ValueError(f"{path}: seed {m['seed']} lr {m['lr']} of {key[:4]} has two results")
+            seen[float(m["lr"])] = run
+    chosen = {}
+    for key, seeds in runs.items():
+        grid = set().union(*seeds.values())
+        chosen[key] = {seed: max(by_lr.values(), key=lambda r: r[0])[1] for seed, by_lr in seeds.items()
+                       if set(by_lr) == grid}
+    return chosen
 
 
 def paired(arm: dict[int, dict], baseline: dict[int, dict], rule=own_rule) -> dict:
@@ -65,18 +101,26 @@ def table(runs: dict, against: str) -> list[str]:
                 mean_arm = statistics.fmean(own_rule(seeds[s]) for s in d["seeds"])
                 mean_base = statistics.fmean(own_rule(base_seeds[s]) for s in d["seeds"])
                 setting = "0" if rate == 0 else f"{noise} {rate:.0%}"
-                lines.append(f"| {task} | {setting} | {arm} ({lr:g}) | {mean_arm:.4f} | {against} ({base_lr:g}) | "
+                lines.append(f"| {task} | {setting} | {arm} ({_rate(lr)}) | {mean_arm:.4f} | {against} ({_rate(base_lr)}) | "
                              f"{mean_base:.4f} | {len(d['seeds'])} | {d['mean']:+.4f} ± {d['se']:.4f} | "
                              f"{d['mean'] / d['se']:+.2f} | {d['higher']} of {len(d['seeds'])} |")
     return lines
 
 
+def _rate(lr) -> str:
+    return lr if isinstance(lr, str) else f"{lr:g}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="+", help="label_noise JSON files of bench/evidence.py")
+    parser.add_argument("files", nargs="*", help="label_noise JSON files of bench/evidence.py")
+    parser.add_argument("--runs", nargs="+", help="logs of bench/evidence.py: each seed chooses its own rate")
     parser.add_argument("--against", default="softmax", help="the baseline arm")
     args = parser.parse_args()
-    print("\n".join(table(merged_runs(args.files), args.against)))
+    if bool(args.files) == bool(args.runs):
+        parser.error("give label_noise JSON files, or --runs with logs")
+    runs = per_seed_choice(args.runs) if args.runs else merged_runs(args.files)
+    print("\n".join(table(runs, args.against)))
 
 
 if __name__ == "__main__":

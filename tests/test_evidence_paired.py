@@ -60,3 +60,30 @@ def test_a_seed_with_two_results_is_refused(tmp_path):
     with pytest.raises(ValueError, match="seed 0 .* two results"):
         paired.merged_runs([a, b])
     assert paired.merged_runs([a, a])  # the same run twice is one run
+
+
+def _line(arm, seed, lr, validation, test, setting="uniform:0.4"):
+    return f"trec {setting} {arm} seed {seed} lr {lr:g}: validation (noisy) {validation:.4f}, clean test {test}, heads None (9s)"
+
+
+def test_each_seed_chooses_its_rate_by_validation(tmp_path):
+    log = tmp_path / "runs.log"
+    log.write_text("\n".join([
+        "Loading weights: 100%",
+        _line("softmax", 0, 1e-3, 0.44, {"softmax": 0.70}), _line("softmax", 0, 1e-2, 0.45, {"softmax": 0.60}),
+        _line("softmax", 1, 1e-3, 0.47, {"softmax": 0.72}), _line("softmax", 1, 1e-2, 0.41, {"softmax": 0.59}),
+        _line("softmax", 2, 1e-2, 0.50, {"softmax": 0.50}),  # one rate of two: left out
+        _line("ovr_alone", 0, 1e-3, 0.40, {"softmax": 0.1, "ovr": 0.69}),
+        _line("ovr_alone", 1, 1e-3, 0.40, {"softmax": 0.1, "ovr": 0.71}),
+        _line("ovr_alone", 0, 1e-3, 0.50, {"softmax": 0.5, "ovr": 0.5}, setting="none:0.0"),
+    ]) + "\n")
+    chosen = paired.per_seed_choice([log])
+    assert chosen[("trec", "uniform", 0.4, "softmax", "per seed")] == {0: {"softmax": 0.60}, 1: {"softmax": 0.72}}
+    assert chosen[("trec", "none", 0.0, "ovr_alone", "per seed")] == {0: {"softmax": 0.5, "ovr": 0.5}}
+    d = paired.paired(chosen[("trec", "uniform", 0.4, "ovr_alone", "per seed")],
+                      chosen[("trec", "uniform", 0.4, "softmax", "per seed")])
+    assert d["seeds"] == [0, 1] and d["mean"] == pytest.approx(((0.69 - 0.60) + (0.71 - 0.72)) / 2)
+    assert "ovr_alone (per seed)" in "\n".join(paired.table(chosen, "softmax"))
+    log.write_text(log.read_text() + _line("softmax", 1, 1e-3, 0.47, {"softmax": 0.73}) + "\n")
+    with pytest.raises(ValueError, match="two results"):
+        paired.per_seed_choice([log])
