@@ -335,16 +335,18 @@ def label_noise(args, settings, base, features, labels, eos, trainer_defaults) -
                 test = accuracies(model, arm, features["test"]["z"], features["test"]["label"], labels)
                 heads[seed, lr] = head_outputs(model, arm, features["test"]["z"], labels)
                 rule = "ovr" if "ovr" in val else "softmax"
+                runs.append({"seed": seed, "lr": lr, "validation": val[rule], "test_accuracy": test})
                 print(f"{args.task} {kind}:{rate} {arm} seed {seed} lr {lr:g}: validation (noisy) {val[rule]:.4f}, "
                       f"clean test {test}, heads {heads[seed, lr]} ({time.perf_counter() - start:.0f}s)", flush=True)
                 return val[rule], test
 
-            heads = {}
+            heads, runs = {}, []
             chosen, per_seed = seeded_runs(args.seeds, args.lrs, run)
             row = {"task": args.task, "noise": kind, "rate": rate, "arm": arm, "lr": chosen, "seeds": args.seeds,
                    "test_accuracy": per_seed}
             if heads[args.seeds[0], chosen] is not None:
                 row["heads"] = [heads[seed, chosen] for seed in args.seeds]
+            row["runs"] = runs  # every (seed, rate) that ran, with its noisy validation accuracy
             for rule in per_seed[0]:
                 row[f"{rule}_mean"], row[f"{rule}_se"] = mean_se([t[rule] for t in per_seed])
             results.append(row)

@@ -9,10 +9,10 @@ arm is higher.
 
     python bench/evidence_paired.py bench/results/evidence_label_noise_trec_full_*.json --against softmax
 
-With `--runs LOG...` it reads the per-run lines bench/evidence.py prints instead ("trec uniform:0.4 softmax seed 3
-lr 0.01: validation (noisy) 0.4442, clean test {...}") and lets each seed choose its own rate, the best validation
-accuracy among the rates that seed ran at: every arm then gets the search the protocol gives its first seed, on
-every seed (seeds without every rate of their arm's grid are left out).
+With `--runs LOG...` it reads the per-run lines bench/evidence.py prints ("trec uniform:0.4 softmax seed 3 lr 0.01:
+validation (noisy) 0.4442, clean test {...}"), or the runs its JSON rows keep, and lets each seed choose its own
+rate, the best validation accuracy among the rates that seed ran at: every arm then gets the search the protocol
+gives its first seed, on every seed (seeds without every rate of their arm's grid are left out).
 
     python bench/evidence_paired.py --runs bench/results/evidence-trec-full-runs.log --against softmax
 """
@@ -52,21 +52,33 @@ RUN_LINE = re.compile(r"^(?P<task>\S+) (?P<noise>\w+):(?P<rate>[\d.]+) (?P<arm>\
                       r"validation \(noisy\) (?P<validation>[\d.]+), clean test (?P<test>\{[^}]*\})")
 
 
+def _runs_of(path):
+    """(key, seed, lr, (validation, test accuracies)) of every run in a log's run lines, or in a label_noise JSON's
+    rows (their "runs")."""
+    if str(path).endswith(".json"):
+        for row in json.loads(Path(path).read_text())["results"]:
+            for run in row.get("runs", []):
+                key = (row["task"], row["noise"], row["rate"], row["arm"], "per seed")
+                yield key, run["seed"], run["lr"], (run["validation"], run["test_accuracy"])
+        return
+    for line in Path(path).read_text().splitlines():
+        m = RUN_LINE.match(line)
+        if m is not None:
+            key = (m["task"], m["noise"], float(m["rate"]), m["arm"], "per seed")
+            yield key, int(m["seed"]), float(m["lr"]), (float(m["validation"]), ast.literal_eval(m["test"]))
+
+
 def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
     """{(task, noise, rate, arm, "per seed"): {seed: accuracies at the rate of best validation accuracy}} from the
-    run lines of bench/evidence.py's logs; a seed is kept when it ran every rate its arm ran at in that setting."""
+    run lines of bench/evidence.py's logs or the runs its JSON rows keep; a seed is kept when it ran every rate its
+    arm ran at in that setting."""
     runs: dict[tuple, dict[int, dict[float, tuple]]] = {}
     for path in paths:
-        for line in Path(path).read_text().splitlines():
-            m = RUN_LINE.match(line)
-            if m is None:
-                continue
-            key = (m["task"], m["noise"], float(m["rate"]), m["arm"], "per seed")
-            run = (float(m["validation"]), ast.literal_eval(m["test"]))
-            seen = runs.setdefault(key, {}).setdefault(int(m["seed"]), {})
-            if seen.get(float(m["lr"]), run) != run:
-                raise ValueError(f"{path}: seed {m['seed']} lr {m['lr']} of {key[:4]} has two results")
-            seen[float(m["lr"])] = run
+        for key, seed, lr, run in _runs_of(path):
+            seen = runs.setdefault(key, {}).setdefault(seed, {})
+            if seen.get(lr, run) != run:
+                raise ValueError(f"{path}: seed {seed} lr {lr:g} of {key[:4]} has two results")
+            seen[lr] = run
     chosen = {}
     for key, seeds in runs.items():
         grid = set().union(*seeds.values())
@@ -114,11 +126,11 @@ def _rate(lr) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", help="label_noise JSON files of bench/evidence.py")
-    parser.add_argument("--runs", nargs="+", help="logs of bench/evidence.py: each seed chooses its own rate")
+    parser.add_argument("--runs", nargs="+", help="logs (or JSON files) of bench/evidence.py: each seed chooses its own rate")
     parser.add_argument("--against", default="softmax", help="the baseline arm")
     args = parser.parse_args()
     if bool(args.files) == bool(args.runs):
-        parser.error("give label_noise JSON files, or --runs with logs")
+        parser.error("give label_noise JSON files, or --runs with logs or JSON files")
     runs = per_seed_choice(args.runs) if args.runs else merged_runs(args.files)
     print("\n".join(table(runs, args.against)))
 

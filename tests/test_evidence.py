@@ -203,6 +203,9 @@ def test_protocols_run_end_to_end_and_write_their_tables(base, tmp_path):
         assert row["lr"] in (1e-3, 1e-2) and len(row["test_accuracy"]) == 2
         assert 0 <= row["softmax_mean"] <= 1 and ("ovr_mean" in row) == (row["arm"] not in ("softmax", "gce"))
         assert ("heads" in row) == ("ovr_mean" in row)  # the OvR heads' own outputs, per seed at the chosen rate
+        # every run: both rates at the first seed, the chosen one after; the row's accuracies are its chosen runs'
+        assert [(r["seed"], r["lr"]) for r in row["runs"]] == [(0, 1e-3), (0, 1e-2), (1, row["lr"])]
+        assert [r["test_accuracy"] for r in row["runs"] if r["lr"] == row["lr"]] == row["test_accuracy"]
         for heads in row.get("heads", []):
             assert 0 <= heads["picked_prob"] <= 1 and 0 <= heads["none_accepted"] <= 1 and heads["picked_scale"] > 0
     assert (tmp_path / "label_noise-tiny.md").read_text().count("\n") == 2 + len(results)

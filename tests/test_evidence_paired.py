@@ -87,3 +87,12 @@ def test_each_seed_chooses_its_rate_by_validation(tmp_path):
     log.write_text(log.read_text() + _line("softmax", 1, 1e-3, 0.47, {"softmax": 0.73}) + "\n")
     with pytest.raises(ValueError, match="two results"):
         paired.per_seed_choice([log])
+
+
+def test_the_runs_of_a_json_file_choose_like_the_log(tmp_path):
+    row = _row("softmax", 0.01, [0, 1], [{"softmax": 0.60}, {"softmax": 0.59}])
+    row["runs"] = [{"seed": 0, "lr": 1e-3, "validation": 0.44, "test_accuracy": {"softmax": 0.70}},
+                   {"seed": 0, "lr": 1e-2, "validation": 0.45, "test_accuracy": {"softmax": 0.60}},
+                   {"seed": 1, "lr": 1e-2, "validation": 0.41, "test_accuracy": {"softmax": 0.59}}]
+    chosen = paired.per_seed_choice([_write(tmp_path / "a.json", [row])])
+    assert chosen == {("trec", "uniform", 0.4, "softmax", "per seed"): {0: {"softmax": 0.60}}}  # seed 1 ran one rate
