@@ -227,36 +227,45 @@ def arm_loss(model, arm: str, z, targets) -> torch.Tensor:
 
 
 @torch.no_grad()
+def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log P_k, scale_S) [N, K] of the labels under the arm's link (the Cauchy CDF, or σ for the logistic arms),
+    standard mode, in chunks of prompts: no [N, V] tensor."""
+    ids = torch.tensor(labels.token_ids)
+    log_P, scale = [], []
+    for start in range(0, len(z), chunk_size):
+        _, _, loc_S, scale_S = model.causal_heads(z[start : start + chunk_size], "standard",
+                                                  model.config.causal_temperature)
+        if ARMS[arm]["loss"] == "logistic":  # the same x, the logistic link
+            log_P.append(F.logsigmoid(model.ovr(loc_S, scale_S)[:, ids]))
+        else:
+            log_P.append(model.ovr_log_probs(loc_S, scale_S)[:, ids])
+        scale.append(scale_S[:, ids])
+    return torch.cat(log_P), torch.cat(scale)
+
+
+@torch.no_grad()
 def accuracies(model, arm: str, z, target, labels) -> dict[str, float]:
     """Accuracy of the arm's rules on (clean or noisy) `target`."""
     scores = label_scores(model, z, labels)
-    if ARMS[arm]["loss"] == "logistic":  # the same x, the logistic link
-        ids = torch.tensor(labels.token_ids)
-        _, _, loc_S, scale_S = model.causal_heads(z, "standard", model.config.causal_temperature)
-        scores.log_P = F.logsigmoid(model.ovr(loc_S, scale_S)[:, ids])
+    if ARMS[arm]["loss"] == "logistic":
+        scores.log_P = label_ovr(model, arm, z, labels)[0]
     out = {"softmax": (scores.decide("softmax")[0] == target).double().mean().item()}
     if model.config.objective == "ovr":
         out["ovr"] = (scores.decide("ovr")[0] == target).double().mean().item()
     return out
 
 
-@torch.no_grad()
 def head_outputs(model, arm: str, z, labels) -> dict[str, float] | None:
     """What an OvR arm's heads say beyond the ranking, over prompts `z`: the median P_k of the label they pick, the
     share of prompts where no label's P_k passes ½ (the heads answer "none of these"), the median Σ_k P_k over the
     labels, and the median scale_S of the picked label (logit units). None for the softmax arms."""
     if model.config.objective != "ovr":
         return None
-    ids = torch.tensor(labels.token_ids)
-    _, _, loc_S, scale_S = model.causal_heads(z, "standard", model.config.causal_temperature)
-    if ARMS[arm]["loss"] == "logistic":  # the same x, the logistic link
-        P = torch.sigmoid(model.ovr(loc_S, scale_S)[:, ids])
-    else:
-        P = model.ovr_log_probs(loc_S, scale_S)[:, ids].exp()
+    log_P, scale = label_ovr(model, arm, z, labels)
+    P = log_P.exp()
     top, pick = P.max(-1)
     return {"picked_prob": top.median().item(), "none_accepted": (top <= 0.5).double().mean().item(),
-            "label_prob_sum": P.sum(-1).median().item(),
-            "picked_scale": scale_S[:, ids].gather(1, pick[:, None]).median().item()}
+            "label_prob_sum": P.sum(-1).median().item(), "picked_scale": scale.gather(1, pick[:, None]).median().item()}
 
 
 def train_arm(base, arm, features, rows, train_labels, labels, eos, lr, steps, batch_rows, seed, trainer_defaults,

@@ -87,10 +87,10 @@ def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
     return chosen
 
 
-def paired(arm: dict[int, dict], baseline: dict[int, dict], rule=own_rule) -> dict:
-    """Per-seed differences arm − baseline over the seeds both ran: mean, standard error, n and wins."""
+def paired(arm: dict[int, dict], baseline: dict[int, dict]) -> dict:
+    """Per-seed differences arm − baseline (own rules) over the seeds both ran: mean, standard error, n and wins."""
     seeds = sorted(set(arm) & set(baseline))
-    diffs = [rule(arm[s]) - own_rule(baseline[s]) for s in seeds]
+    diffs = [own_rule(arm[s]) - own_rule(baseline[s]) for s in seeds]
     se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
     return {"seeds": seeds, "mean": statistics.fmean(diffs) if diffs else float("nan"), "se": se,
             "higher": sum(d > 0 for d in diffs)}
