@@ -442,7 +442,7 @@ class CausalAdapterMixin:
         """The modeling file and every file it imports relatively (configuration, heads, Cauchy math, this file)."""
         modeling = next(c for c in cls.__mro__ if c.__module__.rsplit(".", 1)[-1] == "modeling_causalqwen")
         this = inspect.getfile(modeling)
-        return [this] + sorted(get_relative_import_files(this))
+        return [this] + sorted(set(get_relative_import_files(this)))  # a file two others import is copied once
 
     # ------------------------------------------------------------------ building
 
