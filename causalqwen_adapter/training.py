@@ -161,8 +161,39 @@ class LossMetricsMixin:
         raw = self._pop_metrics(mode)
         kept = {name: raw.pop(name) for name in self._raw_metric_names if name in raw}
         prefix = "eval_" if mode == "eval" else ""
-        logs.update({prefix + name: total / count for name, (total, count) in raw.items() if count > 0})
+        means = {name: total / count for name, (total, count) in raw.items() if count > 0}
+        logs.update({prefix + name: value for name, value in means.items()})
+        if mode == "train":
+            self._warn_if_probabilities_saturate(means)
         return kept
+
+    def _warn_if_probabilities_saturate(self, means: dict[str, float]) -> None:
+        """Warn once when every OvR probability of the window sits at ½ (P_y within 0.01 of it, Σ P over the scored
+        tokens within 10 % of half their count): the scale dwarfs the locations' spread, so P_k says nothing while the ranking still trains.
+        Adam's first steps move W_scale z by about the scale path's rate × ‖z‖₁ each (thousands × the rate on a
+        Qwen2 base), and past a point the loss is flat in the scale, so it never comes back."""
+        config = getattr(self.model, "config", None)
+        if getattr(self, "_warned_saturation", False) or "target_prob" not in means or config is None:
+            return
+        if "candidate_prob_sum" in means:  # the top-k and the target, which may be among them
+            prob_sum, scored = means["candidate_prob_sum"], (config.ovr_candidates, config.ovr_candidates + 1)
+        elif "ovr_prob_sum" in means:
+            prob_sum, scored = means["ovr_prob_sum"], (config.vocab_size, config.vocab_size)
+        else:
+            return
+        if abs(means["target_prob"] - 0.5) < 0.01 and 0.45 * scored[0] <= prob_sum <= 0.55 * scored[1]:
+            self._warned_saturation = True
+            if not self.is_world_process_zero():
+                return
+            scale = f", mean scale_U {means['units_mean_scale']:.3g}" if "units_mean_scale" in means else ""
+            logger.warning(
+                f"Every OvR probability is ½ at step {self.state.global_step} (mean P of the target "
+                f"{means['target_prob']:.4f}, their sum over the scored tokens {prob_sum:.4g}{scale}): the scale "
+                "dwarfs the spread of the locations, so P_k and the OvR modes' acceptance carry no information (the "
+                "ranking still trains). If it grew in training, the scale path's rate (learning_rate) is too high for "
+                "this base: lower it (and raise location_lr_ratio to keep the locations' rate); if the heads start "
+                "there, lower gamma_init."
+            )
 
     _raw_metric_names: tuple[str, ...] = ()
 

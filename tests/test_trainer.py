@@ -182,6 +182,28 @@ def test_logs_ovr_metrics_in_training_and_evaluation(sft_base, tmp_path):
     assert "ovr_prob_sum" not in first and 16 * 0.4 < first["candidate_prob_sum"] < 17 * 0.6
 
 
+@pytest.mark.parametrize("ovr_candidates", [16, 0])
+def test_warns_once_when_every_ovr_probability_is_one_half(sft_base, tmp_path, caplog, ovr_candidates):
+    """A scale far above the locations' spread (here from the start, as a too-fast scale path gets there) puts every
+    P_k at ½: one warning naming the rates; heads at the default scale train without it."""
+    from causalqwen_adapter import training
+
+    def run(name, **heads):
+        trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path / name, max_steps=2, learning_rate=1e-4,
+                                                             ovr_candidates=ovr_candidates, **heads),
+                                   train_dataset=_prompt_completion())
+        with caplog.at_level("WARNING", logger=training.__name__):
+            trainer.train()
+        return trainer, [r for r in caplog.records if "Every OvR probability is ½" in r.getMessage()]
+
+    trainer, warnings = run("saturated", gamma_init=1e4, b_noise_init=1e-6)
+    assert [abs(h["target_prob"] - 0.5) < 1e-3 for h in trainer.state.log_history if "target_prob" in h] == [True] * 2
+    assert len(warnings) == 1 and "learning_rate" in warnings[0].getMessage()
+    caplog.clear()
+    trainer, warnings = run("default")
+    assert warnings == [] and abs(trainer.state.log_history[0]["target_prob"] - 0.5) > 0.01
+
+
 # --------------------------------------------------------------------------------------- checkpoints
 
 
