@@ -20,6 +20,7 @@ have, written here on the same tensors:
 | `ovr_location` | `ovr` with `ovr_trains_location=True`: the OvR loss's gradient reaches the locations too |
 | `ovr_alone` | the OvR loss over the candidates alone (`softmax_loss_weight=0`, `ovr_trains_location=True`), from γ₀ = 0.005: the Cauchy loss trains the locations |
 | `ovr_alone_logistic` | `ovr_alone` with the logistic link (here, not in the package) |
+| `ovr_candidates_slow_scale` | `ovr_candidates` with the scale path (W_scale, b_scale, b_noise) at the location path's rate, `location_lr_ratio` × the learning rate |
 
 Label noise flips training (and validation) labels, uniformly or class-dependently (evidence_data.inject_noise); the
 learning rate of each arm and noise setting is the best of --lrs by validation accuracy (noisy validation labels: what
@@ -79,6 +80,10 @@ ARMS = {
     # whose bounded gradient on a confidently wrong label is the claim under test, and its logistic-link ablation
     "ovr_alone": dict(heads=ALONE, loss="recipe"),
     "ovr_alone_logistic": dict(heads=ALONE, loss="logistic"),
+    # the default recipe with the scale path held at the location path's rate (0.1 × learning_rate): one Adam step
+    # moves W_scale z by about the rate × ‖z‖₁ (≈ 4,000 on the demo base), so a rate of 1e-2 jumps the scale into the
+    # flat region where every P_k is ½ (docs/design.md, Training losses)
+    "ovr_candidates_slow_scale": dict(heads=CANDIDATES, loss="recipe", scale_lr_ratio=0.1),
 }
 GCE_Q = 0.7
 
@@ -274,7 +279,7 @@ def train_arm(base, arm, features, rows, train_labels, labels, eos, lr, steps, b
     (indexed by row) of the label set `labels`, in the seeded order of `seed`."""
     model = CausalQwenForCausalLM.from_base(base, **ARMS[arm]["heads"])
     optimizer = optimizer_for(model, lr, trainer_defaults.location_lr_ratio, trainer_defaults.threshold_lr_ratio,
-                              fused=True)
+                              fused=True, scale_lr_ratio=ARMS[arm].get("scale_lr_ratio", 1.0))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     generator = torch.Generator().manual_seed(seed)
     epochs = math.ceil(steps * batch_rows / len(rows))
@@ -428,6 +433,7 @@ def unknown_classes(args, base, features, fine, coarse_count, eos, trainer_defau
                 row = {"known": fraction, "arm": arm, "score": name, "lr": chosen, "seeds": args.seeds}
                 for metric in per_seed[0][name]:
                     row[metric], row[f"{metric}_se"] = mean_se([t[name][metric] for t in per_seed])
+                row["per_seed"] = [t[name] for t in per_seed]  # for paired differences between arms
                 results.append(row)
 
     metrics = ["auroc", "fpr_at_95_tpr", "open_set_macro_f1"]

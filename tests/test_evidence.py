@@ -132,6 +132,27 @@ def test_head_outputs_are_the_label_probabilities_summaries(base, arm):
     assert out["picked_scale"] == pytest.approx(scale.gather(1, pick[:, None]).median().item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("arm", ["ovr_candidates", "ovr_candidates_slow_scale"])
+def test_first_step_moves_the_scale_path_by_its_rate(base, arm):
+    """AdamW's first step moves each weight with a gradient by its group's rate: the scale path (W_scale from 0) by
+    learning_rate, or by location_lr_ratio × learning_rate in the slow-scale arm, as W_loc moves."""
+    from causalqwen_adapter.classification import LabelSet
+    from causalqwen_adapter.trainer import CausalSFTConfig
+
+    generator = torch.Generator().manual_seed(4)
+    H = base.config.hidden_size
+    features = {"z": torch.randn(6, H, generator=generator), "z_label": torch.randn(6, 3, H, generator=generator)}
+    defaults = CausalSFTConfig("unused", report_to="none", use_cpu=True)
+    lr = 1e-2
+    model = evidence.train_arm(base, arm, features, torch.arange(6), [0, 1, 2, 0, 1, 2], LabelSet([" a", " b", " c"],
+                               LABEL_IDS), EOS, lr, 1, 4, 0, defaults)
+    scale_step = model.abduction.scale.weight.abs().max().item()
+    loc_step = (model.abduction.loc.weight - torch.eye(H)).abs().max().item()
+    assert loc_step == pytest.approx(defaults.location_lr_ratio * lr, rel=1e-3)
+    expected = defaults.location_lr_ratio * lr if arm == "ovr_candidates_slow_scale" else lr
+    assert scale_step == pytest.approx(expected, rel=1e-3)
+
+
 def test_gce_loss_matches_its_formula(base):
     model = _moved(CausalQwenForCausalLM.from_base(base, objective="softmax"))
     z = torch.randn(4, base.config.hidden_size, generator=torch.Generator().manual_seed(2))
