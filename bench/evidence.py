@@ -274,9 +274,10 @@ def head_outputs(model, arm: str, z, labels) -> dict[str, float] | None:
 
 
 def train_arm(base, arm, features, rows, train_labels, labels, eos, lr, steps, batch_rows, seed, trainer_defaults,
-              position=None):
+              position=None, on_step=None):
     """Fresh heads trained for `steps` on training `rows` (indices into `features`) with labels `train_labels`
-    (indexed by row) of the label set `labels`, in the seeded order of `seed`."""
+    (indexed by row) of the label set `labels`, in the seeded order of `seed`. `on_step(step, model, loss)` after each
+    optimizer step (the gradients still in place)."""
     model = CausalQwenForCausalLM.from_base(base, **ARMS[arm]["heads"])
     optimizer = optimizer_for(model, lr, trainer_defaults.location_lr_ratio, trainer_defaults.threshold_lr_ratio,
                               fused=True, scale_lr_ratio=ARMS[arm].get("scale_lr_ratio", 1.0))
@@ -297,6 +298,8 @@ def train_arm(base, arm, features, rows, train_labels, labels, eos, lr, steps, b
         torch.nn.utils.clip_grad_norm_(params, trainer_defaults.max_grad_norm)
         optimizer.step()
         schedule.step()
+        if on_step is not None:
+            on_step(step, model, loss)
     return model.eval()
 
 

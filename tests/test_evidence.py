@@ -143,9 +143,11 @@ def test_first_step_moves_the_scale_path_by_its_rate(base, arm):
     H = base.config.hidden_size
     features = {"z": torch.randn(6, H, generator=generator), "z_label": torch.randn(6, 3, H, generator=generator)}
     defaults = CausalSFTConfig("unused", report_to="none", use_cpu=True)
-    lr = 1e-2
+    lr, seen = 1e-2, []
     model = evidence.train_arm(base, arm, features, torch.arange(6), [0, 1, 2, 0, 1, 2], LabelSet([" a", " b", " c"],
-                               LABEL_IDS), EOS, lr, 1, 4, 0, defaults)
+                               LABEL_IDS), EOS, lr, 1, 4, 0, defaults,
+                               on_step=lambda step, m, loss: seen.append((step, m.abduction.scale.weight.grad.norm())))
+    assert len(seen) == 1 and seen[0][0] == 0 and seen[0][1] > 0  # after the step, its gradient in place
     scale_step = model.abduction.scale.weight.abs().max().item()
     loc_step = (model.abduction.loc.weight - torch.eye(H)).abs().max().item()
     assert loc_step == pytest.approx(defaults.location_lr_ratio * lr, rel=1e-3)
