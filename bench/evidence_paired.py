@@ -15,6 +15,12 @@ rate, the best validation accuracy among the rates that seed ran at: every arm t
 gives its first seed, on every seed (seeds without every rate of their arm's grid are left out).
 
     python bench/evidence_paired.py --runs bench/results/evidence-trec-full-runs.log --against softmax
+
+With `--unknown` the files are unknown-classes JSON files (`--protocol unknown`, rows with each seed's scores):
+for each fraction of known classes, the OvR acceptance (`ovr_max_prob`) of every other arm against every rejection
+score of the baseline arm, paired by seed on `--metric` (AUROC by default; the seeds draw the known classes).
+
+    python bench/evidence_paired.py --unknown bench/results/evidence_unknown_trec_full_5seeds.json
 """
 
 import argparse
@@ -87,10 +93,11 @@ def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
     return chosen
 
 
-def paired(arm: dict[int, dict], baseline: dict[int, dict]) -> dict:
-    """Per-seed differences arm − baseline (own rules) over the seeds both ran: mean, standard error, n and wins."""
+def paired(arm: dict[int, dict], baseline: dict[int, dict], value=own_rule) -> dict:
+    """Per-seed differences arm − baseline (`value` of each seed's result: the own rule's accuracy) over the seeds
+    both ran: mean, standard error, n and wins."""
     seeds = sorted(set(arm) & set(baseline))
-    diffs = [own_rule(arm[s]) - own_rule(baseline[s]) for s in seeds]
+    diffs = [value(arm[s]) - value(baseline[s]) for s in seeds]
     se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
     return {"seeds": seeds, "mean": statistics.fmean(diffs) if diffs else float("nan"), "se": se,
             "higher": sum(d > 0 for d in diffs)}
@@ -119,6 +126,44 @@ def table(runs: dict, against: str) -> list[str]:
     return lines
 
 
+def unknown_runs(paths) -> dict[tuple, dict[int, dict]]:
+    """{(known, arm, score, lr): {seed: {auroc, fpr_at_95_tpr, open_set_macro_f1}}} over the unknown-classes rows."""
+    runs: dict[tuple, dict[int, dict]] = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["results"]:
+            if "per_seed" not in row:
+                raise ValueError(f"{path}: a row of {row['arm']} ({row['score']}) has no per-seed scores (written "
+                                 "before bench/evidence.py kept them): rerun that protocol")
+            seen = runs.setdefault((row["known"], row["arm"], row["score"], row["lr"]), {})
+            for seed, scores in zip(row["seeds"], row["per_seed"], strict=True):
+                if seen.get(seed, scores) != scores:
+                    raise ValueError(f"{path}: seed {seed} of {row['arm']} ({row['score']}) has two results")
+                seen[seed] = scores
+    return runs
+
+
+def unknown_table(runs: dict, against: str, metric: str) -> list[str]:
+    lines = [f"| known | arm (lr), OvR acceptance | its mean {metric} | against (lr), score | its mean | seeds | "
+             "arm − against | s.e.s | higher on |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for known in sorted({key[0] for key in runs}):
+        same = {key[1:]: seeds for key, seeds in runs.items() if key[0] == known}
+        for (arm, score, lr), seeds in sorted(same.items()):
+            if arm == against or score != "ovr_max_prob":
+                continue
+            for (base_arm, base_score, base_lr), base_seeds in sorted(same.items()):
+                if base_arm != against:
+                    continue
+                d = paired(seeds, base_seeds, value=lambda scores: scores[metric])
+                if not d["seeds"]:
+                    continue
+                mean_arm = statistics.fmean(seeds[s][metric] for s in d["seeds"])
+                mean_base = statistics.fmean(base_seeds[s][metric] for s in d["seeds"])
+                lines.append(f"| {known:.0%} | {arm} ({_rate(lr)}) | {mean_arm:.4f} | {against} ({_rate(base_lr)}), "
+                             f"{base_score} | {mean_base:.4f} | {len(d['seeds'])} | {d['mean']:+.4f} ± "
+                             f"{d['se']:.4f} | {d['mean'] / d['se']:+.2f} | {d['higher']} of {len(d['seeds'])} |")
+    return lines
+
+
 def _rate(lr) -> str:
     return lr if isinstance(lr, str) else f"{lr:g}"
 
@@ -128,9 +173,17 @@ def main() -> None:
     parser.add_argument("files", nargs="*", help="label_noise JSON files of bench/evidence.py")
     parser.add_argument("--runs", nargs="+", help="logs (or JSON files) of bench/evidence.py: each seed chooses its own rate")
     parser.add_argument("--against", default="softmax", help="the baseline arm")
+    parser.add_argument("--unknown", action="store_true", help="the files are unknown-classes JSON files")
+    parser.add_argument("--metric", default="auroc", choices=["auroc", "fpr_at_95_tpr", "open_set_macro_f1"],
+                        help="with --unknown: the score compared (lower is better for fpr_at_95_tpr)")
     args = parser.parse_args()
     if bool(args.files) == bool(args.runs):
         parser.error("give label_noise JSON files, or --runs with logs or JSON files")
+    if args.unknown:
+        if args.runs:
+            parser.error("--unknown reads unknown-classes JSON files: give them without --runs")
+        print("\n".join(unknown_table(unknown_runs(args.files), args.against, args.metric)))
+        return
     runs = per_seed_choice(args.runs) if args.runs else merged_runs(args.files)
     print("\n".join(table(runs, args.against)))
 

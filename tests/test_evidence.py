@@ -242,3 +242,5 @@ def test_protocols_run_end_to_end_and_write_their_tables(base, tmp_path):
     assert "ovr_max_prob" not in {r["score"] for r in results if r["arm"] == "softmax"}
     for row in results:
         assert 0 <= row["auroc"] <= 1 and 0 <= row["fpr_at_95_tpr"] <= 1 and 0 <= row["open_set_macro_f1"] <= 1
+        assert len(row["per_seed"]) == 2 and row["auroc"] == pytest.approx(  # each seed's scores, for pairing
+            sum(s["auroc"] for s in row["per_seed"]) / 2)

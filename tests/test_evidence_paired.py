@@ -96,3 +96,39 @@ def test_the_runs_of_a_json_file_choose_like_the_log(tmp_path):
                    {"seed": 1, "lr": 1e-2, "validation": 0.41, "test_accuracy": {"softmax": 0.59}}]
     chosen = paired.per_seed_choice([_write(tmp_path / "a.json", [row])])
     assert chosen == {("trec", "uniform", 0.4, "softmax", "per seed"): {0: {"softmax": 0.60}}}  # seed 1 ran one rate
+
+
+def _unknown(path, rows):
+    path.write_text(json.dumps({"results": rows}))
+    return path
+
+
+def _scores(aurocs):
+    return [{"auroc": a, "fpr_at_95_tpr": 1 - a, "open_set_macro_f1": a / 2} for a in aurocs]
+
+
+def test_unknown_classes_pair_the_ovr_acceptance_with_every_baseline_score(tmp_path):
+    ovr = {0: 0.70, 1: 0.74, 2: 0.69, 3: 0.80}
+    energy = {0: 0.75, 1: 0.73, 2: 0.74, 3: 0.76}
+    rows = lambda seeds: [  # noqa: E731
+        {"known": 0.5, "arm": "ovr_candidates", "score": "ovr_max_prob", "lr": 0.01, "seeds": seeds,
+         "per_seed": _scores([ovr[s] for s in seeds])},
+        {"known": 0.5, "arm": "ovr_candidates", "score": "energy", "lr": 0.01, "seeds": seeds,
+         "per_seed": _scores([0.5] * len(seeds))},
+        {"known": 0.5, "arm": "softmax", "score": "energy", "lr": 0.01, "seeds": seeds,
+         "per_seed": _scores([energy[s] for s in seeds])},
+    ]
+    files = [_unknown(tmp_path / "a.json", rows([0, 1])), _unknown(tmp_path / "b.json", rows([2, 3]))]
+    lines = paired.unknown_table(paired.unknown_runs(files), "softmax", "auroc")[2:]
+    assert len(lines) == 1 and "ovr_candidates (0.01)" in lines[0] and "energy" in lines[0]
+    diffs = [ovr[s] - energy[s] for s in range(4)]
+    se = statistics.stdev(diffs) / math.sqrt(4)
+    assert f"{statistics.fmean(diffs):+.4f} ± {se:.4f}" in lines[0] and "| 2 of 4 |" in lines[0]
+    fpr = paired.unknown_table(paired.unknown_runs(files), "softmax", "fpr_at_95_tpr")[2]
+    assert f"{-statistics.fmean(diffs):+.4f}" in fpr
+
+
+def test_unknown_rows_without_per_seed_scores_are_refused(tmp_path):
+    row = {"known": 0.5, "arm": "softmax", "score": "energy", "lr": 0.01, "seeds": [0], "auroc": 0.7}
+    with pytest.raises(ValueError, match="no per-seed scores"):
+        paired.unknown_runs([_unknown(tmp_path / "old.json", [row])])
