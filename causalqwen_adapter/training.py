@@ -168,10 +168,10 @@ class LossMetricsMixin:
         return kept
 
     def _warn_if_probabilities_saturate(self, means: dict[str, float]) -> None:
-        """Warn once when every OvR probability of the window sits at ½ (P_y within 0.01 of it, Σ P over the scored
-        tokens within 10 % of half their count): the scale dwarfs the locations' spread, so P_k says nothing while the ranking still trains.
-        Adam's first steps move W_scale z by about the scale path's rate × ‖z‖₁ each (thousands × the rate on a
-        Qwen2 base), and past a point the loss is flat in the scale, so it never comes back."""
+        """Warn once when every OvR probability of the window sits at ½ (P_y within 0.01 of it, Σ P over the
+        scored tokens within 10 % of half their count): the scale dwarfs the locations' spread, so P_k says nothing
+        while the ranking still trains. Adam's first steps move W_scale z by about the scale path's rate × ‖z‖₁ each
+        (thousands × the rate on a Qwen2 base), and past a point the loss is flat in the scale: it never comes back."""
         config = getattr(self.model, "config", None)
         if getattr(self, "_warned_saturation", False) or "target_prob" not in means or config is None:
             return
