@@ -16,6 +16,8 @@ gives its first seed, on every seed (seeds without every rate of their arm's gri
 
     python bench/evidence_paired.py --runs bench/results/evidence-trec-full-runs.log --against softmax
 
+`--runs ... --by-rate` keeps every rate of every arm as its own row instead (the runs at one rate held for both).
+
 With `--unknown` the files are unknown-classes JSON files (`--protocol unknown`, rows with each seed's scores):
 for each fraction of known classes, the OvR acceptance (`ovr_max_prob`) of every other arm against every rejection
 score of the baseline arm, paired by seed on `--metric` (AUROC by default; the seeds draw the known classes).
@@ -74,10 +76,9 @@ def _runs_of(path):
             yield key, int(m["seed"]), float(m["lr"]), (float(m["validation"]), ast.literal_eval(m["test"]))
 
 
-def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
-    """{(task, noise, rate, arm, "per seed"): {seed: accuracies at the rate of best validation accuracy}} from the
-    run lines of bench/evidence.py's logs or the runs its JSON rows keep; a seed is kept when it ran every rate its
-    arm ran at in that setting."""
+def _collect_runs(paths) -> dict[tuple, dict[int, dict[float, tuple]]]:
+    """{(task, noise, rate, arm, "per seed"): {seed: {lr: (validation, test accuracies)}}}, a run given twice kept
+    once, two different results for one run refused."""
     runs: dict[tuple, dict[int, dict[float, tuple]]] = {}
     for path in paths:
         for key, seed, lr, run in _runs_of(path):
@@ -85,8 +86,26 @@ def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
             if seen.get(lr, run) != run:
                 raise ValueError(f"{path}: seed {seed} lr {lr:g} of {key[:4]} has two results")
             seen[lr] = run
+    return runs
+
+
+def runs_by_rate(paths) -> dict[tuple, dict[int, dict]]:
+    """{(task, noise, rate, arm, lr): {seed: accuracies}} from run lines or JSON runs: every rate that ran, each on
+    the seeds that ran it (the pairs at one rate held for both arms, whatever the search chose)."""
+    out: dict[tuple, dict[int, dict]] = {}
+    for key, seeds in _collect_runs(paths).items():
+        for seed, by_lr in seeds.items():
+            for lr, (_, test) in by_lr.items():
+                out.setdefault((*key[:4], lr), {})[seed] = test
+    return out
+
+
+def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
+    """{(task, noise, rate, arm, "per seed"): {seed: accuracies at the rate of best validation accuracy}} from the
+    run lines of bench/evidence.py's logs or the runs its JSON rows keep; a seed is kept when it ran every rate its
+    arm ran at in that setting."""
     chosen = {}
-    for key, seeds in runs.items():
+    for key, seeds in _collect_runs(paths).items():
         grid = set().union(*seeds.values())
         chosen[key] = {seed: max(by_lr.values(), key=lambda r: r[0])[1] for seed, by_lr in seeds.items()
                        if set(by_lr) == grid}
@@ -172,6 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", help="label_noise JSON files of bench/evidence.py")
     parser.add_argument("--runs", nargs="+", help="logs (or JSON files) of bench/evidence.py: each seed chooses its own rate")
+    parser.add_argument("--by-rate", action="store_true",
+                        help="with --runs: every rate its own row (each arm at each rate it ran), no choice")
     parser.add_argument("--against", default="softmax", help="the baseline arm")
     parser.add_argument("--unknown", action="store_true", help="the files are unknown-classes JSON files")
     parser.add_argument("--metric", default="auroc", choices=["auroc", "fpr_at_95_tpr", "open_set_macro_f1"],
@@ -184,7 +205,12 @@ def main() -> None:
             parser.error("--unknown reads unknown-classes JSON files: give them without --runs")
         print("\n".join(unknown_table(unknown_runs(args.files), args.against, args.metric)))
         return
-    runs = per_seed_choice(args.runs) if args.runs else merged_runs(args.files)
+    if args.by_rate and not args.runs:
+        parser.error("--by-rate reads the run lines: give --runs")
+    if args.runs:
+        runs = runs_by_rate(args.runs) if args.by_rate else per_seed_choice(args.runs)
+    else:
+        runs = merged_runs(args.files)
     print("\n".join(table(runs, args.against)))
 
 

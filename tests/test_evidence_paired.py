@@ -84,6 +84,10 @@ def test_each_seed_chooses_its_rate_by_validation(tmp_path):
                       chosen[("trec", "uniform", 0.4, "softmax", "per seed")])
     assert d["seeds"] == [0, 1] and d["mean"] == pytest.approx(((0.69 - 0.60) + (0.71 - 0.72)) / 2)
     assert "ovr_alone (per seed)" in "\n".join(paired.table(chosen, "softmax"))
+    by_rate = paired.runs_by_rate([log])  # every rate its own arm, on the seeds that ran it
+    assert by_rate[("trec", "uniform", 0.4, "softmax", 1e-2)] == {0: {"softmax": 0.60}, 1: {"softmax": 0.59},
+                                                                   2: {"softmax": 0.50}}
+    assert by_rate[("trec", "uniform", 0.4, "softmax", 1e-3)] == {0: {"softmax": 0.70}, 1: {"softmax": 0.72}}
     log.write_text(log.read_text() + _line("softmax", 1, 1e-3, 0.47, {"softmax": 0.73}) + "\n")
     with pytest.raises(ValueError, match="two results"):
         paired.per_seed_choice([log])
