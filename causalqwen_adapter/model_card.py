@@ -1,8 +1,9 @@
-"""The adapter folder on the Hub: its model card (README.md) and its upload.
+"""The adapter folder on the Hub: its model card (README.md).
 
 The card is rendered from one Jinja template, `model_card/adapter_card.md.j2` at the top of the project
 (`adapter_card.md.j2` next to this file is a link to it, shipped as package data), with huggingface_hub's
-`ModelCard`. `save_pretrained` writes it, `push_to_hub` and `recipes/push_to_hub.py` upload it.
+`ModelCard`. `save_pretrained` writes it; `push_to_hub` and `recipes/push_to_hub.py` upload the folder through the
+installed package's `hub.py`, which is never remote code.
 
 Shipped as remote code next to modeling_causalqwen.py (transformers copies relatively imported files), so:
 the standard library and huggingface_hub only, jinja2 through huggingface_hub; never this package by name.
