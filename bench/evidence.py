@@ -21,6 +21,7 @@ have, written here on the same tensors:
 | `ovr_alone` | the OvR loss over the candidates alone (`softmax_loss_weight=0`, `ovr_trains_location=True`), from γ₀ = 0.005: the Cauchy loss trains the locations |
 | `ovr_alone_logistic` | `ovr_alone` with the logistic link (here, not in the package) |
 | `ovr_candidates_slow_scale` | `ovr_candidates` with the scale path (W_scale, b_scale, b_noise) at the location path's rate, `location_lr_ratio` × the learning rate |
+| `ovr_candidates_absolute`, `ovr_alone_absolute` | `ovr_candidates`, `ovr_alone` with absolute thresholds (`ovr_relative_threshold=False`, C calibrated on the training prompts as the trainer does): each label accepted on its own logit, not on its share of the vocabulary's probability |
 
 Label noise flips training (and validation) labels, uniformly or class-dependently (evidence_data.inject_noise); the
 learning rate of each arm and noise setting is the best of --lrs by validation accuracy (noisy validation labels: what
@@ -57,6 +58,7 @@ from causalqwen_adapter.classification import (
     macro_f1,
     rejection_scores,
 )
+from causalqwen_adapter.training import calibrate_threshold_on_features
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence_data import NOISE_KINDS, TREC_FINE, inject_noise, task  # noqa: E402
@@ -84,6 +86,10 @@ ARMS = {
     # moves W_scale z by about the rate × ‖z‖₁ (≈ 4,000 on the demo base), so a rate of 1e-2 jumps the scale into the
     # flat region where every P_k is ½ (docs/design.md, Training losses)
     "ovr_candidates_slow_scale": dict(heads=CANDIDATES, loss="recipe", scale_lr_ratio=0.1),
+    # absolute thresholds: P_k compares loc_S_k itself with C, so every label can be rejected at once whatever the
+    # softmax's normalisation says (the seeds' "none of these"); C calibrated on the training prompts
+    "ovr_candidates_absolute": dict(heads={**CANDIDATES, "ovr_relative_threshold": False}, loss="recipe"),
+    "ovr_alone_absolute": dict(heads={**ALONE, "ovr_relative_threshold": False}, loss="recipe"),
 }
 GCE_Q = 0.7
 
@@ -279,6 +285,8 @@ def train_arm(base, arm, features, rows, train_labels, labels, eos, lr, steps, b
     (indexed by row) of the label set `labels`, in the seeded order of `seed`. `on_step(step, model, loss)` after each
     optimizer step (the gradients still in place)."""
     model = CausalQwenForCausalLM.from_base(base, **ARMS[arm]["heads"])
+    if model.config.objective == "ovr" and not model.config.ovr_relative_threshold:
+        calibrate_threshold_on_features(model, features["z"][rows])  # as the trainer does for fresh heads
     optimizer = optimizer_for(model, lr, trainer_defaults.location_lr_ratio, trainer_defaults.threshold_lr_ratio,
                               fused=True, scale_lr_ratio=ARMS[arm].get("scale_lr_ratio", 1.0))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)

@@ -106,10 +106,10 @@ def test_link_loss_with_the_cauchy_link_is_the_packages(base, heads):
     assert logistic == pytest.approx(total / len(targets), rel=1e-4)
 
 
-@pytest.mark.parametrize("arm", ["ovr_alone", "ovr_alone_logistic", "softmax"])
+@pytest.mark.parametrize("arm", ["ovr_alone", "ovr_alone_logistic", "ovr_alone_absolute", "softmax"])
 def test_head_outputs_are_the_label_probabilities_summaries(base, arm):
-    """P_k over the labels from its definition in float64 (the link's CDF of the standardised relative location),
-    then the picked label's median P and scale, the share with no P above ½ and the median Σ_k P_k."""
+    """P_k over the labels from its definition in float64 (the link's CDF of the standardised location, relative to
+    the log-partition except in the absolute arm), then the picked label's median P and scale, the share with no P above ½ and the median Σ_k P_k."""
     from causalqwen_adapter.classification import LabelSet
 
     model = _moved(CausalQwenForCausalLM.from_base(base, **evidence.ARMS[arm]["heads"]))
@@ -122,7 +122,8 @@ def test_head_outputs_are_the_label_probabilities_summaries(base, arm):
     with torch.no_grad():
         _, _, loc_S, scale_S = model.causal_heads(z, "standard", model.config.causal_temperature)
     loc, scale = loc_S.double(), scale_S.double()
-    x = (loc - loc.logsumexp(-1, keepdim=True) - model.ovr.threshold.double()) / scale
+    reference = 0.0 if arm == "ovr_alone_absolute" else loc.logsumexp(-1, keepdim=True)
+    x = (loc - reference - model.ovr.threshold.double()) / scale
     P = torch.sigmoid(x) if arm == "ovr_alone_logistic" else 0.5 + torch.atan(x) / torch.pi
     P, scale = P[:, LABEL_IDS], scale[:, LABEL_IDS]
     top, pick = P.max(-1)
@@ -153,6 +154,28 @@ def test_first_step_moves_the_scale_path_by_its_rate(base, arm):
     assert loc_step == pytest.approx(defaults.location_lr_ratio * lr, rel=1e-3)
     expected = defaults.location_lr_ratio * lr if arm == "ovr_candidates_slow_scale" else lr
     assert scale_step == pytest.approx(expected, rel=1e-3)
+
+
+def test_absolute_arms_calibrate_their_threshold_on_the_training_rows(base):
+    """Fresh heads with absolute thresholds start at the C where their standard-mode argmax best agrees with the
+    base's on the training rows' prompts (as the trainer calibrates), not at the config's default."""
+    from causalqwen_adapter.classification import LabelSet
+    from causalqwen_adapter.trainer import CausalSFTConfig
+    from causalqwen_adapter.training import calibrate_threshold_on_features
+
+    generator = torch.Generator().manual_seed(5)
+    H = base.config.hidden_size
+    features = {"z": 3 * torch.randn(8, H, generator=generator), "z_label": torch.randn(8, 3, H, generator=generator)}
+    defaults = CausalSFTConfig("unused", report_to="none", use_cpu=True)
+    rows = torch.tensor([1, 4, 6])
+    model = evidence.train_arm(base, "ovr_alone_absolute", features, rows, [0, 1, 2] * 3, LabelSet([" a", " b", " c"],
+                               LABEL_IDS), EOS, 0.0, 1, 2, 0, defaults)  # rate 0: the threshold stays where it began
+    fresh = CausalQwenForCausalLM.from_base(base, **evidence.ARMS["ovr_alone_absolute"]["heads"])
+    default = fresh.ovr.threshold.clone()
+    expected = calibrate_threshold_on_features(fresh, features["z"][rows])
+    assert not model.config.ovr_relative_threshold
+    assert model.ovr.threshold.unique().tolist() == pytest.approx([expected])
+    assert expected != pytest.approx(default.unique().item())
 
 
 def test_gce_loss_matches_its_formula(base):
