@@ -18,6 +18,10 @@ training step each way, and the speed and memory of decoding and of the training
 
 Every comparison runs its variants interleaved, --rounds rounds, and prints ratios as median (min–max) over the rounds
 (bench/stats.py). `--parts` picks what runs.
+
+`--device cpu` runs the same code on the CPU at whatever sizes are given, with the CUDA-only figures (peak memory,
+kernels) left out and the launches under `--cpu` (gloo): a smoke run that catches a broken script before a GPU's
+minutes are spent on it (tests/test_gpu_script.py).
 """
 
 import argparse
@@ -53,7 +57,17 @@ def qwen25_05b_config():
                        eos_token_id=2, pad_token_id=None)
 
 
-def random_base(folder: Path) -> Path:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def random_base(folder: Path, device: torch.device) -> Path:
     """A randomly initialised Qwen2.5-0.5B-shaped Qwen2 in bf16, with a word-level tokenizer of the bench prompts
     (ids beyond it are never fed), saved like a Hub base."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -65,12 +79,12 @@ def random_base(folder: Path) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
                                         eos_token="<|endoftext|>")
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen2ForCausalLM(qwen25_05b_config()).to(torch.bfloat16)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     del model
-    torch.cuda.empty_cache()
+    empty_cache(device)
     return folder
 
 
@@ -114,8 +128,8 @@ def gpu_tests(timeout: float) -> None:
 # --------------------------------------------------------------------------------------- 2. sharded steps
 
 
-def sharded_steps(base: Path, work: Path, timeout: float) -> None:
-    start = section("one sft_ovr.py step per launch configuration, 1 GPU")
+def sharded_steps(base: Path, work: Path, timeout: float, device: torch.device) -> None:
+    start = section(f"one sft_ovr.py step per launch configuration, 1 process on {device.type}")
     data = work / "sharded.jsonl"
     data.write_text("".join(json.dumps({"text": p * 4}) + "\n" for p in PROMPTS * 2))
     configs = ["fsdp2.yaml"]
@@ -125,14 +139,16 @@ def sharded_steps(base: Path, work: Path, timeout: float) -> None:
         configs.append("deepspeed_zero3.yaml")
     except Exception as err:  # ImportError, or a DeepSpeed that cannot build its ops here
         print(f"deepspeed_zero3.yaml: skipped, deepspeed does not import ({type(err).__name__}: {err})")
+    cpu = ["--cpu"] if device.type == "cpu" else []  # gloo instead of nccl, and no bf16 mixed precision
+    env = {"ACCELERATE_MIXED_PRECISION": "no"} if cpu else None
     for config in configs:
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-               "--num_processes", "1", str(REPO_ROOT / "recipes" / "sft_ovr.py"),
+               "--num_processes", "1", *cpu, str(REPO_ROOT / "recipes" / "sft_ovr.py"),
                "--model_name_or_path", str(base), "--dataset_name", str(data), "--output_dir", str(work / config),
                "--max_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "128", "--logging_steps", "1",
                "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
-        code, tail = run_logged(cmd, timeout)
+        code, tail = run_logged(cmd, timeout, env)
         saved = (work / config / "model.safetensors").is_file()
         losses = [line for line in tail.splitlines() if "'loss'" in line]
         status = "ok" if code == 0 and saved else f"FAILED (exit {code}, adapter saved: {saved})"
@@ -145,11 +161,13 @@ def sharded_steps(base: Path, work: Path, timeout: float) -> None:
 # --------------------------------------------------------------------------------------- 3. decode
 
 
-def kernel_launches(fn) -> int:
-    """CUDA kernels `fn()` launches (memory copies and sets left out)."""
+def kernel_launches(fn, device: torch.device) -> int | float:
+    """CUDA kernels `fn()` launches (memory copies and sets left out); NaN off CUDA."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    if device.type != "cuda":
+        return float("nan")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
@@ -158,7 +176,21 @@ def kernel_launches(fn) -> int:
                if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset", "[memory]")))
 
 
-def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int) -> None:
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory allocated on the device since the last reset (MiB); NaN off CUDA."""
+    return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory_allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated() if device.type == "cuda" else 0
+
+
+def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, device: torch.device) -> None:
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     from causalqwen_adapter import CausalQwenForCausalLM
@@ -167,22 +199,22 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int) ->
                     "speed as a multiple of the base's, median (min–max) of the rounds")
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     tokenizer.padding_side = "left"
-    base = Qwen2ForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16).to("cuda").eval()
+    base = Qwen2ForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16).to(device).eval()
     model = CausalQwenForCausalLM.from_base(base).eval()
     print(HEADER)
     for batch_size in batches:
         print_rows(batch_size, measure(base, model, tokenizer, batch_size, new_tokens, rounds,
-                                       synchronize=torch.cuda.synchronize))
+                                       synchronize=lambda: synchronize(device)))
     print(f"\nbatch 1, per variant: peak memory of a {new_tokens}-token generate, CUDA kernels per decode step")
-    batch = tokenizer(PROMPTS[:1], return_tensors="pt").to("cuda")
+    batch = tokenizer(PROMPTS[:1], return_tensors="pt").to(device)
     with torch.inference_mode():
         for variant in ("base", "compatible", "standard", "standard (eager)", "causal", "sampling"):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+            empty_cache(device)
+            reset_peak_memory(device)
             run_variant(base, model, variant, batch, new_tokens)
-            peak = torch.cuda.max_memory_allocated() / 2**20
-            many = kernel_launches(lambda: run_variant(base, model, variant, batch, new_tokens))
-            one = kernel_launches(lambda: run_variant(base, model, variant, batch, 1))
+            peak = peak_memory_mib(device)
+            many = kernel_launches(lambda: run_variant(base, model, variant, batch, new_tokens), device)
+            one = kernel_launches(lambda: run_variant(base, model, variant, batch, 1), device)
             print(f"  {variant:<24} peak {peak:8.0f} MiB   kernels per step {(many - one) / (new_tokens - 1):7.1f}")
     done(start)
 
@@ -190,22 +222,23 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int) ->
 # --------------------------------------------------------------------------------------- 4. loss
 
 
-def loss(sizes: list[int], rounds: int, repeat: int) -> None:
+def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype: str = "bfloat16") -> None:
     variants = ["a", "d", "v"]
     try:
         import liger_kernel  # noqa: F401
 
-        variants.append("l")
+        if device.type == "cuda":  # Triton kernels: a GPU
+            variants.append("l")
     except ImportError:
         print("(l) skipped: liger_kernel does not import")
-    start = section(f"loss forward + backward, bf16 weights, V × C = 151936 × 896, {rounds} interleaved rounds, the "
-                    f"fastest of {repeat} steps per round")
+    start = section(f"loss forward + backward, {dtype} weights, V × C = 151936 × 896, {rounds} interleaved rounds, "
+                    f"the fastest of {repeat} steps per round")
     for n in sizes:
         steps = {}
-        for v in variants:  # build_step sets bfloat16 as the default dtype, as bench/loss.py's --dtype bfloat16 runs
-            torch.cuda.empty_cache()
+        for v in variants:  # build_step sets `dtype` as the default dtype, as bench/loss.py's --dtype runs
+            empty_cache(device)
             try:
-                steps[v] = build_step(v, n, dtype="bfloat16", device="cuda")
+                steps[v] = build_step(v, n, dtype=dtype, device=str(device))
             except torch.cuda.OutOfMemoryError:
                 print(f"N={n} ({v}) {LOSS_VARIANTS[v]}: out of memory building its inputs")
         times = {v: [] for v in steps}
@@ -228,27 +261,22 @@ def loss(sizes: list[int], rounds: int, repeat: int) -> None:
                     if r == 0:  # warm-up (Triton/cuBLAS set-up), peak memory above the inputs, kernels per step
                         one_step(v)
                         clear(v)  # the peak is measured from the inputs alone
-                        torch.cuda.synchronize()
-                        torch.cuda.empty_cache()
-                        base_mem = torch.cuda.memory_allocated()
-                        torch.cuda.reset_peak_memory_stats()
+                        synchronize(device)
+                        empty_cache(device)
+                        base_mem = memory_allocated(device)
+                        reset_peak_memory(device)
                         one_step(v)
-                        torch.cuda.synchronize()
-                        peaks[v] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
-                        kernels[v] = kernel_launches(lambda: one_step(v))
+                        synchronize(device)
+                        peaks[v] = peak_memory_mib(device) - base_mem / 2**20
+                        kernels[v] = kernel_launches(lambda: one_step(v), device)
                     best = float("inf")
                     for _ in range(repeat):
-                        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        begin.record()
-                        one_step(v)
-                        end.record()
-                        end.synchronize()
-                        best = min(best, begin.elapsed_time(end) / 1000)
+                        best = min(best, timed_step(lambda: one_step(v), device))
                     times[v].append(best)
                 except torch.cuda.OutOfMemoryError:
                     print(f"N={n} ({v}) {LOSS_VARIANTS[v]}: out of memory")
                     del steps[v], times[v]
-                    torch.cuda.empty_cache()
+                    empty_cache(device)
         for v in times:
             print(f"N={n} ({v}) {LOSS_VARIANTS[v]:<24} {statistics.median(times[v]) * 1e3:8.1f} ms (median of rounds)  "
                   f"peak above inputs {peaks.get(v, float('nan')):8.0f} MiB  kernels per step {kernels.get(v, 0)}")
@@ -257,9 +285,23 @@ def loss(sizes: list[int], rounds: int, repeat: int) -> None:
                 print(f"N={n} {mine}/{other} time {spread(round_ratios(times[mine], times[other]))}×  "
                       f"peak memory {peaks[mine] / peaks[other]:.2f}×")
         steps.clear()
-        torch.cuda.empty_cache()
+        empty_cache(device)
     torch.set_default_dtype(torch.float32)
     done(start)
+
+
+def timed_step(fn, device: torch.device) -> float:
+    """Seconds of `fn()`: CUDA events on the GPU (what the device spent), the wall clock elsewhere."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000
 
 
 # --------------------------------------------------------------------------------------- main
@@ -277,27 +319,36 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="loss: timed steps per round (the fastest counts)")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for pytest -m gpu")
     parser.add_argument("--launch-timeout", type=float, default=150, help="seconds per accelerate launch")
+    parser.add_argument("--loss-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="loss: the weights' and activations' dtype")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a smoke run of the same code (no GPU figures), e.g. at tiny sizes")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/gpu.py needs a CUDA device: torch.cuda.is_available() is False on this machine")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA device: torch.cuda.is_available() is False on this machine (--device cpu "
+                 "runs the script's code on the CPU, without its GPU figures)")
+    if device.type == "cpu" and "tests" in args.parts:
+        sys.exit("--device cpu: leave out the tests part (--parts sharded decode loss); `make test` runs them here")
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     begin = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="causalqwen-gpu-bench-") as tmp:
         work = Path(tmp)
         base = Path(args.base) if args.base else None
         if base is None and {"sharded", "decode"} & set(args.parts):
-            base = random_base(work / "random-qwen2.5-0.5b")
+            base = random_base(work / "random-qwen2.5-0.5b", device)
             print(f"base: a random Qwen2.5-0.5B-shaped model ({base})")
         if "tests" in args.parts:
             gpu_tests(args.tests_timeout)
         if "sharded" in args.parts:
-            sharded_steps(base, work, args.launch_timeout)
+            sharded_steps(base, work, args.launch_timeout, device)
         if "decode" in args.parts:
-            decode(base, args.batch, args.new_tokens, args.rounds)
-            torch.cuda.empty_cache()  # the decode models are gone
+            decode(base, args.batch, args.new_tokens, args.rounds, device)
+            empty_cache(device)  # the decode models are gone
         if "loss" in args.parts:
-            loss(args.n, args.rounds, args.repeat)
+            loss(args.n, args.rounds, args.repeat, device, args.loss_dtype)
     print(f"\nall parts: {time.perf_counter() - begin:.0f} s")
 
 
