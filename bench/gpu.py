@@ -20,8 +20,9 @@ Every comparison runs its variants interleaved, --rounds rounds, and prints rati
 (bench/stats.py). `--parts` picks what runs.
 
 `--device cpu` runs the same code on the CPU at whatever sizes are given, with the CUDA-only figures (peak memory,
-kernels) left out and the launches under `--cpu` (gloo): a smoke run that catches a broken script before a GPU's
-minutes are spent on it (tests/test_gpu_script.py).
+kernels) left out and the launches under accelerate's `--cpu` (one process, where accelerate may not shard: they check
+the command line, the step and the save; tests/test_fsdp.py and tests/test_zero3.py shard on 2 gloo processes): a
+smoke run that catches a broken script before a GPU's minutes are spent on it (tests/test_gpu_script.py).
 """
 
 import argparse
