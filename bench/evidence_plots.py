@@ -1,6 +1,8 @@
 """The README's evidence plots, drawn from the result files in bench/results/ (nothing is rerun):
 
-- `evidence-label-noise.png`: TREC question type, clean test accuracy against the share of flipped training labels
+- `evidence-label-noise-full.png`: TREC question type on the full split (1,000 training rows, 60 steps), clean test
+  accuracy of each arm at each learning rate it ran with 5–10 seeds (mean ± standard error), by label-noise setting;
+- `evidence-label-noise.png`: the same at 160 training rows and 20 steps, against the share of flipped training labels
   (uniform and class-dependent), each arm at its searched learning rate, mean ± standard error over 5 seeds;
 - `evidence-numbers.png`: VADER ratings as numbers, the coverage of each arm's central intervals against their
   nominal level (clean targets) and their interval (Winkler) score at each level (clean, and 20 % shuffled targets
@@ -17,6 +19,17 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+FULL_SPLIT_FILES = ("evidence_label_noise_trec_full_5seeds.json", "evidence_label_noise_trec_full_10seeds.json",
+                    "evidence_label_noise_trec_full_more.json")
+FULL_SPLIT_ARMS = {  # arm → legend
+    "softmax": "softmax head (--objective softmax)",
+    "ovr_candidates": "causal heads, default recipe",
+    "ovr_alone": "causal heads, OvR loss alone",
+    "ovr_alone_logistic": "OvR loss alone, logistic link",
+    "gce": "generalised cross-entropy (q = 0.7)",
+}
+FULL_SPLIT_SETTINGS = [("none", 0.0, "clean"), ("uniform", 0.2, "20 % uniform"), ("uniform", 0.4, "40 % uniform"),
+                       ("class", 0.2, "20 % class-dep."), ("class", 0.4, "40 % class-dep.")]
 LABEL_NOISE_FILES = ("evidence_label_noise_5seeds.json", "evidence_label_noise_trec_20pct_5seeds.json",
                      "evidence_label_noise_trec_candidates_5seeds.json")
 NOISE_ARMS = {  # arm → legend
@@ -51,6 +64,25 @@ def label_noise_points(task: str = "trec") -> dict[tuple[str, str], list[tuple[f
     return {key: sorted(set(value)) for key, value in points.items()}
 
 
+def full_split_points(min_seeds: int = 5) -> dict[tuple[str, float], list[tuple[str, float, float, int]]]:
+    """(arm, lr) → [(setting label, mean, standard error, seeds)] of the arm's own rule on clean test labels, over
+    the full-split files' rows merged by seed; an (arm, lr, setting) with fewer than `min_seeds` seeds is left out."""
+    import statistics
+
+    from evidence_paired import merged_runs, own_rule
+
+    runs = merged_runs([RESULTS / name for name in FULL_SPLIT_FILES if (RESULTS / name).exists()])
+    points = {}
+    for (task, noise, rate, arm, lr), seeds in runs.items():
+        setting = next((label for n, r, label in FULL_SPLIT_SETTINGS if (n, r) == (noise, rate)), None)
+        if task != "trec" or arm not in FULL_SPLIT_ARMS or setting is None or len(seeds) < min_seeds:
+            continue
+        values = [own_rule(accuracy) for accuracy in seeds.values()]
+        se = statistics.stdev(values) / len(values) ** 0.5
+        points.setdefault((arm, lr), []).append((setting, statistics.fmean(values), se, len(values)))
+    return points
+
+
 def number_summary(select: str = "nll") -> list[dict]:
     import evidence_numbers
 
@@ -76,6 +108,34 @@ def plot_label_noise(path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("clean test accuracy (5 seeds, ± s.e.)")
     axes[1].legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_label_noise_full(path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    points = full_split_points()
+    present = {setting for series in points.values() for setting, *_ in series}
+    labels = [label for _, _, label in FULL_SPLIT_SETTINGS if label in present]
+    series = sorted(points, key=lambda key: (list(FULL_SPLIT_ARMS).index(key[0]), key[1]))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    colors = {arm: f"C{i}" for i, arm in enumerate(FULL_SPLIT_ARMS)}
+    width = 0.8 / max(len(series), 1)
+    for i, (arm, lr) in enumerate(series):
+        x = [labels.index(setting) - 0.4 + (i + 0.5) * width for setting, *_ in points[arm, lr]]
+        mean = [m for _, m, _, _ in points[arm, lr]]
+        se = [e for _, _, e, _ in points[arm, lr]]
+        filled = lr < 5e-3
+        ax.errorbar(x, mean, yerr=se, fmt="o" if filled else "s", capsize=3, color=colors[arm],
+                    markerfacecolor=colors[arm] if filled else "white", label=f"{FULL_SPLIT_ARMS[arm]}, lr {lr:g}")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel("training (and validation) labels flipped")
+    ax.set_ylabel("clean test accuracy (5–10 seeds, ± s.e.)")
+    ax.set_title("TREC question type, full split (1,000 training rows, 60 steps)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="lower left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -124,9 +184,11 @@ def main() -> None:
     matplotlib.use("Agg")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot_label_noise(out / "evidence-label-noise.png")
-    plot_numbers(out / "evidence-numbers.png")
-    print(f"wrote {out / 'evidence-label-noise.png'} and {out / 'evidence-numbers.png'}")
+    written = [out / "evidence-label-noise-full.png", out / "evidence-label-noise.png", out / "evidence-numbers.png"]
+    plot_label_noise_full(written[0])
+    plot_label_noise(written[1])
+    plot_numbers(written[2])
+    print("wrote " + ", ".join(map(str, written)))
 
 
 if __name__ == "__main__":
