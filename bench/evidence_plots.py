@@ -19,8 +19,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-FULL_SPLIT_FILES = ("evidence_label_noise_trec_full_5seeds.json", "evidence_label_noise_trec_full_10seeds.json",
-                    "evidence_label_noise_trec_full_more.json")
+FULL_SPLIT_RUNS = "evidence-trec-full-runs.log"  # every full-split 60-step run's line, as bench/evidence.py prints it
 FULL_SPLIT_ARMS = {  # arm → legend
     "softmax": "softmax head (--objective softmax)",
     "ovr_candidates": "causal heads, default recipe",
@@ -66,12 +65,13 @@ def label_noise_points(task: str = "trec") -> dict[tuple[str, str], list[tuple[f
 
 def full_split_points(min_seeds: int = 5) -> dict[tuple[str, float], list[tuple[str, float, float, int]]]:
     """(arm, lr) → [(setting label, mean, standard error, seeds)] of the arm's own rule on clean test labels, over
-    the full-split files' rows merged by seed; an (arm, lr, setting) with fewer than `min_seeds` seeds is left out."""
+    the seeds that ran the arm at that rate in that setting (the run lines of FULL_SPLIT_RUNS); an (arm, lr,
+    setting) with fewer than `min_seeds` seeds is left out."""
     import statistics
 
-    from evidence_paired import merged_runs, own_rule
+    from evidence_paired import own_rule, runs_by_rate
 
-    runs = merged_runs([RESULTS / name for name in FULL_SPLIT_FILES if (RESULTS / name).exists()])
+    runs = runs_by_rate([RESULTS / FULL_SPLIT_RUNS])
     points = {}
     for (task, noise, rate, arm, lr), seeds in runs.items():
         setting = next((label for n, r, label in FULL_SPLIT_SETTINGS if (n, r) == (noise, rate)), None)

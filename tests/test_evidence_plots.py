@@ -1,5 +1,6 @@
 """bench/evidence_plots.py: the plotted points are the result files' figures, and every plot is written."""
 
+import ast
 import importlib.util
 import json
 import statistics
@@ -37,26 +38,27 @@ def test_transcribed_rows_reproduce_their_recorded_means():
 
 
 def test_full_split_points_are_each_arm_and_rate_over_its_seeds():
-    """Against a direct reading of the rows: every seed's own-rule accuracy of (arm, lr, setting) across the files,
-    a seed given by two files counted once."""
+    """Against a direct reading of the run lines ("trec uniform:0.4 softmax seed 3 lr 0.01: validation (noisy) ...,
+    clean test {...}"): every seed's own-rule accuracy of (arm, lr, setting)."""
     points = plots.full_split_points(min_seeds=5)
+    labels = {(n, r): label for n, r, label in plots.FULL_SPLIT_SETTINGS}
     seen: dict[tuple, dict[int, float]] = {}
-    for name in plots.FULL_SPLIT_FILES:
-        for row in json.loads((BENCH / "results" / name).read_text())["results"]:
-            if row["arm"] not in plots.FULL_SPLIT_ARMS or not row["seeds"]:
-                continue
-            label = {(n, r): lab for n, r, lab in plots.FULL_SPLIT_SETTINGS}.get((row["noise"], row["rate"]))
-            for seed, accuracy in zip(row["seeds"], row["test_accuracy"]):
-                own = accuracy["ovr"] if "ovr" in accuracy else accuracy["softmax"]
-                seen.setdefault((row["arm"], row["lr"], label), {})[seed] = own
-    expected = {key: values for key, values in seen.items() if len(values) >= 5}
+    for line in (BENCH / "results" / plots.FULL_SPLIT_RUNS).read_text().splitlines():
+        head, _, test = line.partition(", clean test ")
+        words = head.split()
+        if not test or words[0] != "trec" or words[2] not in plots.FULL_SPLIT_ARMS:
+            continue
+        noise, rate = words[1].split(":")
+        accuracy = ast.literal_eval(test[: test.index("}") + 1])
+        own = accuracy["ovr"] if "ovr" in accuracy else accuracy["softmax"]
+        seen.setdefault((words[2], float(words[6].rstrip(":")), labels.get((noise, float(rate)))), {})[int(words[4])] = own
+    expected = {key: values for key, values in seen.items() if len(values) >= 5 and key[2] is not None}
     got = {(arm, lr, setting): (mean, se, n) for (arm, lr), series in points.items() for setting, mean, se, n in series}
     assert set(got) == set(expected)
     for key, values in expected.items():
         v = list(values.values())
         assert got[key] == pytest.approx((statistics.fmean(v), statistics.stdev(v) / len(v) ** 0.5, len(v)))
-    # the headline cell: the OvR loss alone under 40 % class-dependent flips, 10 seeds
-    assert got[("ovr_alone", 0.001, "40 % class-dep.")][2] == 10
+    assert ("ovr_alone", 0.001, "40 % class-dep.") in got  # the cell the README leads with
 
 
 def test_every_plot_is_written(tmp_path, monkeypatch):
