@@ -140,8 +140,7 @@ def sharded_steps(base: Path, work: Path, timeout: float, device: torch.device) 
         configs.append("deepspeed_zero3.yaml")
     except Exception as err:  # ImportError, or a DeepSpeed that cannot build its ops here
         print(f"deepspeed_zero3.yaml: skipped, deepspeed does not import ({type(err).__name__}: {err})")
-    cpu = ["--cpu"] if device.type == "cpu" else []  # gloo instead of nccl, and no bf16 mixed precision
-    env = {"ACCELERATE_MIXED_PRECISION": "no"} if cpu else None
+    cpu = ["--cpu", "--mixed_precision", "no"] if device.type == "cpu" else []  # no nccl, no bf16 autocast
     for config in configs:
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
@@ -149,7 +148,7 @@ def sharded_steps(base: Path, work: Path, timeout: float, device: torch.device) 
                "--model_name_or_path", str(base), "--dataset_name", str(data), "--output_dir", str(work / config),
                "--max_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "128", "--logging_steps", "1",
                "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
-        code, tail = run_logged(cmd, timeout, env)
+        code, tail = run_logged(cmd, timeout)
         saved = (work / config / "model.safetensors").is_file()
         losses = [line for line in tail.splitlines() if "'loss'" in line]
         status = "ok" if code == 0 and saved else f"FAILED (exit {code}, adapter saved: {saved})"
