@@ -109,7 +109,8 @@ def test_link_loss_with_the_cauchy_link_is_the_packages(base, heads):
 @pytest.mark.parametrize("arm", ["ovr_alone", "ovr_alone_logistic", "ovr_alone_absolute", "softmax"])
 def test_head_outputs_are_the_label_probabilities_summaries(base, arm):
     """P_k over the labels from its definition in float64 (the link's CDF of the standardised location, relative to
-    the log-partition except in the absolute arm), then the picked label's median P and scale, the share with no P above ½ and the median Σ_k P_k."""
+    the log-partition except in the absolute arm), then the picked label's median P and scale, the share with no P
+    above ½ and the median Σ_k P_k."""
     from causalqwen_adapter.classification import LabelSet
 
     model = _moved(CausalQwenForCausalLM.from_base(base, **evidence.ARMS[arm]["heads"]))
