@@ -87,8 +87,10 @@ def build() -> Path:
             else:
                 entry.unlink()
         logger.info("Building the CPU kernels (once per machine) into %s", folder)
-        cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                           build_directory=str(folder), is_python_module=False, verbose=False)
+        # copies: `load` appends torch's own flags to the lists it is given, which would change extension_name()
+        cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_ldflags=list(LDFLAGS), build_directory=str(folder), is_python_module=False,
+                           verbose=False)
         temporary = record.with_suffix(".tmp")
         temporary.write_text(_sha256(library) + "\n")
         os.replace(temporary, record)

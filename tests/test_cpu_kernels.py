@@ -249,11 +249,13 @@ BUILD_SCRIPT = textwrap.dedent(
         loaded.append(hashlib.sha256(open(path, "rb").read()).hexdigest())
         return load_library(path)
     torch.ops.load_library = spy
+    names = [cpu_kernels.extension_name()]
     start = time.perf_counter()
     library = cpu_kernels.build()
     seconds = time.perf_counter() - start
+    names.append(cpu_kernels.extension_name())  # the same after a build: the next call finds the same library
     bits = torch.ops.causalqwen_cpu.supported(torch.empty(0))
-    print(json.dumps({"library": str(library), "loaded": loaded, "seconds": seconds, "bits": bits}))
+    print(json.dumps({"library": str(library), "loaded": loaded, "seconds": seconds, "bits": bits, "names": names}))
     """
 )
 can_build = pytest.mark.skipif(
@@ -292,6 +294,7 @@ def test_the_library_builds_where_torch_puts_extensions_and_loads_from_there(bui
     extensions, report = built
     library = Path(report["library"])
     assert library.parent.parent == extensions and library.name == f"{cpu_kernels.extension_name()}.so"
+    assert report["names"] == [library.stem] * 2
     record = library.with_name(library.name + ".sha256")
     assert record.read_text().strip() == _sha256(library) == report["loaded"][-1]
     flags = cpu_kernels.cpu_flags()
