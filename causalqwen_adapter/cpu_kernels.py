@@ -5,10 +5,10 @@ these kernels only in a process where the package has registered them (dispatch.
 Importing the package registers, cheaply, the operators' `_applies` queries for the CPU (`ops.py`); the first query
 that could be served builds the library (`torch.utils.cpp_extension.load`, with the C++ compiler and ninja, into
 `TORCH_EXTENSIONS_DIR`) or loads it from there, and the library registers the operators' CPU kernels. A query says
-no, and the reference runs, where the kernels do not apply: not x86-64 Linux, no AVX-512 (no AVX512-BF16 for bf16),
-no compiler or ninja, a failed build, tensors of another dtype or device, and for the decode head a weight that is not
-contiguous or more rows than `MAX_ROWS` (beyond, two matmuls are faster: the kernel is then bound by its products,
-two per weight where a matmul does one).
+no, and the reference runs, where the kernels do not apply: `CAUSALQWEN_CPU_KERNELS=0` in the environment, not
+x86-64 Linux, no AVX-512 (no AVX512-BF16 for bf16), no compiler or ninja, a failed build, tensors of another dtype or
+device, and for the decode head a weight that is not contiguous or more rows than `MAX_ROWS` (beyond, two matmuls
+are faster: the kernel is then bound by its products, two per weight where a matmul does one).
 
 The library is loaded only when its bytes are those the build wrote: the build records the library's sha256 beside
 it, and a cached library that does not match its record (or has none) is deleted and built again, never loaded.
@@ -121,6 +121,9 @@ def _load() -> frozenset:
 def _try_load() -> frozenset:
     from torch.utils import cpp_extension
 
+    if os.environ.get("CAUSALQWEN_CPU_KERNELS", "1") == "0":
+        logger.info("CAUSALQWEN_CPU_KERNELS=0: the CPU kernels are not built and the torch code runs")
+        return frozenset()
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         logger.info("Not x86-64 Linux: the CPU kernels are not built and the torch code runs")
         return frozenset()

@@ -192,6 +192,29 @@ def test_operators_refuse_what_they_do_not_compute(dtype):
 # --------------------------------------------------------------------------------------- where the kernels run
 
 
+def test_the_environment_switch_turns_the_kernels_off(monkeypatch, tmp_path, caplog):
+    """CAUSALQWEN_CPU_KERNELS=0: nothing built or loaded, the torch code runs, on any CPU (this one's flags or not)."""
+    monkeypatch.setenv("CAUSALQWEN_CPU_KERNELS", "0")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
+    monkeypatch.setattr(cpu_kernels, "build", lambda: pytest.fail("built or loaded with the switch off"))
+    with caplog.at_level("INFO", logger=cpu_kernels.__name__):
+        assert not cpu_kernels.available(torch.bfloat16) and not cpu_kernels.available(torch.float32)
+    assert "CAUSALQWEN_CPU_KERNELS=0" in caplog.text
+    assert not (tmp_path / "extensions").exists()
+    if sys.platform != "linux" or cpu_kernels.platform.machine().lower() not in ("x86_64", "amd64"):
+        return  # the kernels are not tried here either way
+    monkeypatch.setenv("CAUSALQWEN_CPU_KERNELS", "1")  # any other value leaves the decision to the machine
+    monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
+    monkeypatch.setattr(cpu_kernels, "build", lambda: (_ for _ in ()).throw(RuntimeError("the build was tried")))
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: "/usr/bin/c++")
+    monkeypatch.setattr("torch.utils.cpp_extension.is_ninja_available", lambda: True)
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        assert not cpu_kernels.available(torch.float32)
+    assert "the build was tried" in caplog.text
+
+
 def test_without_avx512_nothing_is_built_and_the_reference_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
