@@ -20,10 +20,9 @@ logger = logging.getLogger(__name__)
 TILE_OVR, TILE_D, TILE_OVR_GRADS, TILE_OVR_LOCATES, TILE_COL_D, TILE_COL_T = 1, 2, 4, 8, 16, 32
 
 
-
 def tile_thread_count(device: torch.device) -> int:
-    """The `loss_tile` operator's ``threads``: the CPU kernel's column sums are one row per thread, a GPU kernel's
-    one row."""
+    """The `loss_tile` operator's ``threads``: rows of column sums the caller adds up, one per thread for a kernel
+    registered for the CPU (the package registers none: the torch tiles measured as fast), one for a GPU kernel."""
     return torch.get_num_threads() if device.type == "cpu" else 1
 
 

@@ -11,7 +11,7 @@
 cuda_kernels.py registers them as the CUDA kernels of the `causalqwen` operators (ops.py).
 
 Float32 math throughout, with the Cauchy CDF's small side atan2(1, |x|)/π and log1p written here as series (the same
-range reductions as the C kernels), so that a small P keeps its digits (`losses.ovr_tile`'s ``precise`` form) on
+range reductions as the C decode kernels), so that a small P keeps its digits (`losses.ovr_tile`'s ``precise`` form) on
 every backend; exp and log of values away from 1 are Triton's.
 
 Each function returns None, and the caller runs its torch path, where it does not apply: Triton not installed,
@@ -555,9 +555,8 @@ def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, 
       Σ log a (a = 1 − P off target, P_y on it), Σ (1 − a), P_y, the last three with ``TILE_OVR`` only (else 0);
     - ``col_d`` (with both ``TILE_D`` and ``TILE_COL_D``): Σ_rows d; ``col_t`` (with ``TILE_OVR``,
       ``TILE_OVR_GRADS`` and ``TILE_COL_T``): Σ_rows −π ∂ℓ/∂loc_S (= π ∂ℓ/∂C); each float32 [w] (unit stride), ADDED
-      to, as the C kernel adds into its thread's row:
-      zero them first (a fresh one is zeros). The C layout [threads, w] summed by the caller is not used: pass
-      ``cols[0][0]`` or a [w] tensor and read it directly.
+      to: zero them first (a fresh one is zeros). The operator's [threads, w] layout, summed by the caller, is one
+      row here: pass ``cols[0][0]`` or a [w] tensor and read it directly.
 
     ``segments``: column segments per row block (default: enough programs to fill the device).
     Returns a `LossTileOut`, or None where the kernel does not apply (the caller runs `tile_c` / `tile_torch`).

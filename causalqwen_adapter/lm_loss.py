@@ -252,7 +252,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # With candidates: each position's k largest loc_S (per block, then across blocks) and its log-partition.
         cand_top = torch.empty(n_valid if candidates else 0, candidates or 0, dtype=torch.long, device=dev)
         cand_lse = torch.empty(n_valid if candidates else 0, dtype=torch.float32, device=dev)
-        # `zero_rows` of each block (as the C tile's mask there), found in the first chunk
+        # `zero_rows` of each block (the tile operator's mask there), found in the first chunk
         degenerate = [None] * len(blocks)
         g_lo = torch.empty(chunk * vblock if low and tile_kernel is None else 0, dtype=mm_dtype, device=dev)
         if tile_kernel is not None:

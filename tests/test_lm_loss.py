@@ -7,20 +7,8 @@ import torch
 import torch.nn.functional as F
 from test_losses import NAMES, as_float64, assert_rel_close, grads_of, make_inputs
 
-from causalqwen_adapter import cpu_kernels, lm_loss
 from causalqwen_adapter.lm_loss import chunked_lm_loss
 from causalqwen_adapter.losses import LOGITS_BUDGET_BYTES, DecisionHead, chunk_tokens, chunked_ovr_loss
-
-
-@pytest.fixture(autouse=True, params=["C tile", "torch tile"])
-def tile_code(request, monkeypatch):
-    """Every test runs with both codes of pass B's tile: the causalqwen operators of cpu_kernels (where this CPU runs
-    them) and the torch ops."""
-    if request.param == "torch tile":
-        monkeypatch.setattr(lm_loss, "lookup_operator", lambda name, *args: None)
-    elif not cpu_kernels.available(torch.float32):
-        pytest.skip("no C kernel on this machine (x86-64 with AVX-512, c++ and ninja)")
-    return request.param
 
 
 def lm_loss_of(tensors, labels, ovr=True, **kwargs):

@@ -6,21 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causalqwen_adapter import cpu_kernels, losses
 from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss, log_partition
 
 NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
-
-
-@pytest.fixture(autouse=True, params=["C tile", "torch tile"])
-def tile_code(request, monkeypatch):
-    """Every test runs with both codes of a tile: the causalqwen::loss_tile operator of cpu_kernels (where this CPU
-    runs it) and the torch ops."""
-    if request.param == "torch tile":
-        monkeypatch.setattr(losses, "lookup_operator", lambda name, *args: None)
-    elif not cpu_kernels.available(torch.float32):
-        pytest.skip("no C kernel on this machine (x86-64 with AVX-512, c++ and ninja)")
-    return request.param
 
 
 def ovr_loss_of(tensors, labels, **kwargs):

@@ -1,15 +1,14 @@
-/* The heads' hot loops for x86 CPUs with AVX-512, called by the operators of ops.cpp (docs/design.md, Decoding cost
-   and Training losses):
+/* The heads' decoding hot loops for x86 CPUs with AVX-512, called by the operators of ops.cpp (docs/design.md,
+   Decoding cost):
 
    - cq_loc_scale: cauchy.cauchy_linear for decoding, loc_S = W x_loc + b and scale_S = |W| x_scale from one read
      of a bf16 (AVX512-BF16) or float32 W_A. Every vocabulary row of W_A is loaded once into registers, its sign bits
      cleared for |W|, and both fed to the dot-product instruction (vdpbf16ps for bf16, vfmadd for float32),
      accumulating in float32; the next rows are prefetched while the current ones are used;
-   - cq_scores: cauchy.ovr_decision_scores, the OvR modes' logits of a decode step, in a few passes over the row;
-   - cq_loss_tile and cq_block_lse: pass B and pass A's logsumexp of lm_loss.chunked_lm_loss on one tile (and the
-     tiles of losses.chunked_ovr_loss).
+   - cq_scores: cauchy.ovr_decision_scores, the OvR modes' logits of a decode step, in a few passes over the row.
 
-   The last three evaluate exp, log and atan as vector code of their own (range reduction and series, within a few
+   The training loss has no CPU kernel: its torch tiles measured within 5 % of C ones (BENCHMARKS.md, "The training
+   loss"). cq_scores evaluates exp, log and atan as vector code of its own (range reduction and series, within a few
    float32 ulps, tested against float64). Plain C compiled as C++ in a translation unit of its own: only this file is
    built for AVX-512 (the target pragma below), so nothing of the operators' code runs AVX-512 instructions on a CPU
    without them. The work is split across PyTorch's own OpenMP pool (the libgomp it loaded): the threads of a second
@@ -296,124 +295,3 @@ enum { SCORES_NORMALIZE = 0, SCORES_ACCEPT = 1, SCORES_ACCEPT_ONCE = 2 };
 
 DEFINE_SCORES(BF16)
 DEFINE_SCORES(F32)
-
-/* ---- One (token × vocabulary) tile of the training loss (lm_loss.chunked_lm_loss, pass B), in one pass. ----
-   In: the tile's products loc (= W loc_U, + b when bias is NULL) and, with the OvR loss, scale (= |W| scale_U), [r, w];
-   b [w] (float32, or NULL), the rows' log-partition lse [r], thresholds (one, or w), col [r] (the target's column
-   in this block or −1), degenerate [w] (zero rows of W_A, or NULL). Out, as lm_loss's torch code computes them:
-   d = ce·(softmax − onehot) (+ of·π ∂ℓ/∂loc_S when the OvR loss trains the locations) and g = −π ∂ℓ/∂scale_S, [r, w];
-   per row (rows_out, 4 × r): the target's logit, Σ log a (a = 1 − P off target, P_y on it), Σ (1 − a), P_y, each
-   term with the digits of a small P kept (losses.ovr_tile's `precise`); per column (one [w] row per thread, summed
-   by the caller): Σ d and Σ −π ∂ℓ/∂loc_S. Rows are split across threads. Also the OvR loss alone of
-   losses.chunked_ovr_loss: loc = W loc_U + b − C (− offset) already, no bias, threshold 0, absolute, ce = 0 and
-   of = 1 (so that d = π ∂ℓ/∂loc_S). */
-enum { TILE_OVR = 1, TILE_D = 2, TILE_OVR_GRADS = 4, TILE_OVR_LOCATES = 8, TILE_COL_D = 16, TILE_COL_T = 32 };
-
-#define STORE16_BF16(p, m, v) _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v))
-#define STORE16_F32(p, m, v) _mm512_mask_storeu_ps(p, m, v)
-
-#define DEFINE_TILE_LOSS(E)                                                                                           \
-    void cq_loss_tile_##E(const E##_T *loc, const float *bias, const float *lse, const float *thr, int thr_per_token, \
-                          int relative, const E##_T *scale, const int64_t *col, const uint8_t *degenerate, int64_t r,  \
-                          int64_t w, float ce, float of, int flags, E##_T *d, E##_T *g, float *rows_out,              \
-                          float *col_d, float *col_t, int threads) {                                                  \
-        const __m512 tiny = _mm512_set1_ps(1.17549435e-38f), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();  \
-        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);                  \
-        _Pragma("omp parallel num_threads(threads)") {                                                                \
-            const int T = omp_get_num_threads(), id = omp_get_thread_num();                                           \
-            float *cd = col_d + (int64_t)id * w, *ct = col_t + (int64_t)id * w;                                       \
-            for (int64_t i = r * id / T; i < r * (id + 1) / T; i++) {                                                 \
-                const E##_T *l = loc + i * w, *s = scale + i * w;                                                      \
-                const __m512 lse_v = _mm512_set1_ps(lse[i]), shift = _mm512_set1_ps(relative ? lse[i] : 0.0f);        \
-                const __m512i target = _mm512_set1_epi32((int)col[i]);                                                \
-                __m512 acc_t = zero, acc_log = zero, acc_u = zero, acc_p = zero;                                      \
-                for (int64_t j = 0; j < w; j += 16) {                                                                 \
-                    const __mmask16 m = MASK16(j, w);                                                                 \
-                    const __mmask16 hit = _mm512_mask_cmpeq_epi32_mask(m, _mm512_add_epi32(iota, _mm512_set1_epi32((int)j)), target); \
-                    __m512 x = LOAD16_##E(l + j, m, 0.0f);                                                            \
-                    if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));                              \
-                    acc_t = _mm512_mask_add_ps(acc_t, hit, acc_t, x);                                                 \
-                    __m512 dv = zero;                                                                                 \
-                    if ((flags & TILE_D) && ce != 0.0f) {                                                            \
-                        __m512 e = v_exp(_mm512_sub_ps(x, lse_v)); /* softmax − onehot, times ce */                   \
-                        dv = _mm512_mul_ps(_mm512_mask_sub_ps(e, hit, e, one), _mm512_set1_ps(ce));                   \
-                    }                                                                                                 \
-                    if (flags & TILE_OVR) {                                                                           \
-                        __m512 sv = _mm512_max_ps(LOAD16_##E(s + j, m, 1.0f), tiny);                                   \
-                        __m512 c = thr_per_token ? _mm512_maskz_loadu_ps(m, thr + j) : _mm512_set1_ps(thr[0]);        \
-                        __m512 z = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(x, c), shift), sv);                      \
-                        z = _mm512_mask_sub_ps(z, hit, zero, z); /* the target's term is on the other side */       \
-                        /* a = atan2(1, z)/π, u = 1 − a = atan2(1, −z)/π: one is `small`, the other 1 − small, */   \
-                        /* so the small one keeps its digits, and log a = log1p(−small) where a is near 1 */           \
-                        __m512 small = v_small_angle(_mm512_abs_ps(z));                                                \
-                        __mmask16 pos = _mm512_cmp_ps_mask(z, zero, _CMP_GE_OQ);                                      \
-                        __m512 big = _mm512_sub_ps(one, small);                                                       \
-                        __m512 a = _mm512_mask_blend_ps(pos, big, small), u = _mm512_mask_blend_ps(pos, small, big);   \
-                        __m512 log_a = _mm512_mask_blend_ps(pos, v_log1p_small(_mm512_sub_ps(zero, small)), v_log(small)); \
-                        acc_p = _mm512_mask_add_ps(acc_p, hit, acc_p, a);                                             \
-                        acc_u = _mm512_mask_add_ps(acc_u, m, acc_u, u);                                               \
-                        acc_log = _mm512_mask_add_ps(acc_log, m, acc_log, log_a);                                     \
-                        if (flags & TILE_OVR_GRADS) {                                                                 \
-                            /* π ∂ℓ/∂z = 1/(a + z·(z·a)): the product form of cauchy's ovr_tile */                   \
-                            __m512 t = _mm512_div_ps(_mm512_div_ps(one, _mm512_fmadd_ps(_mm512_mul_ps(z, a), z, a)), sv); \
-                            if (degenerate) {                                                                         \
-                                __m128i dg = _mm_maskz_loadu_epi8(m, degenerate + j);                                 \
-                                __mmask16 zr = _mm_test_epi8_mask(dg, dg);                                            \
-                                t = _mm512_mask_mov_ps(t, zr, zero);                                                  \
-                                z = _mm512_mask_mov_ps(z, zr, zero);                                                  \
-                            }                                                                                         \
-                            STORE16_##E(g + i * w + j, m, _mm512_mul_ps(z, t));                                       \
-                            t = _mm512_mask_sub_ps(t, hit, zero, t); /* π ∂ℓ/∂loc_S */                               \
-                            if (flags & TILE_COL_T)                                                                   \
-                                _mm512_mask_storeu_ps(ct + j, m, _mm512_sub_ps(_mm512_maskz_loadu_ps(m, ct + j), t)); \
-                            if (flags & TILE_OVR_LOCATES) dv = _mm512_fmadd_ps(t, _mm512_set1_ps(of), dv);            \
-                        }                                                                                             \
-                    }                                                                                                 \
-                    if (flags & TILE_D) {                                                                             \
-                        STORE16_##E(d + i * w + j, m, dv);                                                            \
-                        if (flags & TILE_COL_D)                                                                       \
-                            _mm512_mask_storeu_ps(cd + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, cd + j), dv));    \
-                    }                                                                                                 \
-                }                                                                                                     \
-                rows_out[i] = _mm512_reduce_add_ps(acc_t);                                                            \
-                rows_out[r + i] = _mm512_reduce_add_ps(acc_log);                                                      \
-                rows_out[2 * r + i] = _mm512_reduce_add_ps(acc_u);                                                    \
-                rows_out[3 * r + i] = _mm512_reduce_add_ps(acc_p);                                                    \
-            }                                                                                                         \
-        }                                                                                                             \
-    }
-
-DEFINE_TILE_LOSS(BF16)
-DEFINE_TILE_LOSS(F32)
-
-/* Pass A's logsumexp of one block of the training loss: lse[i·stride] = log Σ_j exp(loc[i, j] + b[j]) over a [r, w]
-   block (b NULL: none). With store_bias, b is added into loc in place (float32 logits keep it for pass B). */
-#define DEFINE_BLOCK_LSE(E)                                                                                           \
-    void cq_block_lse_##E(E##_T *loc, const float *bias, int store_bias, int64_t r, int64_t w, float *lse,           \
-                          int64_t stride, int threads) {                                                              \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                             \
-        for (int64_t i = 0; i < r; i++) {                                                                             \
-            E##_T *l = loc + i * w;                                                                                   \
-            __m512 top = _mm512_set1_ps(-__builtin_inff()), total = _mm512_setzero_ps();                              \
-            for (int64_t j = 0; j < w; j += 16) {                                                                     \
-                const __mmask16 m = MASK16(j, w);                                                                     \
-                __m512 x = LOAD16_##E(l + j, m, -__builtin_inff());                                                   \
-                if (bias) x = _mm512_mask_add_ps(x, m, x, _mm512_maskz_loadu_ps(m, bias + j));                       \
-                if (bias && store_bias) STORE16_##E(l + j, m, x);                                                     \
-                top = _mm512_max_ps(top, x);                                                                          \
-            }                                                                                                         \
-            const float t = _mm512_reduce_max_ps(top);                                                                \
-            const __m512 t_v = _mm512_set1_ps(t);                                                                     \
-            const float *b = bias && !store_bias ? bias : 0;                                                          \
-            for (int64_t j = 0; j < w; j += 16) {                                                                     \
-                const __mmask16 m = MASK16(j, w);                                                                     \
-                __m512 x = LOAD16_##E(l + j, m, -__builtin_inff());                                                   \
-                if (b) x = _mm512_mask_add_ps(x, m, x, _mm512_maskz_loadu_ps(m, b + j));                             \
-                total = _mm512_add_ps(total, v_exp(_mm512_sub_ps(x, t_v)));                                           \
-            }                                                                                                         \
-            lse[i * stride] = t + logf(_mm512_reduce_add_ps(total));                                                  \
-        }                                                                                                             \
-    }
-
-DEFINE_BLOCK_LSE(BF16)
-DEFINE_BLOCK_LSE(F32)

@@ -17,19 +17,3 @@ void cq_scores_BF16(const uint16_t *loc, const uint16_t *scale, int64_t N, int64
                     int thr_per_token, int relative, int distribution, float *out, int threads);
 void cq_scores_F32(const float *loc, const float *scale, int64_t N, int64_t V, const float *thr, int thr_per_token,
                    int relative, int distribution, float *out, int threads);
-
-/* One (token × vocabulary) tile of the training loss (see kernels.cpp) */
-void cq_loss_tile_BF16(const uint16_t *loc, const float *bias, const float *lse, const float *thr, int thr_per_token,
-                       int relative, const uint16_t *scale, const int64_t *col, const uint8_t *degenerate, int64_t r,
-                       int64_t w, float ce, float of, int flags, uint16_t *d, uint16_t *g, float *rows_out,
-                       float *col_d, float *col_t, int threads);
-void cq_loss_tile_F32(const float *loc, const float *bias, const float *lse, const float *thr, int thr_per_token,
-                      int relative, const float *scale, const int64_t *col, const uint8_t *degenerate, int64_t r,
-                      int64_t w, float ce, float of, int flags, float *d, float *g, float *rows_out, float *col_d,
-                      float *col_t, int threads);
-
-/* Pass A's logsumexp of one [r, w] block into lse[i·stride] (+ b, stored into loc with store_bias) */
-void cq_block_lse_BF16(uint16_t *loc, const float *bias, int store_bias, int64_t r, int64_t w, float *lse,
-                       int64_t stride, int threads);
-void cq_block_lse_F32(float *loc, const float *bias, int store_bias, int64_t r, int64_t w, float *lse,
-                      int64_t stride, int threads);

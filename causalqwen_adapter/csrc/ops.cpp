@@ -109,69 +109,6 @@ at::Tensor ovr_scores(const at::Tensor &loc_S, const at::Tensor &scale_S, const 
     return scores.view(loc_S.sizes());
 }
 
-// loss_tile(Tensor loc, Tensor? bias, Tensor lse, Tensor threshold, bool relative, Tensor? scale, Tensor col,
-//           Tensor? degenerate, float ce, float of, int flags, Tensor(a!)? d, Tensor(b!)? g, Tensor(c!) rows_out,
-//           Tensor(d!) col_d, Tensor(e!) col_t, int threads) -> ()
-void loss_tile(const at::Tensor &loc, const std::optional<at::Tensor> &bias, const at::Tensor &lse,
-               const at::Tensor &threshold, bool relative, const std::optional<at::Tensor> &scale,
-               const at::Tensor &col, const std::optional<at::Tensor> &degenerate, double ce, double of,
-               int64_t flags, const std::optional<at::Tensor> &d, const std::optional<at::Tensor> &g,
-               const at::Tensor &rows_out, const at::Tensor &col_d, const at::Tensor &col_t, int64_t threads) {
-    const bool bf16 = is_bf16(loc);
-    const auto dtype = loc.scalar_type();
-    TORCH_CHECK(loc.dim() == 2, "causalqwen::loss_tile: an [r, w] tile");
-    const int64_t r = loc.size(0), w = loc.size(1);
-    check(loc, dtype, "loc");
-    check(scale, dtype, "scale");
-    check(d, dtype, "d");
-    check(g, dtype, "g");
-    check(bias, at::kFloat, "bias");
-    check(lse, at::kFloat, "lse");
-    check(threshold, at::kFloat, "threshold");
-    check(col, at::kLong, "col");
-    check(degenerate, at::kBool, "degenerate");
-    check(rows_out, at::kFloat, "rows_out");
-    check(col_d, at::kFloat, "col_d");
-    check(col_t, at::kFloat, "col_t");
-    TORCH_CHECK(lse.numel() >= r && col.numel() >= r && rows_out.numel() >= 4 * r &&
-                    col_d.numel() >= threads * w && col_t.numel() >= threads * w &&
-                    (!scale || scale->numel() >= r * w) && (!d || d->numel() >= r * w) &&
-                    (!g || g->numel() >= r * w) && (!bias || bias->numel() >= w) &&
-                    (!degenerate || degenerate->numel() >= w) && (threshold.numel() == 1 || threshold.numel() >= w),
-                "causalqwen::loss_tile: operands smaller than the tile");
-    const int per_token = threshold.numel() > 1;
-    if (bf16)
-        cq_loss_tile_BF16(ptr<const uint16_t>(loc), ptr<const float>(bias), ptr<const float>(lse),
-                          ptr<const float>(threshold), per_token, relative, ptr<const uint16_t>(scale),
-                          ptr<const int64_t>(col), ptr<const uint8_t>(degenerate), r, w, static_cast<float>(ce),
-                          static_cast<float>(of), static_cast<int>(flags), ptr<uint16_t>(d), ptr<uint16_t>(g),
-                          ptr<float>(rows_out), ptr<float>(col_d), ptr<float>(col_t), static_cast<int>(threads));
-    else
-        cq_loss_tile_F32(ptr<const float>(loc), ptr<const float>(bias), ptr<const float>(lse),
-                         ptr<const float>(threshold), per_token, relative, ptr<const float>(scale),
-                         ptr<const int64_t>(col), ptr<const uint8_t>(degenerate), r, w, static_cast<float>(ce),
-                         static_cast<float>(of), static_cast<int>(flags), ptr<float>(d), ptr<float>(g),
-                         ptr<float>(rows_out), ptr<float>(col_d), ptr<float>(col_t), static_cast<int>(threads));
-}
-
-// block_logsumexp(Tensor(a!) loc, Tensor? bias, bool store_bias, Tensor(b!) lse, int threads) -> ()
-void block_logsumexp(const at::Tensor &loc, const std::optional<at::Tensor> &bias, bool store_bias,
-                     const at::Tensor &lse, int64_t threads) {
-    const bool bf16 = is_bf16(loc);
-    TORCH_CHECK(loc.dim() == 2 && lse.dim() == 1, "causalqwen::block_logsumexp: an [r, w] block and an [r] column");
-    const int64_t r = loc.size(0), w = loc.size(1);
-    check(loc, loc.scalar_type(), "loc");
-    check(bias, at::kFloat, "bias");
-    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.device().is_cpu() && lse.size(0) == r && (!bias || bias->numel() == w),
-                "causalqwen::block_logsumexp: a float32 column of r = ", r, " rows and a bias of w = ", w);
-    if (bf16)
-        cq_block_lse_BF16(ptr<uint16_t>(loc), ptr<const float>(bias), store_bias, r, w, ptr<float>(lse),
-                          lse.stride(0), static_cast<int>(threads));
-    else
-        cq_block_lse_F32(ptr<float>(loc), ptr<const float>(bias), store_bias, r, w, ptr<float>(lse), lse.stride(0),
-                         static_cast<int>(threads));
-}
-
 }  // namespace
 
 // What this CPU runs, asked by causalqwen_adapter/cpu_kernels.py once the library is loaded: cq_supported's bits.
@@ -182,6 +119,4 @@ TORCH_LIBRARY(causalqwen_cpu, m) {
 TORCH_LIBRARY_IMPL(causalqwen, CPU, m) {
     m.impl("cauchy_linear", &cauchy_linear);
     m.impl("ovr_scores", &ovr_scores);
-    m.impl("loss_tile", &loss_tile);
-    m.impl("block_logsumexp", &block_logsumexp);
 }
