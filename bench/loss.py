@@ -7,10 +7,7 @@ Forward + backward (float32 by default) on the real head shape (V = 151936, C = 
   (d) the loss ``forward(labels=...)`` computes with the config's defaults: the cross-entropy of loc_S (weight
       ``softmax_loss_weight``) in ``chunked_lm_loss``'s fused pass, which also finds each position's candidates,
       + the OvR loss over them (``candidate_ovr_loss``) on the scale path, relative thresholds
-  (t) (d) with the package's CPU kernels off (``CAUSALQWEN_CPU_KERNELS=0``): its tiles in torch, as the adapter's
-      remote code runs them; d/t is what the C tiles (x86 with AVX-512) save
   (v) the same with the OvR loss over the whole vocabulary (``ovr_candidates=None``): one fused pass, five products
-  (w) (v) with the CPU kernels off, as (t) is (d); v/w is what the C tiles save in the vocabulary loss
   (p) the three N × V × C products of (a) alone (logits, ∂hidden, ∂W), operands in the products' dtype
   (q) the five N × V × C products of (v) alone (loc_S, scale_S, ∂scale_U, ∂loc_U, ∂W) on the rows (v) scores (the
       labelled 7/8), with (v)'s chunks, blocks, |W| block and accumulation (`lm_loss._product`), on random tiles:
@@ -38,7 +35,6 @@ The whole comparison runs --runs times with the variants interleaved; ratios are
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -48,8 +44,7 @@ from stats import round_ratios, spread
 
 V, C = 151936, 896
 VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss",
-            "d": "forward(labels) loss", "t": "(d), torch tiles", "v": "loss over the vocabulary",
-            "w": "(v), torch tiles", "p": "(a)'s 3 products alone",
+            "d": "forward(labels) loss", "v": "loss over the vocabulary", "p": "(a)'s 3 products alone",
             "q": "(v)'s 5 products alone",
             "l": "Liger fused linear CE"}
 
@@ -162,7 +157,7 @@ def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autoc
                                         chunk_size=chunk_size or None,
                                         vocab_chunk_size=vocab_chunk_size or None)[0]  # None: ovr_loss_shape
         else:
-            config = CausalQwenConfig(ovr_candidates=None) if variant in "vw" else CausalQwenConfig()
+            config = CausalQwenConfig(ovr_candidates=None) if variant == "v" else CausalQwenConfig()
             threshold = torch.full((), config.ovr_threshold_init)  # a buffer, as with learnable_threshold=False
             valid = labels != -100
 
@@ -233,8 +228,7 @@ def main():
                 print(f"N={n} run {run + 1} ({v}) {VARIANTS[v]:<26} time {r['time_s']:7.2f} s (first {r['first_s']:.2f} s, "
                       f"cpu {r['cpu_s']:.2f} s)  extra peak {r['extra_mib']:8.0f} MiB  whole-process peak "
                       f"{r['peak_mib']:8.0f} MiB", flush=True)
-        for mine, other in (("c", "a"), ("c", "b"), ("d", "a"), ("t", "a"), ("d", "t"), ("v", "a"), ("v", "w"),
-                            ("q", "p"), ("q", "a"), ("v", "q")):
+        for mine, other in (("c", "a"), ("c", "b"), ("d", "a"), ("v", "a"), ("q", "p"), ("q", "a"), ("v", "q")):
             c, o = results.get(mine, []), results.get(other, [])
             if len(c) == len(o) and c:
                 print(f"N={n} {mine}/{other}, median (min–max) over {len(c)} runs: "
@@ -256,8 +250,7 @@ def _run_child(v: str, n: int, args, previous: dict | None) -> dict | None:
     cmd = [sys.executable, __file__, "--child", v, "--n", str(n), "--repeat", str(args.repeat),
            "--chunk-size", str(args.chunk_size), "--vocab-chunk-size", str(args.vocab_chunk_size), "--dtype", args.dtype]
     cmd += ["--autocast"] if args.autocast else []
-    env = {**os.environ, "CAUSALQWEN_CPU_KERNELS": "0"} if v in "tw" else None
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         print(f"N={n} ({v}) {VARIANTS[v]}: failed with exit code {proc.returncode}\n{proc.stderr[-2000:]}")
         return None

@@ -1,6 +1,7 @@
 """The decode operators of the `causalqwen` namespace (`cauchy_linear`, `ovr_scores`) on x86-64 CPUs with AVX-512:
-C kernels (`csrc/`) built with PyTorch's extension mechanism on first use. Installed package only: the adapter folder's remote code never imports this file; it runs
-these kernels only in a process where the package has registered them (dispatch.py), the torch reference elsewhere.
+C kernels (`csrc/`) built with PyTorch's extension mechanism on first use. Installed package only: the adapter
+folder's remote code never imports this file; it runs these kernels only in a process where the package has
+registered them (dispatch.py), the torch reference elsewhere.
 
 Importing the package registers, cheaply, the operators' `_applies` queries for the CPU (`ops.py`); the first query
 that could be served builds the library (`torch.utils.cpp_extension.load`, with the C++ compiler and ninja, into
