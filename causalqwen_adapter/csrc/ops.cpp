@@ -38,10 +38,6 @@ void check(const at::Tensor &t, at::ScalarType dtype, const char *name) {
                 " must be a contiguous CPU tensor of ", dtype, ", got ", t.scalar_type());
 }
 
-void check(const std::optional<at::Tensor> &t, at::ScalarType dtype, const char *name) {
-    if (t) check(*t, dtype, name);
-}
-
 template <typename T> T *ptr(const at::Tensor &t) { return static_cast<T *>(t.data_ptr()); }
 
 template <typename T> T *ptr(const std::optional<at::Tensor> &t) {
