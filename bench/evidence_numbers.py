@@ -26,7 +26,9 @@ has no clean labels to validate on). The heads trained on shuffled targets are s
 ("shuffled") and on test targets shuffled alike ("shuffled_test": the outliers are in the data the intervals must
 cover, not only in the training labels). On test: the median absolute error of the
 predictive median, and for the 50/80/90/95% central intervals their coverage, mean width and interval (Winkler)
-score, each family through its exact quantiles. Mean ± standard error over seeds (each seed: split, initialisation,
+score, each family through its exact quantiles; and the same for each arm's intervals calibrated on the validation
+rows (`calibrated_*`: split-conformal offsets per level, the same rule for every arm, so a head whose law has the wrong
+shape is judged on how well its intervals rank the texts' uncertainty). Mean ± standard error over seeds (each seed: split, initialisation,
 corruption), and the paired differences against `cauchy` on the same splits. Writes OUTPUT.json and OUTPUT.md.
 
     python bench/evidence_numbers.py --base /work/demo-base --quick
@@ -249,6 +251,28 @@ def interval_score(lower: torch.Tensor, upper: torch.Tensor, y: torch.Tensor, le
     return (upper - lower + 2 / alpha * (below + above)).mean().item()
 
 
+def conformal_offset(lower: torch.Tensor, upper: torch.Tensor, y: torch.Tensor, level: float) -> float:
+    """Split-conformal offset of central `level` intervals (conformalized quantile regression, Romano, Patterson and
+    Candès 2019): the ⌈(n + 1)·level⌉-th smallest of max(lower − y, y − upper) over n calibration rows, inf where
+    that rank exceeds n. Widening every interval by it (narrowing, when negative) covers a new exchangeable row with
+    probability ≥ level, whatever the head's law."""
+    conformity = torch.maximum(lower.double() - y.double(), y.double() - upper.double())
+    rank = math.ceil((len(y) + 1) * level)
+    return math.inf if rank > len(y) else conformity.sort().values[rank - 1].item()
+
+
+def widen(lower: torch.Tensor, upper: torch.Tensor, offset: float):
+    """[lower − offset, upper + offset], a negative offset stopping at the interval's midpoint (never inverted)."""
+    lower, upper = lower.double(), upper.double()
+    middle = (lower + upper) / 2
+    return torch.minimum(lower - offset, middle), torch.maximum(upper + offset, middle)
+
+
+def calibrated_intervals(validation: dict, y_validation: torch.Tensor, test: dict) -> dict:
+    """Each level's test intervals widened by the conformal offset of the same head's validation intervals."""
+    return {level: widen(*test[level], conformal_offset(*validation[level], y_validation, level)) for level in test}
+
+
 def median_absolute_error(median: torch.Tensor, y: torch.Tensor) -> float:
     return (median.double() - y.double()).abs().median().item()
 
@@ -403,39 +427,58 @@ def train_head(arm: str, x, y, *, lr: float, steps: int, batch_size: int, seed: 
     return head.eval()
 
 
-def score_head(head, x, y) -> dict:
-    """Test metrics of a trained head; non-finite predictions score inf (a diverged run is a loss, not an error)."""
+def score_head(head, x, y, calibration=None) -> dict:
+    """Test metrics of a trained head; non-finite predictions score inf (a diverged run is a loss, not an error).
+    With `calibration` = (x, y) of validation rows, also the metrics of its intervals conformally calibrated there
+    (`calibrated_*`)."""
     with torch.no_grad():
         prediction = head.predict(x, LEVELS)
         if prediction is None:
             return {"diverged": True, "score": float("inf")}
         median, intervals = prediction
         nll = head.nll(x, y).double().mean().item()
+        calibrated = {}
+        if calibration is not None:
+            x_validation, y_validation = calibration
+            validation = head.predict(x_validation, LEVELS)
+            if validation is not None:
+                calibrated = interval_metrics(calibrated_intervals(validation[1], y_validation, intervals), y,
+                                              prefix="calibrated_")
     law = head.law() if isinstance(head, LocationScalePrediction) else {}
-    return {"median_abs_error": median_absolute_error(median, y), "nll": nll, **law, **interval_metrics(intervals, y)}
+    return {"median_abs_error": median_absolute_error(median, y), "nll": nll, **law, **interval_metrics(intervals, y),
+            **calibrated}
 
 
-def interval_metrics(intervals: dict, y) -> dict:
+def interval_metrics(intervals: dict, y, prefix: str = "") -> dict:
     """Coverage, mean width and Winkler score of each level's (lower, upper); `score`, their mean Winkler score, is
     what the learning rate is picked by."""
     out = {}
     for level, (lower, upper) in intervals.items():
-        out[f"coverage_{level}"] = coverage(lower, upper, y)
-        out[f"width_{level}"] = mean_width(lower, upper)
-        out[f"winkler_{level}"] = interval_score(lower, upper, y, level)
-    out["score"] = statistics.fmean(out[f"winkler_{level}"] for level in intervals)
+        out[f"{prefix}coverage_{level}"] = coverage(lower, upper, y)
+        out[f"{prefix}width_{level}"] = mean_width(lower, upper)
+        out[f"{prefix}winkler_{level}"] = interval_score(lower, upper, y, level)
+    out[f"{prefix}score"] = statistics.fmean(out[f"{prefix}winkler_{level}"] for level in intervals)
     return out
 
 
-def score_constant(train_y, y) -> dict:
-    """Every text gets the training targets' median and empirical central intervals."""
+def score_constant(train_y, y, validation_y=None) -> dict:
+    """Every text gets the training targets' median and empirical central intervals (calibrated on `validation_y`
+    too, when given, as score_head does)."""
     train_y = train_y.double()
     median = torch.full_like(y, train_y.median().item(), dtype=torch.float64)
-    intervals = {}
-    for level in LEVELS:
-        lo, hi = torch.quantile(train_y, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-        intervals[level] = torch.full_like(median, lo.item()), torch.full_like(median, hi.item())
-    return {"median_abs_error": median_absolute_error(median, y), **interval_metrics(intervals, y)}
+
+    def intervals_for(like):
+        out = {}
+        for level in LEVELS:
+            lo, hi = torch.quantile(train_y, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+            out[level] = torch.full_like(like, lo.item(), dtype=torch.float64), torch.full_like(
+                like, hi.item(), dtype=torch.float64)
+        return out
+
+    intervals = intervals_for(y)
+    calibrated = {} if validation_y is None else interval_metrics(
+        calibrated_intervals(intervals_for(validation_y), validation_y, intervals), y, prefix="calibrated_")
+    return {"median_abs_error": median_absolute_error(median, y), **interval_metrics(intervals, y), **calibrated}
 
 
 # --- protocol ---------------------------------------------------------------------------------------------------
@@ -478,14 +521,15 @@ def run_protocol(z, ratings, *, seeds, steps, batch_size, learning_rates, fracti
                 y_train, y_val = y_train[shuffle_train], y_val[shuffle_val]
             for condition, y_test in y_tests.items():
                 results.append({"seed": seed, "condition": condition, "arm": "constant",
-                                **score_constant(y_train, y_test)})
+                                **score_constant(y_train, y_test, y_val)})
             for arm in arms:
                 x = answers if arm in DIGIT_ARMS else z
                 candidates = []
                 for lr in learning_rates if arm != "digits_zero_shot" else [0.0]:
                     head = train_head(arm, x[train], y_train, lr=lr, steps=steps, batch_size=batch_size, seed=seed)
                     candidates.append({"lr": lr, "validation": score_head(head, x[val], y_val),
-                                       **{condition: score_head(head, x[test], y) for condition, y in y_tests.items()}})
+                                       **{condition: score_head(head, x[test], y, (x[val], y_val))
+                                          for condition, y in y_tests.items()}})
                 best = min(candidates, key=lambda c: c["validation"].get(select, float("inf")))
                 for condition in y_tests:
                     row = {"seed": seed, "condition": condition, "arm": arm, "lr": best["lr"],
@@ -514,7 +558,8 @@ def reselect(results: list[dict], select: str) -> list[dict]:
     return out
 
 
-METRICS = ["median_abs_error", "nll"] + [f"{m}_{lv}" for m in ("coverage", "width", "winkler") for lv in LEVELS]
+INTERVAL_METRICS = [f"{m}_{lv}" for m in ("coverage", "width", "winkler") for lv in LEVELS]
+METRICS = ["median_abs_error", "nll"] + INTERVAL_METRICS + ["calibrated_" + m for m in INTERVAL_METRICS]
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -535,7 +580,8 @@ def summarize(results: list[dict]) -> list[dict]:
     return summary
 
 
-PAIRED_METRICS = ["median_abs_error"] + [f"winkler_{lv}" for lv in LEVELS]
+PAIRED_METRICS = (["median_abs_error"] + [f"winkler_{lv}" for lv in LEVELS]
+                  + [f"calibrated_winkler_{lv}" for lv in LEVELS])
 
 
 def paired_differences(results: list[dict], reference: str = "cauchy") -> list[dict]:
@@ -587,13 +633,23 @@ def markdown(summary: list[dict], paired: list[dict] = ()) -> str:
             cells += [cell(entry, "df", 2), ", ".join(f"{lr:g}" for lr in entry["lr"]) or "–"]
             diverged = f" ({entry['diverged']} diverged)" if entry["diverged"] else ""
             lines.append(f"| {entry['arm']}{diverged} | " + " | ".join(cells) + " |")
+        calibrated = [e for e in summary if e["condition"] == condition and "calibrated_winkler_0.5" in e]
+        if calibrated:
+            lines += ["\nThe same heads' intervals calibrated on the validation rows (split-conformal offset per level)\n",
+                      "| arm | " + " | ".join(f"cov {lv:.0%}" for lv in LEVELS) + " | "
+                      + " | ".join(f"width {lv:.0%}" for lv in LEVELS) + " | "
+                      + " | ".join(f"Winkler {lv:.0%}" for lv in LEVELS) + " |",
+                      "|---" * (1 + 3 * len(LEVELS)) + "|"]
+            lines += [f"| {e['arm']} | " + " | ".join(cell(e, "calibrated_" + m) for m in INTERVAL_METRICS) + " |"
+                      for e in calibrated]
         for reference in dict.fromkeys(e["reference"] for e in paired):
             rows = [e for e in paired if e["condition"] == condition and e["reference"] == reference]
             if not rows:
                 continue
             lines += [f"\nPaired over seeds, arm − {reference} (negative: the arm is better)\n",
-                      "| arm | ΔMedAE | " + " | ".join(f"ΔWinkler {lv:.0%}" for lv in LEVELS) + " |",
-                      "|---" * (2 + len(LEVELS)) + "|"]
+                      "| arm | ΔMedAE | " + " | ".join(f"ΔWinkler {lv:.0%}" for lv in LEVELS) + " | "
+                      + " | ".join(f"ΔWinkler {lv:.0%} calibrated" for lv in LEVELS) + " |",
+                      "|---" * (2 + 2 * len(LEVELS)) + "|"]
             lines += [f"| {e['arm']} | " + " | ".join(cell(e, m) for m in PAIRED_METRICS) + " |" for e in rows]
     return "\n".join(lines) + "\n"
 

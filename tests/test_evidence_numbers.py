@@ -129,6 +129,37 @@ def test_interval_score_matches_loop(level):
     assert evidence.interval_score(lower, upper, y, level) == pytest.approx(total / len(y), rel=1e-12)
 
 
+@pytest.mark.parametrize("level", [0.5, 0.8, 0.95])
+def test_conformal_offset_is_the_rank_of_the_naive_conformity_scores(level):
+    lower, upper, y = random_intervals(seed=3)
+    scores = sorted(max(a - v, v - b) for a, b, v in
+                    zip(lower.double().tolist(), upper.double().tolist(), y.double().tolist()))
+    rank = math.ceil((len(scores) + 1) * level)  # the finite-sample rank of split conformal prediction
+    assert evidence.conformal_offset(lower, upper, y, level) == scores[rank - 1]
+    few = slice(0, 9)  # ⌈10 · 0.95⌉ = 10 > 9 rows: no finite offset guarantees the level
+    assert evidence.conformal_offset(lower[few], upper[few], y[few], 0.95) == math.inf
+
+
+def test_calibrated_intervals_reach_their_level_and_shrink_too_wide_ones():
+    # Cauchy intervals on Gaussian residuals: far too wide at 95 %; calibrated on one half they cover the other
+    # half at the level (exchangeable rows), and a negative offset stops at the interval's midpoint
+    g = torch.Generator().manual_seed(5)
+    loc, scale = torch.randn(4000, generator=g), 0.5 + torch.rand(4000, generator=g)
+    y = loc + scale * torch.randn(4000, generator=g)
+    levels = (0.5, 0.8, 0.95)
+    intervals = {lv: evidence.central_interval("cauchy", loc, scale, lv) for lv in levels}
+    half = lambda iv, part: {lv: (a[part], b[part]) for lv, (a, b) in iv.items()}  # noqa: E731
+    calibrated = evidence.calibrated_intervals(half(intervals, slice(0, 2000)), y[:2000], half(intervals, slice(2000, None)))
+    for lv in levels:
+        lower, upper = calibrated[lv]
+        assert abs(evidence.coverage(lower, upper, y[2000:]) - lv) < 0.03
+        assert (lower <= upper).all()
+    raw = intervals[0.95]
+    assert evidence.mean_width(*calibrated[0.95]) < 0.5 * evidence.mean_width(raw[0][2000:], raw[1][2000:])
+    lower, upper = evidence.widen(torch.tensor([0.0, -1.0]), torch.tensor([2.0, 5.0]), -2.0)
+    assert lower.tolist() == [1.0, 1.0] and upper.tolist() == [1.0, 3.0]
+
+
 def test_median_absolute_error_and_standard_error_match_loops():
     rng = random.Random(2)
     median = [rng.uniform(-4, 4) for _ in range(101)]
@@ -255,9 +286,11 @@ def test_protocol_runs_every_arm_and_condition_on_a_learnable_task():
     by = {(r["condition"], r["arm"]): r for r in results}
     for arm in regression:  # every head reads the signal in z: it beats the constant predictor's error
         assert by["clean", arm]["median_abs_error"] < 0.6 * by["clean", "constant"]["median_abs_error"]
+    for row in results:  # every arm's intervals are also scored calibrated on the validation rows
+        assert 0.0 <= row["calibrated_coverage_0.9"] <= 1.0 and row["calibrated_score"] > 0
     summary = evidence.summarize(results)
     table = evidence.markdown(summary)
-    assert table.count("| cauchy |") == 3 and "Winkler 95%" in table
+    assert table.count("| cauchy |") == 6 and "Winkler 95%" in table and "calibrated on the validation rows" in table
 
 
 @pytest.mark.parametrize("select", ["score", "nll"])
