@@ -139,6 +139,7 @@ def extract_features(base: str, rows: list[dict], texts: int, cache: Path, batch
         store.setdefault("states", torch.empty(0, len(tree.nodes), model.config.hidden_size))
         store.setdefault("rest_lse", torch.empty(0, len(tree.nodes)))
     todo = [rows[i] for i in order[len(store["keys"]) : texts]]
+    path.parent.mkdir(parents=True, exist_ok=True)
     for start in range(0, len(todo), batch_size * 4):
         # sort a window by length so a batch pads little; the store keeps the permutation's order
         window = todo[start : start + batch_size * 4]

@@ -352,9 +352,10 @@ def test_extraction_is_each_prompt_alone_and_resumes(sft_base, tmp_path):
     words = "user assistant system".split()
     rows = [{"source": "tweets_GroundTruth.txt", "id": str(i), "rating": i / 4 - 1.0,
              "text": " ".join(words[j % 3] for j in range(1 + 3 * i % 7))} for i in range(10)]
-    first = evidence.extract_features(str(sft_base), rows, 6, tmp_path, batch_size=2)
+    cache = tmp_path / "not" / "yet"  # the cache folder is made where missing (the default one is, on a fresh machine)
+    first = evidence.extract_features(str(sft_base), rows, 6, cache, batch_size=2)
     assert len(first["keys"]) == 6
-    store = evidence.extract_features(str(sft_base), rows, 10, tmp_path, batch_size=2)
+    store = evidence.extract_features(str(sft_base), rows, 10, cache, batch_size=2)
     order = torch.randperm(10, generator=torch.Generator().manual_seed(0)).tolist()
     assert store["keys"] == [f"tweets_GroundTruth.txt:{i}" for i in order]
     assert store["rating"] == [rows[i]["rating"] for i in order]
