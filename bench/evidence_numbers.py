@@ -28,8 +28,9 @@ cover, not only in the training labels). On test: the median absolute error of t
 predictive median, and for the 50/80/90/95% central intervals their coverage, mean width and interval (Winkler)
 score, each family through its exact quantiles; and the same for each arm's intervals calibrated on the validation
 rows (`calibrated_*`: split-conformal offsets per level, the same rule for every arm, so a head whose law has the wrong
-shape is judged on how well its intervals rank the texts' uncertainty). Mean ± standard error over seeds (each seed: split, initialisation,
-corruption), and the paired differences against `cauchy` on the same splits. Writes OUTPUT.json and OUTPUT.md.
+shape is judged on how well its intervals rank the texts' uncertainty). Mean ± standard error over seeds (each seed:
+split, initialisation, corruption), and the paired differences against `cauchy` on the same splits. Writes
+OUTPUT.json and OUTPUT.md.
 
     python bench/evidence_numbers.py --base /work/demo-base --quick
     python bench/evidence_numbers.py --base /work/demo-base --texts 768 --seeds 5    # BENCHMARKS.md; bench/results/evidence-numbers.md

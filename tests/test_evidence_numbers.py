@@ -149,7 +149,8 @@ def test_calibrated_intervals_reach_their_level_and_shrink_too_wide_ones():
     levels = (0.5, 0.8, 0.95)
     intervals = {lv: evidence.central_interval("cauchy", loc, scale, lv) for lv in levels}
     half = lambda iv, part: {lv: (a[part], b[part]) for lv, (a, b) in iv.items()}  # noqa: E731
-    calibrated = evidence.calibrated_intervals(half(intervals, slice(0, 2000)), y[:2000], half(intervals, slice(2000, None)))
+    calibrated = evidence.calibrated_intervals(half(intervals, slice(0, 2000)), y[:2000],
+                                               half(intervals, slice(2000, None)))
     for lv in levels:
         lower, upper = calibrated[lv]
         assert abs(evidence.coverage(lower, upper, y[2000:]) - lv) < 0.03
