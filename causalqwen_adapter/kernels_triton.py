@@ -533,8 +533,8 @@ class LossTileOut(NamedTuple):
 
 def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d=None, g=None,
                      rows_out=None, col_d=None, col_t=None, *, segments=None):
-    """the `causalqwen::loss_tile` operator (`cpu_kernels.py`) on the GPU: one (token × vocabulary) tile of the training loss, any width up to the
-    whole vocabulary. Arguments as the `causalqwen::loss_tile` operator (`cpu_kernels.py`)'s, without ``kernel`` and ``threads``:
+    """the `causalqwen::loss_tile` operator (`ops.py`) on the GPU: one (token × vocabulary) tile of the training loss, any width up to the
+    whole vocabulary. Arguments as the `causalqwen::loss_tile` operator (`ops.py`)'s, without ``kernel`` and ``threads``:
 
     - ``loc`` [r, w] bf16 or float32 (rows of unit column stride, any row stride): loc_S (= W loc_U, + b when
       ``bias`` is None) or, for `losses.chunked_ovr_loss`, loc_S − C (− offset);
@@ -559,7 +559,7 @@ def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, 
       row here: pass ``cols[0][0]`` or a [w] tensor and read it directly.
 
     ``segments``: column segments per row block (default: enough programs to fill the device).
-    Returns a `LossTileOut`, or None where the kernel does not apply (the caller runs `tile_c` / `tile_torch`).
+    Returns a `LossTileOut`, or None where the kernel does not apply (the caller runs its torch tile).
     """
     if loc.dim() != 2 or loc.dtype not in DTYPES or not available():
         return None

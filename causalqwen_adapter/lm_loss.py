@@ -218,10 +218,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 abs_linear = lookup_operator("abs_linear", products)
                 abs_add = lookup_operator("abs_matmul_add", products) if abs_linear is not None else None
                 abs_linear = abs_linear if abs_add is not None else None
-        # float32 tiles: every one for the torch code, three for the C one when its products are float32
+        # float32 tiles: every one for the torch code, three for the operator's when its products are float32
         torch_tile = chunk * vblock if tile_kernel is None else 0
-        c_tile = chunk * vblock if tile_kernel is not None and mm_dtype == dtype else 0
-        d_buf, s_buf, a_buf = (torch.empty(torch_tile or c_tile, dtype=dtype, device=dev) for _ in range(3))
+        operator_tile = chunk * vblock if tile_kernel is not None and mm_dtype == dtype else 0
+        d_buf, s_buf, a_buf = (torch.empty(torch_tile or operator_tile, dtype=dtype, device=dev) for _ in range(3))
         t_buf, u_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(2))
         # x_buf: a block's float32 loc_S read from narrower stored products (`scores`), for the torch tiles and for
         # the candidates' top-k
@@ -313,7 +313,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             d_mm = lowered(d, xd_lo) if need_D else None
             return x_mm, d_mm, d.sum(0) if need_D and need_bias else None
 
-        def tile_c(i, v0, v1, stored, w_blk, abs_w, r, r0, r1, tgt, scale_mm):
+        def tile_operator(i, v0, v1, stored, w_blk, abs_w, r, r0, r1, tgt, scale_mm):
             """`tile_torch` in one pass of the loss_tile operator (products in bf16 or float32, the math float32)."""
             nonlocal nll_sum, ovr_sum
             w = v1 - v0
@@ -383,7 +383,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 if ovr and first:
                     zero = zero_rows(w_blk)
                     degenerate[i] = zero if tile_kernel is None else zero_row_mask(zero, w)
-                tile = tile_c if tile_kernel is not None else tile_torch
+                tile = tile_operator if tile_kernel is not None else tile_torch
                 x_mm, d_mm, d_cols = tile(i, v0, v1, stored, w_blk, abs_w, r, r0, r1, tgt, scale_mm)
                 if ovr_grads and g_scale is not None:
                     if abs_add is not None:
