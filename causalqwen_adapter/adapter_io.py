@@ -278,7 +278,7 @@ def install_folder(staging: Path, target: Path) -> None:
     Into an existing folder, each file it replaces is first moved aside, `config.json` first (until the new one is
     in, the folder refuses to load) and last back in; if a move fails, everything is moved back as it was.
     """
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder gets a plain mkdir's mode
+    give_plain_modes(staging)
     if not target.exists():
         os.rename(staging, target)
         return
@@ -343,6 +343,16 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def give_plain_modes(folder: Path) -> None:
+    """Give a folder we wrote through a staging copy, and everything in it, the modes a plain `mkdir` and `open()`
+    would have: `tempfile.mkdtemp` makes its folder 0700 and safetensors (0.8) writes its files 0600, which would hide
+    the weights of a folder that looks readable from every other user (a serving process, a container's user)."""
+    mask = _umask()
+    for path in (folder, *folder.rglob("*")):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def adapter_file_names() -> set[str]:

@@ -157,6 +157,19 @@ def sft_base(tmp_path_factory) -> Path:
     return build_tiny_base_with_tokenizer(tmp_path_factory.mktemp("trainer-tiny-base"))
 
 
+def modes_not_plain(folder: Path) -> dict[str, str]:
+    """The entries of `folder` (itself included) whose permission bits differ from what a plain `mkdir` / `open()`
+    gives under the process's umask: {relative path: "got 0o…, plain 0o…"}."""
+    umask = os.umask(0)
+    os.umask(umask)
+    wrong = {}
+    for path in (folder, *folder.rglob("*")):
+        mode, plain = path.stat().st_mode & 0o777, (0o777 if path.is_dir() else 0o666) & ~umask
+        if mode != plain:
+            wrong[path.relative_to(folder).as_posix()] = f"got {mode:#o}, plain {plain:#o}"
+    return wrong
+
+
 def free_port() -> int:
     """A TCP port free on this machine now, for a distributed job's MASTER_PORT."""
     with socket.socket() as sock:

@@ -12,6 +12,8 @@ from causalqwen_adapter.adapter_io import all_finite
 from causalqwen_adapter.numeric import NumericCollator, encode_with_numbers
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
+from conftest import modes_not_plain
+
 
 @pytest.mark.parametrize("field", ["ovr_threshold_init", "causal_temperature", "gamma_init", "b_noise_init"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
@@ -119,15 +121,27 @@ def test_saving_over_a_folder_that_is_not_an_adapter_is_refused(tied_base, tmp_p
     assert {p.name: p.read_bytes() for p in base_copy.iterdir()} == before
 
 
-def test_saved_folder_has_a_plain_mkdir_mode_and_dot_names_the_folder(tied_base, tmp_path, monkeypatch):
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_folder_and_its_files_have_plain_modes(tied_base, tmp_path, umask):
+    """mkdtemp's staging folder is 0700 and safetensors 0.8 writes 0600: another user (a server, a container's user)
+    must read an adapter whose folder looks readable, as a plain mkdir and open() would have made it."""
     import os
-    import stat
 
     model = CausalQwenForCausalLM.from_base(tied_base)
-    model.save_pretrained(tmp_path / "adapter")
-    (tmp_path / "plain").mkdir()
-    mode = stat.S_IMODE((tmp_path / "adapter").stat().st_mode)
-    assert mode == stat.S_IMODE((tmp_path / "plain").stat().st_mode) and mode != 0o700
+    previous = os.umask(umask)
+    try:
+        model.save_pretrained(tmp_path / "adapter")
+        model.save_pretrained(tmp_path / "adapter")  # into an existing folder: the replaced files too
+        assert (tmp_path / "adapter" / "model.safetensors").is_file()
+        assert modes_not_plain(tmp_path / "adapter") == {}
+    finally:
+        os.umask(previous)
+
+
+def test_dot_names_the_saved_folder(tied_base, tmp_path, monkeypatch):
+    import os
+
+    model = CausalQwenForCausalLM.from_base(tied_base)
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
     model.save_pretrained(".")

@@ -28,7 +28,7 @@ from causalqwen_adapter.training import (
     unreachable_parameters,
 )
 
-from conftest import PAIRS, free_port
+from conftest import PAIRS, free_port, modes_not_plain
 from conftest import TOKENIZER_BASE_VOCAB as VOCAB
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -346,6 +346,7 @@ def test_backbone_lora_trains_saves_in_lora_folder_and_resumes(sft_base, tmp_pat
     folder = tmp_path / "adapter"
     first.save_model(str(folder))
     assert (folder / "lora" / "adapter_config.json").is_file()
+    assert modes_not_plain(folder) == {}  # PEFT's adapter_model.safetensors too (safetensors writes 0600)
     assert not (folder / "adapter_config.json").exists()
     assert set(load_file(folder / "model.safetensors")) == first.model.adapter_keys()
     # from_pretrained re-applies the backbone LoRA by itself
