@@ -533,8 +533,8 @@ class LossTileOut(NamedTuple):
 
 def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d=None, g=None,
                      rows_out=None, col_d=None, col_t=None, *, segments=None):
-    """the `causalqwen::loss_tile` operator (`ops.py`) on the GPU: one (token × vocabulary) tile of the training loss, any width up to the
-    whole vocabulary. Arguments as the `causalqwen::loss_tile` operator (`ops.py`)'s, without ``kernel`` and ``threads``:
+    """The `causalqwen::loss_tile` operator (`ops.py`) on the GPU: one (token × vocabulary) tile of the training loss,
+    any width up to the whole vocabulary. Arguments as the operator's, without ``kernel`` and ``threads``:
 
     - ``loc`` [r, w] bf16 or float32 (rows of unit column stride, any row stride): loc_S (= W loc_U, + b when
       ``bias`` is None) or, for `losses.chunked_ovr_loss`, loc_S − C (− offset);
