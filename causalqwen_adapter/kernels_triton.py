@@ -188,7 +188,8 @@ def _loss_tile_kernel(
                 dv = (e - tl.where(hit, 1.0, 0.0)) * ce
         if OVR:
             s = tl.load(scale_ptr + rows64[:, None] * scale_stride + cols[None, :], mask=m, other=1.0)
-            s = tl.maximum(s.to(tl.float32), 1.17549435e-38)
+            # float32's smallest normal, 2⁻¹²⁶ in full: Triton types a literal below it float64
+            s = tl.maximum(s.to(tl.float32), 1.1754943508222875e-38)
             if THR_PER_TOKEN:
                 c = tl.load(thr_ptr + cols, mask=cmask, other=0.0)[None, :]
             else:
@@ -328,9 +329,9 @@ def _scores_kernel(loc_ptr, scale_ptr, thr_ptr, part_ptr, out_ptr, rej_ptr, n_ro
             c = c0
         log_r = (lv - top) - log_total
         if RELATIVE:
-            x = (log_r - c) / tl.maximum(sv, 1.17549435e-38)
+            x = (log_r - c) / tl.maximum(sv, 1.1754943508222875e-38)
         else:
-            x = (lv - c) / tl.maximum(sv, 1.17549435e-38)
+            x = (lv - c) / tl.maximum(sv, 1.1754943508222875e-38)
         small = _small_angle(tl.abs(x))
         pos = x >= 0.0
         big = 1.0 - small

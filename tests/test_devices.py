@@ -38,7 +38,7 @@ def _away_from_init(model: CausalQwenForCausalLM) -> CausalQwenForCausalLM:
         for param in (model.abduction.scale.weight, model.action.bias):
             param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
         model.action.weight[0].copy_(torch.randn(model.action.weight.shape[1], generator=generator) * 0.05)
-        model.action.b_noise.uniform_(0.05, 1.0, generator=generator)
+        model.action.b_noise.copy_(torch.rand(model.action.b_noise.shape, generator=generator) * 0.95 + 0.05)
         if model.config.learnable_threshold:
             model.ovr.threshold.add_(torch.randn(model.ovr.threshold.shape, generator=generator) * 0.3)
     return model
@@ -348,7 +348,10 @@ def test_evaluate_recipe_on_the_device(sft_base, sft_adapter, device, tmp_path):
     for name, per_mode in reference.items():
         for mode, metrics in per_mode.items():
             for metric, value in metrics.items():
-                assert results[name][mode][metric] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, mode, metric)
+                # A rank metric moves by a whole pair where two tokens' signals tie within the devices' rounding
+                # (on 16 tokens one pair of 63 is 0.016): the AUROCs may differ by two pairs, the rest by rounding.
+                tol = dict(abs=2.5 / 63) if metric.startswith("auroc_") else dict(rel=1e-4, abs=1e-6)
+                assert results[name][mode][metric] == pytest.approx(value, **tol), (name, mode, metric)
     missing = f"cuda:{torch.cuda.device_count()}"
     with pytest.raises(ValueError, match=f"--device {missing}:"):
         run(missing, tmp_path / "missing")

@@ -502,3 +502,20 @@ def test_module_imports_without_triton():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the interpreter does not see
+
+
+def test_float_literals_in_the_kernels_are_float32():
+    """Triton types a float literal float64 unless 2⁻¹²⁶ ≤ |x| ≤ float32's max (or it is 0, ±inf or NaN). A float64
+    literal makes the arithmetic around it float64 on a GPU (slow), and Triton 3.6 then refuses a loop-carried float32
+    variable that turns float64 in the loop; the interpreter computes in numpy and shows neither."""
+    import ast
+
+    smallest, largest = 2.0**-126, (2 - 2**-23) * 2.0**127
+    wide = [(node.lineno, node.value) for node in ast.walk(ast.parse(MODULE_PATH.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, float)
+            and node.value != 0 and math.isfinite(node.value) and not smallest <= abs(node.value) <= largest]
+    assert wide == [], f"kernels_triton.py: float literals Triton types float64 (line, value): {wide}"
