@@ -618,16 +618,32 @@ def chunk_tokens(vocab_size: int, itemsize: int = 4, budget_bytes: int = LOGITS_
 CPU_VOCAB_BLOCK = 4096  # rows of W_A per block on the CPU: a tile of a few hundred tokens stays in cache
 
 
+# On an accelerator: a chunk's logits budget, and the fewest chunks a loss is cut into (its tiles then take at most
+# about an eighth of the memory lm_head + cross-entropy takes for the same tokens).
+ACCELERATOR_LOGITS_BUDGET_BYTES = 8 * LOGITS_BUDGET_BYTES
+ACCELERATOR_MIN_CHUNKS = 8
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
 def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, itemsize: int) -> tuple[int, int]:
     """(tokens per chunk, vocabulary rows per block) by default. On the CPU, the chunk's [chunk × V] logits of
     ``itemsize`` bytes fit `chunk_tokens`' budget and blocks of `CPU_VOCAB_BLOCK` rows keep a tile in cache.
-    On an accelerator one block spans the vocabulary (a product and a kernel per pass, not a loop over blocks) and
-    the tokens are cut as Liger-Kernel's fused linear cross-entropy cuts them: into ⌈V / C⌉ chunks of a power-of-two
-    size, so that a chunk's logits take about the memory of the [N × C] inputs."""
+
+    On an accelerator one block spans the vocabulary (a product and a kernel per pass, not a loop over blocks), and a
+    chunk is as large as `ACCELERATOR_LOGITS_BUDGET_BYTES` of logits and `ACCELERATOR_MIN_CHUNKS` allow, in a
+    power-of-two number of tokens, never smaller than the chunks of Liger-Kernel's fused linear cross-entropy (⌈V / C⌉
+    of them): each chunk costs its launches and their Python whatever its size (about 60), which Liger's small chunks
+    at a vocabulary of 170 × C (Qwen2.5-0.5B) pay 128 times for 8k tokens, and a product of a few dozen rows leaves
+    the tensor cores idle."""
     if device.type == "cpu":
         return chunk_tokens(vocab, itemsize), CPU_VOCAB_BLOCK
-    chunks = -(-vocab // max(width, 1))
-    return 1 << max(0, (-(-max(n_tokens, 1) // chunks) - 1).bit_length()), vocab
+    liger = _power_of_two_at_least(-(-max(n_tokens, 1) // -(-vocab // max(width, 1))))
+    few = _power_of_two_at_least(-(-max(n_tokens, 1) // ACCELERATOR_MIN_CHUNKS))
+    budget = 1 << (chunk_tokens(vocab, itemsize, ACCELERATOR_LOGITS_BUDGET_BYTES).bit_length() - 1)
+    return max(liger, min(few, budget)), vocab
 
 
 def ovr_loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int) -> tuple[int, int]:

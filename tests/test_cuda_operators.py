@@ -57,16 +57,27 @@ def triton_operators(monkeypatch):
         yield calls
 
 
-def test_the_accelerator_shape_is_one_vocabulary_block_and_liger_chunks():
+def test_the_accelerator_shape_is_one_vocabulary_block_and_few_chunks():
+    """One block spans the vocabulary; chunks of a power-of-two size, as large as a 1 GiB logits budget and 8 chunks
+    allow, never smaller than Liger-Kernel's (⌈V / C⌉ chunks)."""
     cuda = torch.device("cuda")
-    for n, vocab, width in [(16384, 151936, 896), (8192, 151936, 896), (100, 49152, 576), (1, 1000, 64), (0, 10, 4)]:
-        chunks = math.ceil(vocab / width)
-        expected = 2 ** math.ceil(math.log2(max(1, math.ceil(max(n, 1) / chunks))))
-        assert loss_shape(cuda, n, vocab, width, 2) == (expected, vocab)
-    assert loss_shape(cuda, 16384, 151936, 896, 2)[0] * math.ceil(151936 / 896) >= 16384
+
+    def pow2_ceil(x):
+        return 2 ** math.ceil(math.log2(max(1, x)))
+
+    cases = [(16384, 151936, 896, 2), (8192, 151936, 896, 2), (32768, 151936, 896, 4), (131072, 32000, 4096, 2),
+             (100, 49152, 576, 2), (1, 1000, 64, 2), (0, 10, 4, 4), (4096, 262144, 640, 2), (10**6, 10**9, 8, 4)]
+    for n, vocab, width, itemsize in cases:
+        liger = pow2_ceil(math.ceil(max(n, 1) / math.ceil(vocab / width)))
+        budget = 2 ** math.floor(math.log2(max(1, 2**30 // (vocab * itemsize))))
+        expected = max(liger, min(pow2_ceil(math.ceil(max(n, 1) / 8)), budget))
+        assert loss_shape(cuda, n, vocab, width, itemsize) == (expected, vocab), (n, vocab, width, itemsize)
+    # Qwen2.5-0.5B, bf16 logits: 8k tokens in 8 chunks (Liger's rule: 128), 32k in 16 of 2,048 (0.6 GB of logits)
+    assert loss_shape(cuda, 8192, 151936, 896, 2)[0] == 1024
+    assert loss_shape(cuda, 32768, 151936, 896, 2)[0] == 2048
     assert loss_shape(torch.device("cpu"), 16384, 151936, 896, 4) == (chunk_tokens(151936, 4), 4096)
     # the distillation tail's loss: the same shape on an accelerator (float32 tiles), its own cache-sized one here
-    assert ovr_loss_shape(cuda, 16384, 151936, 896) == loss_shape(cuda, 16384, 151936, 896, 4) == (128, 151936)
+    assert ovr_loss_shape(cuda, 16384, 151936, 896) == loss_shape(cuda, 16384, 151936, 896, 4) == (1024, 151936)
     assert ovr_loss_shape(torch.device("cpu"), 16384, 151936, 896) == (1024, 2048)
 
 
