@@ -1,7 +1,12 @@
-"""On a lent CUDA GPU (written for one H100, about 8 minutes in all; never run in CI): the GPU tests, one sharded
-training step each way, and the speed and memory of decoding and of the training loss.
+"""On a lent CUDA GPU (about 5 minutes in all on one H200; never run in CI): the GPU tests, one sharded training step
+each way, and the speed and memory of decoding and of the training loss.
 
     python bench/gpu.py --base build/demo-base        # without --base: a random Qwen2.5-0.5B-shaped model
+
+The project's own Python is not needed there, only its pins: on a machine whose Python has torch and Triton but an
+older transformers (or no trl, datasets, peft, liger-kernel, deepspeed), install the wheels of `pip download --no-deps`
+of the versions in pyproject.toml (deepspeed's as built by `pip wheel --no-deps`, with hjson and pydantic's four
+wheels; datasets with dill and multiprocess) into a folder on PYTHONPATH, with the repository root after it.
 
 1. tests: `make test-gpu`'s tests (`pytest -m gpu`: the cuda run of every test taking the `device` fixture, and the
    Triton kernels' tests compiled for the GPU), in a subprocess;
@@ -9,8 +14,8 @@ training step each way, and the speed and memory of decoding and of the training
    when `deepspeed` imports, `deepspeed_zero3.yaml`, on this one GPU (`--num_processes 1`: nccl, world size 1);
 3. decode: tokens/s at batch 1, 8 and 64 in every inference mode against the base (bench/decode.py's measurement,
    synchronised with the GPU), then per variant at batch 1 the peak memory (`torch.cuda.max_memory_allocated`) and
-   the CUDA kernels launched per decode step (`torch.profiler`: kernels of an N-token generate minus a 1-token one,
-   over N − 1);
+   the CUDA kernels launched per decode step (`torch.profiler`: kernels of a 5-token generate minus a 1-token one,
+   over 4);
 4. loss: forward + backward at 8,192 and 32,768 target tokens in bf16 on the real head shape (bench/loss.py's
    steps): `forward(labels=...)`'s loss (d) against lm_head + cross-entropy (a) and Liger-Kernel's
    `LigerFusedLinearCrossEntropyLoss` (l, when `liger_kernel` imports); time (CUDA events, the fastest of --repeat
@@ -46,6 +51,7 @@ from stats import round_ratios, spread
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "sharded", "decode", "loss")
 CONFIGS = REPO_ROOT / "recipes" / "configs"
+PROFILED_TOKENS = 5  # tokens of the generates whose kernels are counted
 
 
 def qwen25_05b_config():
@@ -98,9 +104,9 @@ def done(start: float) -> None:
     print(f"--- {time.perf_counter() - start:.0f} s", flush=True)
 
 
-def run_logged(cmd: list[str], timeout: float, env=None) -> tuple[int | str, str]:
-    """(return code or "timeout", the output's tail) of a subprocess in the repository root; on timeout its whole
-    process group (a launcher's workers too) is killed."""
+def run_logged(cmd: list[str], timeout: float, env=None, keep: int = 3000) -> tuple[int | str, str]:
+    """(return code or "timeout", the output's last ``keep`` characters) of a subprocess in the repository root; on
+    timeout its whole process group (a launcher's workers too) is killed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
            **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -110,8 +116,8 @@ def run_logged(cmd: list[str], timeout: float, env=None) -> tuple[int | str, str
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        return "timeout", out[-3000:]
-    return proc.returncode, out[-3000:]
+        return "timeout", out[-keep:]
+    return proc.returncode, out[-keep:]
 
 
 # --------------------------------------------------------------------------------------- 1. tests
@@ -120,8 +126,10 @@ def run_logged(cmd: list[str], timeout: float, env=None) -> tuple[int | str, str
 def gpu_tests(timeout: float) -> None:
     start = section("make test-gpu's tests (pytest -m gpu)")
     os.environ["TRITON_INTERPRET"] = "0"  # the Triton kernels' tests on the GPU too (tests/test_kernels_triton.py)
-    code, tail = run_logged([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], timeout)
-    print(tail if code != 0 else (tail.strip().splitlines() or [""])[-1])
+    # every failure's short traceback is printed: a lent GPU's minutes are too few to run the tests twice
+    code, out = run_logged([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short",
+                            "-W", "ignore::UserWarning"], timeout, keep=200_000)
+    print(out if code != 0 else (out.strip().splitlines() or [""])[-1])
     print(f"pytest -m gpu: {'passed' if code == 0 else f'FAILED ({code})'}")
     done(start)
 
@@ -205,7 +213,8 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, de
     for batch_size in batches:
         print_rows(batch_size, measure(base, model, tokenizer, batch_size, new_tokens, rounds,
                                        synchronize=lambda: synchronize(device)))
-    print(f"\nbatch 1, per variant: peak memory of a {new_tokens}-token generate, CUDA kernels per decode step")
+    print(f"\nbatch 1, per variant: peak memory of a {new_tokens}-token generate, CUDA kernels per decode step "
+          f"(a {min(new_tokens, PROFILED_TOKENS)}-token generate's less a 1-token one's)")
     batch = tokenizer(PROMPTS[:1], return_tensors="pt").to(device)
     with torch.inference_mode():
         for variant in ("base", "compatible", "standard", "standard (eager)", "causal", "sampling"):
@@ -213,9 +222,11 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, de
             reset_peak_memory(device)
             run_variant(base, model, variant, batch, new_tokens)
             peak = peak_memory_mib(device)
-            many = kernel_launches(lambda: run_variant(base, model, variant, batch, new_tokens), device)
+            # a few steps: the profiler's events of a long generate (about 1,000 kernels a step) take minutes to read
+            steps = min(new_tokens, PROFILED_TOKENS)
+            many = kernel_launches(lambda: run_variant(base, model, variant, batch, steps), device)
             one = kernel_launches(lambda: run_variant(base, model, variant, batch, 1), device)
-            print(f"  {variant:<24} peak {peak:8.0f} MiB   kernels per step {(many - one) / (new_tokens - 1):7.1f}")
+            print(f"  {variant:<24} peak {peak:8.0f} MiB   kernels per step {(many - one) / max(steps - 1, 1):7.1f}")
     done(start)
 
 
