@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from causalqwen_adapter.losses import loss_shape
+
 from decode import HEADER, PROMPTS, measure, print_rows, run_variant
 from loss import VARIANTS as LOSS_VARIANTS
 from loss import build_step
@@ -245,6 +247,8 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
     start = section(f"loss forward + backward, {dtype} weights, V × C = 151936 × 896, {rounds} interleaved rounds, "
                     f"the fastest of {repeat} steps per round")
     for n in sizes:
+        chunk = min(n, loss_shape(device, n, 151936, 896, getattr(torch, dtype).itemsize)[0])
+        print(f"N={n}: (d) in chunks of {chunk} tokens ({-(-n // chunk)} chunks, losses.loss_shape)")
         steps = {}
         for v in variants:  # build_step sets `dtype` as the default dtype, as bench/loss.py's --dtype runs
             empty_cache(device)
