@@ -2,7 +2,8 @@
 
 They run on CPU tensors in Triton's interpreter (a copy of the module decorated with TRITON_INTERPRET=1, so that the
 package's own module is left as other code imported it), with small shapes that still cross several blocks, row
-blocks and column segments. On a CUDA machine, TRITON_INTERPRET=0 runs the same tests on the GPU.
+blocks and column segments. On a CUDA machine, TRITON_INTERPRET=0 runs the same tests on the GPU. Without one, what
+the interpreter cannot see is checked last: every kernel compiles for a Hopper GPU, and no literal is float64.
 """
 
 import importlib.util
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 import causalqwen_adapter  # noqa: E402
 from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa: E402
@@ -31,24 +32,30 @@ TINY = torch.finfo(torch.float32).tiny
 MODULE_PATH = Path(causalqwen_adapter.__file__).parent / "kernels_triton.py"
 
 
-def _load_kernels():
-    if ON_GPU:
-        from causalqwen_adapter import kernels_triton
-
-        return kernels_triton
-    name = "causalqwen_adapter._kernels_triton_interpreted"
-    spec = importlib.util.spec_from_file_location(name, MODULE_PATH)
+def _module_copy(name: str, interpret: str):
+    """A copy of kernels_triton.py imported with TRITON_INTERPRET=``interpret`` (read by triton.jit as each kernel is
+    decorated), so that the package's own module is left as other code imported it."""
+    spec = importlib.util.spec_from_file_location(f"causalqwen_adapter.{name}", MODULE_PATH)
     module = importlib.util.module_from_spec(spec)
     previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit as each kernel is decorated
+    os.environ["TRITON_INTERPRET"] = interpret
     try:
-        sys.modules[name] = module
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
+    return module
+
+
+def _load_kernels():
+    if ON_GPU:
+        from causalqwen_adapter import kernels_triton
+
+        return kernels_triton
+    module = _module_copy("_kernels_triton_interpreted", "1")
     assert module.INTERPRETED and module.available()
     return module
 
@@ -519,3 +526,120 @@ def test_float_literals_in_the_kernels_are_float32():
             if isinstance(node, ast.Constant) and isinstance(node.value, float)
             and node.value != 0 and math.isfinite(node.value) and not smallest <= abs(node.value) <= largest]
     assert wide == [], f"kernels_triton.py: float literals Triton types float64 (line, value): {wide}"
+
+
+KERNELS = ("_loss_tile_kernel", "_lse_partial_kernel", "_lse_finish_kernel", "_scores_kernel", "_accept_once_kernel",
+           "_cauchy_linear_kernel", "_abs_matmul_kernel")
+TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+                torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}
+
+
+def _gpu_launches():
+    """Every kernel launch the functions make on a GPU, for float32 and bf16 operands and each flag, distribution and
+    shape class the tests above use: a copy of the module as a GPU imports it (GPU block sizes, no interpreter),
+    told that it can run on these CPU tensors, whose kernels record their launches instead of running."""
+    module = _module_copy("_kernels_triton_recorded", "0")
+    assert not module.INTERPRETED
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+    for kernel in KERNELS:
+        setattr(module, kernel, Recorder(getattr(module, kernel)))
+    module.available = lambda: True
+    module._runs_on = lambda *tensors: len({t.device for t in tensors if t is not None}) == 1
+
+    for dtype in DTYPES:
+        for relative in (True, False):
+            for per_token in (True, False):
+                loc, bias, lse, thr, scale, col = _tile_inputs(dtype, 6, 300, relative, per_token, seed=1)
+                degenerate = torch.zeros(300, dtype=torch.bool)
+                degenerate[[0, 7]] = True
+                for flags, degen in ((ALL_FLAGS, degenerate), (ALL_FLAGS, None), (kt.TILE_D, None),
+                                     (kt.TILE_OVR, None), (kt.TILE_OVR | kt.TILE_OVR_GRADS | kt.TILE_COL_T, None)):
+                    assert module.loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degen, 0.5, 0.25,
+                                                   flags) is not None
+        loc = torch.randn(5, 3000).to(dtype)
+        for b in (torch.randn(3000), None):
+            for store in (True, False):
+                assert module.block_logsumexp_triton(loc, b, store, torch.empty(5)) is not None
+        for distribution in SCORE_DISTRIBUTIONS:
+            for relative in (True, False):
+                for threshold in (0.5, torch.randn(3000)):
+                    assert module.ovr_scores_triton(loc, loc.abs(), threshold, relative, distribution) is not None
+        for rows in (1, 17):
+            weight, bias, loc_U, scale_U = _linear_inputs(dtype, rows, 70, 40, seed=rows)
+            for b in (bias, None):
+                assert module.cauchy_linear_triton(loc_U, scale_U, weight, b) is not None
+            assert module.abs_linear_triton(scale_U, weight) is not None
+        assert module.abs_matmul_triton(torch.randn(7, 70).to(dtype), weight) is not None
+    return module, launches
+
+
+def _signature(kernel, args, kwargs):
+    """(signature, constexprs, options) of one launch, as Triton's launcher would build them (no specialisation)."""
+    names = kernel.arg_names
+    values = dict(zip(names, args))
+    values.update((k, v) for k, v in kwargs.items() if k in names)
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = values[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif torch.is_tensor(value):
+            signature[param.name] = "*" + TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: argument {param.name} of type {type(value).__name__}")
+    return signature, constexprs, options
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests compile and run every kernel")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_every_kernel_compiles_for_a_hopper_gpu():
+    """The interpreter runs the kernels' Python, not Triton's compiler: a kernel it runs may not compile (float64
+    typing, a loop-carried variable that changes type, an op the GPU lowering lacks). Every launch the functions
+    make on a GPU, over the flags and dtypes of the tests above, is compiled to Triton IR for sm_90 (Hopper), and one
+    launch of each kernel all the way to a cubin."""
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no CUDA backend")
+    module, launches = _gpu_launches()
+    assert {kernel.fn.__name__ for kernel, _, _ in launches} == set(KERNELS)
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    seen, to_cubin = set(), set(KERNELS)
+    for kernel, args, kwargs in launches:
+        signature, constexprs, options = _signature(kernel, args, kwargs)
+        key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        if kernel.fn.__name__ in to_cubin:  # the whole pipeline, ptxas included, once per kernel
+            to_cubin.discard(kernel.fn.__name__)
+            assert triton.compile(source, target=target, options=options).asm["cubin"]
+            continue
+        opts = backend.parse_options(options)
+        context = triton._C.libtriton.ir.context()
+        triton._C.libtriton.ir.load_dialects(context)
+        backend.load_dialects(context)
+        ir = source.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+        assert "f64" not in str(ir), f"{kernel.fn.__name__} {constexprs}: float64 arithmetic on the GPU"
+    assert len(seen) > 20, len(seen)
