@@ -218,11 +218,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 abs_linear = lookup_operator("abs_linear", products)
                 abs_add = lookup_operator("abs_matmul_add", products) if abs_linear is not None else None
                 abs_linear = abs_linear if abs_add is not None else None
-        # float32 tiles: every one for the torch code, three for the operator's when its products are float32
+        # float32 tiles for the torch code (the operator path has its own, below)
         torch_tile = chunk * vblock if tile_kernel is None else 0
-        operator_tile = chunk * vblock if tile_kernel is not None and mm_dtype == dtype else 0
-        d_buf, s_buf, a_buf = (torch.empty(torch_tile or operator_tile, dtype=dtype, device=dev) for _ in range(3))
-        t_buf, u_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(2))
+        d_buf, s_buf, a_buf, t_buf, u_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(5))
         # x_buf: a block's float32 loc_S read from narrower stored products (`scores`), for the torch tiles and for
         # the candidates' top-k
         x_low = chunk * vblock if candidates and logits_dtype(mm_dtype, dtype) != dtype else 0
@@ -259,8 +257,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
             tile_flags = (TILE_OVR * ovr | TILE_D * need_D | TILE_OVR_GRADS * ovr_grads
                           | TILE_OVR_LOCATES * (ovr_locates and need_D) | TILE_COL_D * (need_D and need_bias)
                           | TILE_COL_T * (g_thr is not None and ovr_grads))
-            s_tile, d_tile, g_tile = (s_buf, d_buf, a_buf) if mm_dtype == dtype else (
-                torch.empty(chunk * vblock, dtype=mm_dtype, device=dev) for _ in range(3))
+            # the operator's scale_S input and its outputs, in the products' dtype, each only where the flags use it
+            s_tile, d_tile, g_tile = (torch.empty(chunk * vblock if used else 0, dtype=mm_dtype, device=dev)
+                                      for used in (ovr, need_D, ovr_grads))
             tile_threads = tile_thread_count(dev)
             rows_out = torch.empty(4 * chunk, dtype=dtype, device=dev)
             col_sums = torch.empty(2, tile_threads * vblock, dtype=dtype, device=dev)
