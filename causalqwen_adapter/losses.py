@@ -511,8 +511,8 @@ def candidate_ovr_loss(
 def candidate_chunk_tokens(k: int, width: int, device: torch.device | str = "cpu") -> int:
     """Tokens per chunk of `candidate_ovr_loss`: about four float32 [chunk, k + 1, C] tensors (the rows of W_A, |W_A|
     and their gradients) within a budget: the cross-entropy's logits budget on the CPU (a chunk's tensors stay small
-    next to its tiles); `ACCELERATOR_LOGITS_BUDGET_BYTES` (8× that) on an accelerator, where each chunk costs about 120 kernel launches whatever its size
-    (4,400 tokens at k = 16, C = 896: 16k targets in 4 chunks)."""
+    next to its tiles); `ACCELERATOR_LOGITS_BUDGET_BYTES` (8× that) on an accelerator, where each chunk costs about
+    120 kernel launches whatever its size (4,400 tokens at k = 16, C = 896: 16k targets in 4 chunks)."""
     budget = LOGITS_BUDGET_BYTES if torch.device(device).type == "cpu" else ACCELERATOR_LOGITS_BUDGET_BYTES
     return max(1, budget // (16 * (k + 1) * max(width, 1)))
 
