@@ -608,7 +608,7 @@ def _signature(kernel, args, kwargs):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests compile and run every kernel")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-def test_every_kernel_compiles_for_a_hopper_gpu():
+def test_every_kernel_compiles_for_a_hopper_gpu(monkeypatch, tmp_path):
     """The interpreter runs the kernels' Python, not Triton's compiler: a kernel it runs may not compile (float64
     typing, a loop-carried variable that changes type, an op the GPU lowering lacks). Every launch the functions
     make on a GPU, over the flags and dtypes of the tests above, is compiled to Triton IR for sm_90 (Hopper), and one
@@ -620,6 +620,7 @@ def test_every_kernel_compiles_for_a_hopper_gpu():
 
     if "nvidia" not in backends:
         pytest.skip("this Triton has no CUDA backend")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # the compiled kernels stay in the test's folder
     module, launches = _gpu_launches()
     assert {kernel.fn.__name__ for kernel, _, _ in launches} == set(KERNELS)
     target = GPUTarget("cuda", 90, 32)
