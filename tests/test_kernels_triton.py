@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -37,16 +38,9 @@ def _module_copy(name: str, interpret: str):
     decorated), so that the package's own module is left as other code imported it."""
     spec = importlib.util.spec_from_file_location(f"causalqwen_adapter.{name}", MODULE_PATH)
     module = importlib.util.module_from_spec(spec)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = interpret
-    try:
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": interpret}):
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
     return module
 
 
