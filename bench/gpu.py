@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from causalqwen_adapter.lm_loss import chunk_tile_bytes
 from causalqwen_adapter.losses import loss_shape
 
 from decode import HEADER, PROMPTS, measure, print_rows, run_variant
@@ -247,7 +248,10 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
     start = section(f"loss forward + backward, {dtype} weights, V × C = 151936 × 896, {rounds} interleaved rounds, "
                     f"the fastest of {repeat} steps per round")
     for n in sizes:
-        chunk = min(n, loss_shape(device, n, 151936, 896, getattr(torch, dtype).itemsize)[0])
+        # (d) is the default loss: the cross-entropy's pass, which finds the candidates, through the Triton kernels
+        tiles = chunk_tile_bytes(getattr(torch, dtype), torch.float32, device.type == "cuda", (True, True, True),
+                                 dtype != "float32")
+        chunk = min(n, loss_shape(device, n, 151936, 896, getattr(torch, dtype).itemsize, tiles)[0])
         print(f"N={n}: (d) in chunks of {chunk} tokens ({-(-n // chunk)} chunks, losses.loss_shape)")
         steps = {}
         for v in variants:  # build_step sets `dtype` as the default dtype, as bench/loss.py's --dtype runs

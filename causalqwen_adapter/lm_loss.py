@@ -199,13 +199,6 @@ class _ChunkedLMLoss(torch.autograd.Function):
             grad_W = (torch.empty if need_D and n_valid else torch.zeros)(vocab, width, dtype=grad_dtype, device=dev)
         scale_path_W = ovr_locates and need_W
 
-        if chunk is None or vblock is None:
-            shape = loss_shape(dev, n_valid, vocab, width, logits_dtype(mm_dtype, dtype).itemsize)
-            chunk, vblock = chunk or shape[0], vblock or shape[1]
-        chunk, vblock = equal_chunk_size(n_valid, chunk), min(vblock, vocab)
-        # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
-        # tokens per chunk) and read in float32, plus b_A, one block at a time.
-        logits_buf = torch.empty(chunk * vocab if n_valid else 0, dtype=logits_dtype(mm_dtype, dtype), device=dev)
         # Pass B's elementwise work (and pass A's logsumexp) in one pass where an operator serves it (the
         # causalqwen::loss_tile and block_logsumexp operators, dispatch.py): the torch code makes about twenty passes
         # over each tile. Its operands and results stay in the products' dtype.
@@ -218,21 +211,30 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 abs_linear = lookup_operator("abs_linear", products)
                 abs_add = lookup_operator("abs_matmul_add", products) if abs_linear is not None else None
                 abs_linear = abs_linear if abs_add is not None else None
+        low = mm_dtype != dtype
+        x_low = bool(candidates) and logits_dtype(mm_dtype, dtype) != dtype
+        if chunk is None or vblock is None:
+            shape = loss_shape(dev, n_valid, vocab, width, logits_dtype(mm_dtype, dtype).itemsize,
+                               chunk_tile_bytes(mm_dtype, dtype, tile_kernel is not None, (ovr, need_D, ovr_grads), x_low))
+            chunk, vblock = chunk or shape[0], vblock or shape[1]
+        chunk, vblock = equal_chunk_size(n_valid, chunk), min(vblock, vocab)
+        # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
+        # tokens per chunk) and read in float32, plus b_A, one block at a time.
+        logits_buf = torch.empty(chunk * vocab if n_valid else 0, dtype=logits_dtype(mm_dtype, dtype), device=dev)
         # float32 tiles for the torch code (the operator path has its own, below)
         torch_tile = chunk * vblock if tile_kernel is None else 0
         d_buf, s_buf, a_buf, t_buf, u_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(5))
         # x_buf: a block's float32 loc_S read from narrower stored products (`scores`), for the torch tiles and for
         # the candidates' top-k
-        x_low = chunk * vblock if candidates and logits_dtype(mm_dtype, dtype) != dtype else 0
-        x_buf = torch.empty(torch_tile or x_low, dtype=dtype, device=dev)
+        x_buf = torch.empty(torch_tile or chunk * vblock * x_low, dtype=dtype, device=dev)
         abs_buf = torch.empty(vblock if ovr and abs_add is None else 0, width, dtype=mm_dtype, device=dev)
         # Every tile-sized tensor of the loop lives in a buffer allocated once: a fresh multi-MiB tensor per block
-        # costs its page faults each time, more than the elementwise work on it. With narrower products, their
-        # operands and results have buffers of their own.
-        low = mm_dtype != dtype
+        # costs its page faults each time, more than the elementwise work on it. With narrower products, the torch
+        # code's operands and results have buffers of their own; the operator path's tiles are in the products'
+        # dtype already, and only its [· × C] products need a scratch.
         w_lo = torch.empty(vblock * width if weight.dtype != mm_dtype else 0, dtype=mm_dtype, device=dev)
         xd_lo, prod_lo = (torch.empty(size if low else 0, dtype=mm_dtype, device=dev)
-                          for size in (chunk * vblock, max(chunk * vblock, vblock * width, chunk * width)))
+                          for size in (torch_tile, max(torch_tile, vblock * width, chunk * width)))
 
         def lowered(src, buf):
             """src in the products' dtype: itself, or a copy into buf."""
@@ -436,6 +438,19 @@ class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         return (*saved_gradients(ctx, grad_loss), None, None, None)
+
+
+def chunk_tile_bytes(matmul_dtype: torch.dtype, dtype: torch.dtype, operator: bool, operator_tiles: tuple,
+                     candidates_copy: bool) -> int:
+    """Bytes per element of the [chunk × block] buffers `_ChunkedLMLoss` holds for a chunk, all together: the stored
+    products (`logits_dtype`), then the torch code's six float32 tiles (d, s, a, t, u and x) and, with narrower
+    products, three of theirs (the gradient, d and the products' scratch); or the operator's tiles in the products'
+    dtype, one per true flag of ``operator_tiles`` (scale_S, d, the OvR gradient), and x for the candidates' top-k
+    when ``candidates_copy``."""
+    size = logits_dtype(matmul_dtype, dtype).itemsize
+    if not operator:
+        return size + 6 * dtype.itemsize + 3 * matmul_dtype.itemsize * (matmul_dtype != dtype)
+    return size + matmul_dtype.itemsize * sum(map(bool, operator_tiles)) + dtype.itemsize * candidates_copy
 
 
 def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool, scratch: torch.Tensor):

@@ -133,12 +133,13 @@ class _ChunkedOvRLoss(torch.autograd.Function):
         g_scale = scale.new_zeros(n_valid, width) if need_scale or need_noise else None
         g_shift = shift.new_zeros(vocab) if need_bias or need_thr else None
         grad_W = torch.zeros_like(weight) if need_W else None
+        tile_kernel = ovr_tile_operator(dtype, weight.device)
         if chunk_size is None or vocab_chunk_size is None:
-            shape = ovr_loss_shape(weight.device, n_valid, vocab, width)
+            shape = ovr_loss_shape(weight.device, n_valid, vocab, width, tile_kernel is not None)
             chunk_size, vocab_chunk_size = chunk_size or shape[0], vocab_chunk_size or shape[1]
         neg_log_sum, u_row_sum, p_target = _ovr_tiles(
             loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor,
-            max(1, min(chunk_size, n_valid)), min(vocab_chunk_size, vocab), dtype, precise=negatives_only,
+            max(1, min(chunk_size, n_valid)), min(vocab_chunk_size, vocab), dtype, tile_kernel, precise=negatives_only,
             offset=offset,
         )
 
@@ -186,8 +187,16 @@ def saved_gradients(ctx, grad_loss: torch.Tensor) -> list:
     return grads
 
 
+def ovr_tile_operator(dtype: torch.dtype, device: torch.device):
+    """The loss_tile operator `_ovr_tiles` runs its tiles' elementwise work in (float32 tiles only), or None: the torch
+    code's `ovr_tile`."""
+    if dtype != torch.float32:
+        return None
+    return lookup_operator("loss_tile", torch.empty(0, dtype=dtype, device=device))
+
+
 def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad_W, factor, chunk, vblock, dtype,
-               precise=False, offset=None):
+               tile_kernel, precise=False, offset=None):
     """Loss terms, stats and (unscaled) gradients over all (token chunk × vocabulary block) tiles.
 
     Vocabulary blocks are the outer loop, so |W|, sign(W) and the fp32 copy of a bf16 W exist
@@ -201,7 +210,10 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     n_valid, width = loc.shape
     vocab = weight.shape[0]
     dev = loc.device
-    x_buf, s_buf, a_buf, t_buf, u_buf = (torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(5))
+    # a and u only for the torch code (`ovr_tile_count`)
+    x_buf, s_buf, t_buf = (torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(3))
+    a_buf, u_buf = (torch.empty(chunk * vblock if tile_kernel is None else 0, dtype=dtype, device=dev)
+                    for _ in range(2))
     abs_buf = torch.empty(vblock, width, dtype=dtype, device=dev)
     if grad_W is not None:
         acc_loc, acc_scale = (torch.empty(vblock, width, dtype=dtype, device=dev) for _ in range(2))
@@ -209,12 +221,9 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
     want_grads = any(g is not None for g in (g_loc, g_scale, g_shift, grad_W))
-    # The tile's elementwise work in one pass where an operator serves it (causalqwen::loss_tile, dispatch.py; always
-    # with the digits of `precise`) on x = loc_S − C (− offset): t gets π ∂ℓ/∂loc_S (ce = 0, of = 1), x is
-    # overwritten by −π ∂ℓ/∂scale_S, as ovr_tile leaves them.
-    tile_kernel = None
-    if dtype == torch.float32:
-        tile_kernel = lookup_operator("loss_tile", torch.empty(0, dtype=dtype, device=dev))
+    # The tile's elementwise work in one pass where an operator serves it (``tile_kernel``: causalqwen::loss_tile,
+    # dispatch.py; always with the digits of `precise`) on x = loc_S − C (− offset): t gets π ∂ℓ/∂loc_S (ce = 0, of =
+    # 1), x is overwritten by −π ∂ℓ/∂scale_S, as ovr_tile leaves them.
     if tile_kernel is not None:
         threads = tile_thread_count(dev)
         flags = TILE_OVR | (TILE_D | TILE_OVR_GRADS | TILE_OVR_LOCATES) * want_grads | TILE_COL_D * (g_shift is not None)
@@ -234,7 +243,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
             acc_l, acc_s = acc_loc[:w].zero_(), acc_scale[:w].zero_()
         for r0 in range(0, n_valid, chunk):
             r1 = min(r0 + chunk, n_valid)
-            x, s, a, t, u = (buf[: (r1 - r0) * w].view(r1 - r0, w) for buf in (x_buf, s_buf, a_buf, t_buf, u_buf))
+            x, s, t = (buf[: (r1 - r0) * w].view(r1 - r0, w) for buf in (x_buf, s_buf, t_buf))
             torch.addmm(shift[v0:v1], loc[r0:r1], w_blk.T, out=x)
             if offset is not None:
                 x.sub_(offset[r0:r1])
@@ -251,6 +260,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
                 u_row_sum[r0:r1] += sums[2]
                 p_target[r0:r1] += sums[3]
             else:
+                a, u = (buf[: (r1 - r0) * w].view(r1 - r0, w) for buf in (a_buf, u_buf))
                 col, hit, flip = target_columns(targets[r0:r1], v0, w, dtype)
                 neg_log, u_rows, p_y = ovr_tile(x, s, col, hit, flip, a, t, u, degenerate, want_grads, precise)
                 neg_log_sum += neg_log
@@ -618,9 +628,11 @@ def chunk_tokens(vocab_size: int, itemsize: int = 4, budget_bytes: int = LOGITS_
 CPU_VOCAB_BLOCK = 4096  # rows of W_A per block on the CPU: a tile of a few hundred tokens stays in cache
 
 
-# On an accelerator: a chunk's logits budget, and the fewest chunks a loss is cut into (its tiles then take at most
-# about an eighth of the memory lm_head + cross-entropy takes for the same tokens).
+# On an accelerator: a budget for the [chunk × V] buffers a chunk holds (the logits and every tile of the same
+# shape, all together), and the fewest chunks a loss is cut into (its tiles then take at most about an eighth of the
+# memory lm_head + cross-entropy takes for the same tokens). ACCELERATOR_LOGITS_BUDGET_BYTES: the candidates loss's.
 ACCELERATOR_LOGITS_BUDGET_BYTES = 8 * LOGITS_BUDGET_BYTES
+ACCELERATOR_TILES_BUDGET_BYTES = 4 * ACCELERATOR_LOGITS_BUDGET_BYTES
 ACCELERATOR_MIN_CHUNKS = 8
 
 
@@ -628,30 +640,40 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, itemsize: int) -> tuple[int, int]:
+def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, itemsize: int,
+               tile_bytes: int) -> tuple[int, int]:
     """(tokens per chunk, vocabulary rows per block) by default. On the CPU, the chunk's [chunk × V] logits of
     ``itemsize`` bytes fit `chunk_tokens`' budget and blocks of `CPU_VOCAB_BLOCK` rows keep a tile in cache.
 
     On an accelerator one block spans the vocabulary (a product and a kernel per pass, not a loop over blocks), and a
-    chunk is as large as `ACCELERATOR_LOGITS_BUDGET_BYTES` of logits and `ACCELERATOR_MIN_CHUNKS` allow, in a
-    power-of-two number of tokens, never smaller than the chunks of Liger-Kernel's fused linear cross-entropy (⌈V / C⌉
-    of them): each chunk costs its launches and their Python whatever its size (about 60), which Liger's small chunks
-    at a vocabulary of 170 × C (Qwen2.5-0.5B) pay 128 times for 8k tokens, and a product of a few dozen rows leaves
-    the tensor cores idle."""
+    chunk is as large as `ACCELERATOR_MIN_CHUNKS` allow, in a power-of-two number of tokens, never smaller than the
+    chunks of Liger-Kernel's fused linear cross-entropy (⌈V / C⌉ of them), and never larger than
+    `ACCELERATOR_TILES_BUDGET_BYTES` allows for its [chunk × V] buffers, ``tile_bytes`` per element all together
+    (the logits and the tiles of the pass that runs: a few for the Triton kernels, nine for the torch code). Each
+    chunk costs its launches and their Python whatever its size (about 60), which Liger's small chunks at a
+    vocabulary of 170 × C (Qwen2.5-0.5B) pay 128 times for 8k tokens, and a product of a few dozen rows leaves the
+    tensor cores idle."""
     if device.type == "cpu":
         return chunk_tokens(vocab, itemsize), CPU_VOCAB_BLOCK
     liger = _power_of_two_at_least(-(-max(n_tokens, 1) // -(-vocab // max(width, 1))))
     few = _power_of_two_at_least(-(-max(n_tokens, 1) // ACCELERATOR_MIN_CHUNKS))
-    budget = 1 << (chunk_tokens(vocab, itemsize, ACCELERATOR_LOGITS_BUDGET_BYTES).bit_length() - 1)
-    return max(liger, min(few, budget)), vocab
+    budget = 1 << (chunk_tokens(vocab, tile_bytes, ACCELERATOR_TILES_BUDGET_BYTES).bit_length() - 1)
+    return min(budget, max(liger, few)), vocab
 
 
-def ovr_loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int) -> tuple[int, int]:
+def ovr_loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, operator: bool) -> tuple[int, int]:
     """`chunked_ovr_loss`'s (tokens per chunk, vocabulary rows per block) by default: on the CPU tiles of
-    `OVR_CHUNK_TOKENS` × `OVR_VOCAB_BLOCK` (float32, kept in cache), on an accelerator `loss_shape`'s."""
+    `OVR_CHUNK_TOKENS` × `OVR_VOCAB_BLOCK` (float32, kept in cache), on an accelerator `loss_shape`'s for its float32
+    tiles (three where the loss_tile ``operator`` serves, five for the torch code)."""
     if device.type == "cpu":
         return OVR_CHUNK_TOKENS, OVR_VOCAB_BLOCK
-    return loss_shape(device, n_tokens, vocab, width, 4)
+    return loss_shape(device, n_tokens, vocab, width, 4, 4 * ovr_tile_count(operator))
+
+
+def ovr_tile_count(operator: bool) -> int:
+    """float32 [chunk × block] tiles `_ovr_tiles` holds: x, s and t for the loss_tile operator, and a and u for the
+    torch code's `ovr_tile`."""
+    return 3 if operator else 5
 
 
 @torch.no_grad()
