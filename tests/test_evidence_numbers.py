@@ -380,3 +380,47 @@ def test_reselect_picks_what_a_run_with_that_rule_picks():
     assert evidence.reselect(by_nll, "score") == by_score
     table = evidence.markdown(evidence.summarize(by_nll), evidence.all_paired_differences(by_nll))
     assert table.count("arm − cauchy") == 3 and "arm − digits" not in table  # one per condition; no digits run
+
+
+# --- the linear ceiling (bench/evidence_numbers_linear.py) --------------------------------------------------------
+
+LINEAR_SPEC = importlib.util.spec_from_file_location(
+    "evidence_numbers_linear", Path(__file__).resolve().parents[1] / "bench" / "evidence_numbers_linear.py")
+linear = importlib.util.module_from_spec(LINEAR_SPEC)
+LINEAR_SPEC.loader.exec_module(linear)
+
+
+def test_ridge_fit_is_the_penalised_least_squares_solution():
+    """Against the same problem as an ordinary least-squares one: the design stacked over √λ·I rows (intercept
+    column 0 there, so it is not penalised), solved by lstsq in float64."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, generator=g) * 3 + 1
+    for penalty in (0.0, 0.5, 100.0):
+        design = torch.cat([x.double(), torch.ones(40, 1, dtype=torch.float64)], 1)
+        prior = torch.cat([math.sqrt(penalty) * torch.eye(6, dtype=torch.float64), torch.zeros(6, 1, dtype=torch.float64)], 1)
+        want = torch.linalg.lstsq(torch.cat([design, prior]), torch.cat([y.double(), torch.zeros(6, dtype=torch.float64)])).solution
+        torch.testing.assert_close(linear.ridge_fit(x, y, penalty), want, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(linear.ridge_predict(x, want), design @ want)
+
+
+def test_linear_ceiling_picks_the_penalty_on_validation_and_scores_the_protocols_splits():
+    """Targets exactly linear in z: the smallest penalty wins on validation and the test error is ~0; noise targets
+    on as many features as training rows: a large penalty wins (the fit shrinks to the intercept). Rows per seed:
+    clean, shuffled, shuffled_test, on evidence_numbers' own splits and shuffles."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(200, 5, generator=g)
+    exact = z @ torch.tensor([0.5, -1.0, 2.0, 0.0, 0.3]) + 0.7
+    rows = linear.linear_ceiling(z, exact, seeds=2, fraction=0.2, penalties=(1e-6, 1e3))
+    assert [(r["seed"], r["condition"]) for r in rows] == [(s, c) for s in (0, 1)
+                                                            for c in ("clean", "shuffled", "shuffled_test")]
+    assert all(r["penalty"] == 1e-6 and r["median_abs_error"] < 1e-4 for r in rows if r["condition"] == "clean")
+    # seed 0's shuffled rows, recomputed: the fit on shuffled training targets, scored on clean and shuffled tests
+    (train, _, test), (shuffle_train, _, shuffle_test) = evidence.split_and_corrupt(200, 0, 0.2)
+    coef = linear.ridge_fit(z[train], exact[train][shuffle_train], rows[1]["penalty"])
+    prediction = linear.ridge_predict(z[test], coef)
+    assert rows[1]["median_abs_error"] == evidence.median_absolute_error(prediction, exact[test])
+    assert rows[2]["median_abs_error"] == evidence.median_absolute_error(prediction, exact[test][shuffle_test])
+    wide = torch.randn(200, 120, generator=g)
+    noise = torch.randn(200, generator=g)
+    picked = linear.linear_ceiling(wide, noise, seeds=2, fraction=0.2, penalties=(1e-6, 1e3))
+    assert [r["penalty"] for r in picked if r["condition"] == "clean"] == [1e3, 1e3]
