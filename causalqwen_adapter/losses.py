@@ -210,7 +210,7 @@ def _ovr_tiles(loc, scale, weight, shift, targets, g_loc, g_scale, g_shift, grad
     n_valid, width = loc.shape
     vocab = weight.shape[0]
     dev = loc.device
-    # a and u only for the torch code (`ovr_tile_count`)
+    # a and u only for the torch code's `ovr_tile` (`ovr_loss_shape` counts them)
     x_buf, s_buf, t_buf = (torch.empty(chunk * vblock, dtype=dtype, device=dev) for _ in range(3))
     a_buf, u_buf = (torch.empty(chunk * vblock if tile_kernel is None else 0, dtype=dtype, device=dev)
                     for _ in range(2))
@@ -629,8 +629,8 @@ CPU_VOCAB_BLOCK = 4096  # rows of W_A per block on the CPU: a tile of a few hund
 
 
 # On an accelerator: a budget for the [chunk × V] buffers a chunk holds (the logits and every tile of the same
-# shape, all together), and the fewest chunks a loss is cut into (its tiles then take at most about an eighth of the
-# memory lm_head + cross-entropy takes for the same tokens). ACCELERATOR_LOGITS_BUDGET_BYTES: the candidates loss's.
+# shape, all together), and the fewest chunks a loss is cut into (a chunk then holds at most an eighth of the
+# tokens). ACCELERATOR_LOGITS_BUDGET_BYTES: the candidates loss's budget.
 ACCELERATOR_LOGITS_BUDGET_BYTES = 8 * LOGITS_BUDGET_BYTES
 ACCELERATOR_TILES_BUDGET_BYTES = 4 * ACCELERATOR_LOGITS_BUDGET_BYTES
 ACCELERATOR_MIN_CHUNKS = 8
@@ -649,7 +649,7 @@ def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, item
     chunk is as large as `ACCELERATOR_MIN_CHUNKS` allow, in a power-of-two number of tokens, never smaller than the
     chunks of Liger-Kernel's fused linear cross-entropy (⌈V / C⌉ of them), and never larger than
     `ACCELERATOR_TILES_BUDGET_BYTES` allows for its [chunk × V] buffers, ``tile_bytes`` per element all together
-    (the logits and the tiles of the pass that runs: a few for the Triton kernels, nine for the torch code). Each
+    (the logits and the tiles of the pass that runs: a few for the Triton kernels, up to ten for the torch code). Each
     chunk costs its launches and their Python whatever its size (about 60), which Liger's small chunks at a
     vocabulary of 170 × C (Qwen2.5-0.5B) pay 128 times for 8k tokens, and a product of a few dozen rows leaves the
     tensor cores idle."""
@@ -667,13 +667,7 @@ def ovr_loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, 
     tiles (three where the loss_tile ``operator`` serves, five for the torch code)."""
     if device.type == "cpu":
         return OVR_CHUNK_TOKENS, OVR_VOCAB_BLOCK
-    return loss_shape(device, n_tokens, vocab, width, 4, 4 * ovr_tile_count(operator))
-
-
-def ovr_tile_count(operator: bool) -> int:
-    """float32 [chunk × block] tiles `_ovr_tiles` holds: x, s and t for the loss_tile operator, and a and u for the
-    torch code's `ovr_tile`."""
-    return 3 if operator else 5
+    return loss_shape(device, n_tokens, vocab, width, 4, 4 * (3 if operator else 5))
 
 
 @torch.no_grad()
