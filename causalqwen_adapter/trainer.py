@@ -64,8 +64,9 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
     loss_chunk_size: int | None = field(
         default=None,
         metadata={
-            "help": "Number of target tokens scored at once by the chunked training loss; by default as many as "
-            "one chunk's logits budget holds (losses.LOGITS_BUDGET_BYTES). Changes speed and memory, not the result."
+            "help": "Number of target tokens scored at once by the chunked training loss; by default losses.loss_shape's: "
+            "on the CPU as many as 128 MiB of logits hold, on a GPU an eighth of the tokens within 4 GiB of the "
+            "chunk's tiles. Changes speed and memory, not the result."
         },
     )
     freeze_backbone: bool = field(
