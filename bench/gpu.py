@@ -18,8 +18,10 @@ wheels; datasets with dill and multiprocess) into a folder on PYTHONPATH, with t
    over 4);
 4. loss: forward + backward at 8,192 and 32,768 target tokens in bf16 on the real head shape (bench/loss.py's
    steps): `forward(labels=...)`'s loss (d) against lm_head + cross-entropy (a) and Liger-Kernel's
-   `LigerFusedLinearCrossEntropyLoss` (l, when `liger_kernel` imports); time (CUDA events, the fastest of --repeat
-   steps per round), peak memory above the inputs, kernels per step. A variant that runs out of memory says so.
+   `LigerFusedLinearCrossEntropyLoss` (l, when `liger_kernel` imports), the loss over the vocabulary (v), and (d)
+   through the torch code alone (r: the remote code's path without the package's Triton kernels); time (CUDA events,
+   the fastest of --repeat steps per round), peak memory above the inputs, kernels per step. A variant that runs out
+   of memory says so.
 
 Every comparison runs its variants interleaved, --rounds rounds, and prints ratios as median (min–max) over the rounds
 (bench/stats.py). `--parts` picks what runs.
@@ -237,7 +239,7 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, de
 
 
 def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype: str = "bfloat16") -> None:
-    variants = ["a", "d", "v"]
+    variants = ["a", "d", "v"] + (["r"] if device.type != "cpu" else [])  # (r) is (d) on the CPU
     try:
         import liger_kernel  # noqa: F401
 
@@ -248,11 +250,14 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
     start = section(f"loss forward + backward, {dtype} weights, V × C = 151936 × 896, {rounds} interleaved rounds, "
                     f"the fastest of {repeat} steps per round")
     for n in sizes:
-        # (d) is the default loss: the cross-entropy's pass, which finds the candidates, through the Triton kernels
-        tiles = chunk_tile_bytes(getattr(torch, dtype), torch.float32, device.type == "cuda", (True, True, True),
-                                 dtype != "float32")
-        chunk = min(n, loss_shape(device, n, 151936, 896, getattr(torch, dtype).itemsize, tiles)[0])
-        print(f"N={n}: (d) in chunks of {chunk} tokens ({-(-n // chunk)} chunks, losses.loss_shape)")
+        # (d) is the default loss: the cross-entropy's pass, which finds the candidates, through the Triton kernels;
+        # (r) the same pass through the torch code
+        for v, operator in (("d", device.type == "cuda"), ("r", False)):
+            if v in variants:
+                tiles = chunk_tile_bytes(getattr(torch, dtype), torch.float32, operator, (True, True, True),
+                                         dtype != "float32")
+                chunk = min(n, loss_shape(device, n, 151936, 896, getattr(torch, dtype).itemsize, tiles)[0])
+                print(f"N={n}: ({v}) in chunks of {chunk} tokens ({-(-n // chunk)} chunks, losses.loss_shape)")
         steps = {}
         for v in variants:  # build_step sets `dtype` as the default dtype, as bench/loss.py's --dtype runs
             empty_cache(device)
@@ -299,7 +304,7 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
         for v in times:
             print(f"N={n} ({v}) {LOSS_VARIANTS[v]:<24} {statistics.median(times[v]) * 1e3:8.1f} ms (median of rounds)  "
                   f"peak above inputs {peaks.get(v, float('nan')):8.0f} MiB  kernels per step {kernels.get(v, 0)}")
-        for mine, other in (("d", "a"), ("d", "l"), ("v", "a"), ("v", "l"), ("l", "a")):
+        for mine, other in (("d", "a"), ("d", "l"), ("v", "a"), ("v", "l"), ("l", "a"), ("r", "a"), ("r", "d")):
             if mine in times and other in times:
                 print(f"N={n} {mine}/{other} time {spread(round_ratios(times[mine], times[other]))}×  "
                       f"peak memory {peaks[mine] / peaks[other]:.2f}×")

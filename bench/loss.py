@@ -8,6 +8,8 @@ Forward + backward (float32 by default) on the real head shape (V = 151936, C = 
       ``softmax_loss_weight``) in ``chunked_lm_loss``'s fused pass, which also finds each position's candidates,
       + the OvR loss over them (``candidate_ovr_loss``) on the scale path, relative thresholds
   (v) the same with the OvR loss over the whole vocabulary (``ovr_candidates=None``): one fused pass, five products
+  (r) (d) through the torch code alone, as an adapter folder's remote code runs it where the package's operators
+      are not registered (on a GPU: without the Triton kernels, and in its chunks); on the CPU the same as (d)
   (p) the three N × V × C products of (a) alone (logits, ∂hidden, ∂W), operands in the products' dtype
   (q) the five N × V × C products of (v) alone (loc_S, scale_S, ∂scale_U, ∂loc_U, ∂W) on the rows (v) scores (the
       labelled 7/8), with (v)'s chunks, blocks, |W| block and accumulation (`lm_loss._product`), on random tiles:
@@ -34,6 +36,7 @@ The whole comparison runs --runs times with the variants interleaved; ratios are
 """
 
 import argparse
+import contextlib
 import json
 import resource
 import subprocess
@@ -45,6 +48,7 @@ from stats import round_ratios, spread
 V, C = 151936, 896
 VARIANTS = {"a": "lm_head + cross_entropy", "b": "naive OvR (materialised)", "c": "chunked_ovr_loss",
             "d": "forward(labels) loss", "v": "loss over the vocabulary", "p": "(a)'s 3 products alone",
+            "r": "(d) in torch code (remote)",
             "q": "(v)'s 5 products alone",
             "l": "Liger fused linear CE"}
 
@@ -57,9 +61,7 @@ def build_step(variant: str, n: int, chunk_size: int = 0, vocab_chunk_size: int 
                autocast: bool = False, device: str = "cpu"):
     """(step, params, precision) of `variant` at `n` tokens: `step()` returns the loss (its backward is the rest of the
     step), `params` the leaves whose `.grad` to clear between steps, `precision` the context to run it in. Tensors on
-    `device` (variants a, b, c, d, l; p and q measure the CPU's products and stay there). Sets the default dtype."""
-    import contextlib
-
+    `device` (variants a, b, c, d, l, r; p and q measure the CPU's products and stay there). Sets the default dtype."""
     import torch
 
     if variant in "pq" and torch.device(device).type != "cpu":
@@ -162,12 +164,26 @@ def _variant(variant: str, n: int, chunk_size: int, vocab_chunk_size: int, autoc
             valid = labels != -100
 
             def step():  # heads_loss's: the labelled positions, then the model's training loss
-                return training_loss(loc_U[valid], scale_U[valid], DecisionHead(weight, bias, b_noise, threshold),
-                                     labels[valid], config, chunk_size=chunk_size or None,
-                                     vocab_chunk_size=vocab_chunk_size or None,  # None: loss_shape
-                                     matmul_dtype=torch.bfloat16 if autocast else None)[0]
+                with torch_code_only() if variant == "r" else contextlib.nullcontext():
+                    return training_loss(loc_U[valid], scale_U[valid], DecisionHead(weight, bias, b_noise, threshold),
+                                         labels[valid], config, chunk_size=chunk_size or None,
+                                         vocab_chunk_size=vocab_chunk_size or None,  # None: loss_shape
+                                         matmul_dtype=torch.bfloat16 if autocast else None)[0]
 
     return step, params
+
+
+def torch_code_only():
+    """No `causalqwen` operator serves the loss while it lasts: the torch code runs, as in the remote code of an
+    adapter folder loaded without this package."""
+    from unittest import mock
+
+    from causalqwen_adapter import lm_loss, losses
+
+    stack = contextlib.ExitStack()
+    for module in (lm_loss, losses):
+        stack.enter_context(mock.patch.object(module, "lookup_operator", lambda *args: None))
+    return stack
 
 
 def _child(variant: str, n: int, repeat: int, chunk_size: int, vocab_chunk_size: int, dtype: str,
@@ -200,7 +216,7 @@ def _mem_available_mib() -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[1024], help="token counts, run in ascending order")
-    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "l"], choices=list(VARIANTS),
+    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in "lr"], choices=list(VARIANTS),
                         help="(l) needs liger_kernel and a GPU")
     parser.add_argument("--repeat", type=int, default=3, help="timed steps after one warm-up step, per process")
     parser.add_argument("--runs", type=int, default=3, help="times the whole comparison runs, variants interleaved")

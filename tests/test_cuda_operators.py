@@ -6,6 +6,7 @@ the torch functions they stand in for.
 """
 
 import math
+import sys
 import warnings
 
 import pytest
@@ -30,6 +31,8 @@ from causalqwen_adapter.losses import (  # noqa: E402
     loss_shape,
     ovr_loss_shape,
 )
+
+from conftest import REPO_ROOT  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 if not kt.INTERPRETED:  # TRITON_INTERPRET=0 on a GPU: the real CUDA registration runs in the device-fixture tests
@@ -240,3 +243,23 @@ def test_a_prefill_beyond_the_decode_rows_runs_the_torch_code(triton_operators):
     x = torch.randn(rows, 8)
     assert dispatch.run_operator("cauchy_linear", x, x.abs(), torch.randn(30, 8), None) is None
     assert triton_operators["cauchy_linear_triton"] == 0
+
+
+def test_the_loss_bench_runs_the_torch_code_for_the_remote_code_variant(triton_operators, monkeypatch):
+    """bench/loss.py's (r) is (d) with no operator serving: the same loss and gradients, no Triton call."""
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    import loss as loss_bench
+
+    monkeypatch.setattr(loss_bench, "V", 160)
+    monkeypatch.setattr(loss_bench, "C", 16)
+    results = {}
+    for variant in ("d", "r"):
+        triton_operators.update(dict.fromkeys(triton_operators, 0))
+        step, params, _ = loss_bench.build_step(variant, 64)
+        value = step()
+        value.backward()
+        results[variant] = (value.detach(), [p.grad.clone() for p in params], sum(triton_operators.values()))
+    assert results["d"][2] > 0 and results["r"][2] == 0
+    torch.testing.assert_close(results["r"][0], results["d"][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(results["r"][1], results["d"][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
