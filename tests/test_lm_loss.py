@@ -200,8 +200,9 @@ class TileAllocations(TorchDispatchMode):
 
 
 def tile_bytes_held(loss: str, matmul_dtype=None, dtype=torch.float32):
-    """(bytes of [chunk × V] buffers a loss allocates, what `chunk_tile_bytes` says they are) for 48 targets in
-    chunks of 12 over a vocabulary of 37 in one block; C = 8, so [V × C] and [chunk × C] tensors are not counted."""
+    """(the bytes of the [chunk × V] buffers a loss allocates, the operator flags and the products' dtype
+    `chunk_tile_bytes` takes for it) for 48 targets in chunks of 12 over a vocabulary of 37 in one block; C = 8, so
+    [V × C] and [chunk × C] tensors are not counted."""
     tensors, labels = make_inputs(48, 8, 37, dtype=dtype)
     labels.clamp_(min=0)
     head = DecisionHead(*(tensors[k] for k in NAMES[2:]))
