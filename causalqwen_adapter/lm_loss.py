@@ -213,9 +213,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 abs_linear = abs_linear if abs_add is not None else None
         low = mm_dtype != dtype
         x_low = bool(candidates) and logits_dtype(mm_dtype, dtype) != dtype
+        operator_tiles = (ovr, need_D, ovr_grads)  # the operator's scale_S, d and OvR-gradient tiles, where used
         if chunk is None or vblock is None:
             shape = loss_shape(dev, n_valid, vocab, width, logits_dtype(mm_dtype, dtype).itemsize,
-                               chunk_tile_bytes(mm_dtype, dtype, tile_kernel is not None, (ovr, need_D, ovr_grads), x_low))
+                               chunk_tile_bytes(mm_dtype, dtype, tile_kernel is not None, operator_tiles, x_low))
             chunk, vblock = chunk or shape[0], vblock or shape[1]
         chunk, vblock = equal_chunk_size(n_valid, chunk), min(vblock, vocab)
         # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
@@ -261,7 +262,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                           | TILE_COL_T * (g_thr is not None and ovr_grads))
             # the operator's scale_S input and its outputs, in the products' dtype, each only where the flags use it
             s_tile, d_tile, g_tile = (torch.empty(chunk * vblock if used else 0, dtype=mm_dtype, device=dev)
-                                      for used in (ovr, need_D, ovr_grads))
+                                      for used in operator_tiles)
             tile_threads = tile_thread_count(dev)
             rows_out = torch.empty(4 * chunk, dtype=dtype, device=dev)
             col_sums = torch.empty(2, tile_threads * vblock, dtype=dtype, device=dev)
