@@ -1,6 +1,9 @@
 """One rank of the 2-process FSDP2 checks in test_fsdp.py (run as a script, not collected by pytest).
 
-    python tests/fsdp_worker.py <base folder> <work folder> <rank> <world size> <wrap> <heads options as JSON>
+    python tests/fsdp_worker.py <work folder> <rank> <world size> <jobs as JSON>
+
+Each job is a base folder, a wrap, the heads' options and a name; all run in one process group, one after the other
+(the processes' start-up, most of a check's time, is paid once).
 
 The environment is what `accelerate launch --config_file recipes/configs/fsdp2.yaml` gives each process (test_fsdp.py
 builds it with accelerate's own launcher code). Accelerate switches FSDP on only on accelerators, so this worker
@@ -10,10 +13,10 @@ shards the model itself, as <wrap> says:
   tail, then the root, which holds the heads;
 - `heads`: `fully_shard` on every decoder layer, then on each head module (abduction, action, thresholds: a size-based
   policy's choice, W_A being the largest tensor of the model), then on the root.
-On gloo it runs `forward(labels=...)` on this rank's half of the global batch, backward and one SGD step; gathers the
-adapter's tensors alone (checked against torch's full state dict); loads them into a freshly sharded model, as a resumed
-run does, and scores the batch again. It writes the mean loss over ranks, the gathered adapter and the resumed model's
-loss to <work folder>/result-<rank>.pt.
+On gloo it runs `forward(labels=...)` on this rank's half of the global batch (<work folder>/<name>-batch.pt),
+backward and one SGD step; gathers the adapter's tensors alone (checked against torch's full state dict); loads them
+into a freshly sharded model, as a resumed run does, and scores the batch again. It writes the mean loss over ranks,
+the gathered adapter and the resumed model's loss to <work folder>/<name>-result-<rank>.pt.
 """
 
 import json
@@ -58,9 +61,16 @@ def shard(model, wrap: str, rank: int):
     return model
 
 
-def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) -> None:
+def main(work: str, rank: int, world: int, jobs: list[dict]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{work}/store")
+    for job in jobs:
+        run_job(job["base"], work, rank, world, job["wrap"], job["options"], job["name"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_job(base: str, work: str, rank: int, world: int, wrap: str, options: dict, name: str) -> None:
     torch.manual_seed(0)  # as the Trainer seeds before building the model: the same heads on every rank (LoRA's A)
     model = CausalQwenForCausalLM.from_base(base, **options)
     # with fsdp_cpu_ram_efficient_loading, transformers reads the base on local rank 0 and broadcasts it (a rank
@@ -68,7 +78,7 @@ def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) 
     with safe_open(f"{base}/model.safetensors", "pt") as checkpoint:
         read_base = torch.equal(model.model.embed_tokens.weight, checkpoint.get_tensor("model.embed_tokens.weight"))
     model.model.requires_grad_(False)
-    batch = torch.load(f"{work}/batch.pt")
+    batch = torch.load(f"{work}/{name}-batch.pt")
     rows = len(batch) // world
     local = batch[rank * rows : (rank + 1) * rows]
 
@@ -90,13 +100,13 @@ def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) 
         assert set(adapter) == {k for k in state if not k.startswith(BASE_PREFIXES)}
         for key, value in adapter.items():
             assert torch.equal(value, state[key]), key
-        save_file(adapter, f"{work}/adapter.safetensors")
+        save_file(adapter, f"{work}/{name}-adapter.safetensors")
     dist.barrier()
 
     # Resuming: the saved whole tensors loaded into a fresh sharded model, each rank keeping its shard.
     torch.manual_seed(0)
     resumed = shard(CausalQwenForCausalLM.from_base(base, **options), wrap, rank)
-    load_adapter_tensors(resumed, f"{work}/adapter.safetensors")
+    load_adapter_tensors(resumed, f"{work}/{name}-adapter.safetensors")
     reloaded = resumed.gathered_adapter_state_dict()
     for key, value in adapter.items():
         assert torch.equal(reloaded[key], value), key
@@ -105,13 +115,11 @@ def main(base: str, work: str, rank: int, world: int, wrap: str, options: dict) 
 
     torch.save({"loss": (total / world).item(), "adapter": adapter, "resumed_loss": (again / world).item(),
                 "read_base": read_base},
-               f"{work}/result-{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+               f"{work}/{name}-result-{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], json.loads(sys.argv[6]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
     # Skip interpreter finalization: a gloo worker thread may still be freeing the barrier's work (which holds the
     # gathered tensors) and needs the GIL to do it; during finalization that thread is unwound and the process aborts
     # ("terminate called without an active exception", ~1 run in 10 on this machine). Everything is written by now.

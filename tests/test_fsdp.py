@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import sharded_trainer_worker
+import test_architectures
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -55,26 +56,33 @@ FSDP2_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(FSDP2_CASES))
-def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
-    wrap, options, launch = FSDP2_CASES[case]
-    batch = torch.randint(1, TINY_VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
-    torch.save(batch, tmp_path / "batch.pt")
+def run_fsdp2(work: Path, jobs: list[tuple], launch: dict | None = None) -> dict:
+    """tests/fsdp_worker.py on 2 gloo processes over the jobs (name, base folder, wrap, heads options, global batch),
+    all in one launch with the extra environment `launch`; returns each job's results, rank 0's then rank 1's."""
+    for name, *_, batch in jobs:
+        torch.save(batch, work / f"{name}-batch.pt")
+    spec = json.dumps([{"name": name, "base": str(base), "wrap": wrap, "options": options}
+                       for name, base, wrap, options, _ in jobs])
     env = {**os.environ, **sharded_trainer_worker.launch_environment(CONFIGS / "fsdp2.yaml"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT), **launch}
-    argv = [sys.executable, str(WORKER), str(tied_base), str(tmp_path)]
-    results = run_processes([([*argv, str(rank), "2", wrap, json.dumps(options)], env) for rank in range(2)],
+           "PYTHONPATH": str(REPO_ROOT), **(launch or {})}
+    results = run_processes([([sys.executable, str(WORKER), str(work), str(rank), "2", spec], env) for rank in range(2)],
                             what="the FSDP2 workers")
     for code, out, err in results:
         assert code == 0, out[-2000:] + err[-4000:]
-    sharded, other_rank = (torch.load(tmp_path / f"result-{rank}.pt") for rank in range(2))
+    return {name: [torch.load(work / f"{name}-result-{rank}.pt") for rank in range(2)] for name, *_ in jobs}
+
+
+def check_step_matches_one_process(base: Path, options: dict, batch: torch.Tensor, ranks: list, work: Path) -> None:
+    """The sharded step (`ranks`: both ranks' results) against one process on the whole batch: the same loss, the same
+    adapter after the step, the same loss once resumed; the gathered adapter saves as one and loads as remote code."""
+    sharded, other_rank = ranks
     assert sharded["read_base"] and other_rank["read_base"]  # fresh heads copied the real lm_head on every rank
     for key, value in sharded["adapter"].items():  # every rank gathers the same whole tensors (the recipe's digest)
         assert torch.equal(other_rank["adapter"][key], value), key
 
     def fresh():  # seeded as in the worker (LoRA's A is random)
         torch.manual_seed(0)
-        return CausalQwenForCausalLM.from_base(tied_base, **options)
+        return CausalQwenForCausalLM.from_base(base, **options)
 
     # One process, the whole batch, the same step.
     model = fresh()
@@ -98,10 +106,37 @@ def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
     # The gathered tensors are an adapter: saved as one, loaded as remote code.
     gathered = fresh()
     gathered.load_state_dict(sharded["adapter"], strict=False)
-    gathered.save_pretrained(tmp_path / "adapter")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter", trust_remote_code=True)
+    gathered.save_pretrained(work / "adapter")
+    loaded = AutoModelForCausalLM.from_pretrained(work / "adapter", trust_remote_code=True)
     for key, value in loaded.adapter_state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("case", list(FSDP2_CASES))
+def test_fsdp2_step_matches_one_process(tied_base, tmp_path, case):
+    wrap, options, launch = FSDP2_CASES[case]
+    batch = torch.randint(1, TINY_VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
+    results = run_fsdp2(tmp_path, [(case, tied_base, wrap, options, batch)], launch)
+    check_step_matches_one_process(tied_base, options, batch, results[case], tmp_path)
+
+
+def test_fsdp2_step_on_every_architecture(tmp_path):
+    """Each supported base architecture (tests/test_architectures.py's tiny configurations) under accelerate's own
+    FSDP2 wrap, each decoder layer a unit (the backbone's `_no_split_modules`), against one process; on the tied ones
+    also with `tied` action weights, W_A read from the embedding sharded in a unit of its own. One launch runs every
+    job."""
+    jobs = []
+    for arch, make in test_architectures.CONFIGS.items():
+        base = test_architectures._save_base(tmp_path / arch, make())
+        batch = torch.randint(3, test_architectures.VOCAB, (4, 10), generator=torch.Generator().manual_seed(0))
+        jobs.append((arch, base, "accelerate", {}, batch))
+        if arch in test_architectures.TIED:
+            jobs.append((f"{arch}-tied", base, "accelerate", {"action_weight": "tied"}, batch))
+    results = run_fsdp2(tmp_path, jobs)
+    for name, base, _, options, batch in jobs:
+        work = tmp_path / f"{name}-one-process"
+        work.mkdir()
+        check_step_matches_one_process(base, options, batch, results[name], work)
 
 
 # ------------------------------------------------------------------------------------ the Trainer under FSDP2
