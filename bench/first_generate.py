@@ -3,8 +3,10 @@
 
 The OvR modes' decode step runs kernels the base does not: where the C kernels of ``cpu_kernels.py`` run, nothing is
 compiled at the first call (their library is built once per machine, into PyTorch's extensions cache, which this bench
-warms first); elsewhere the decision scores go through ``torch.compile``, whose first call compiles. The variant
-"standard (compiled scores)" forces that path to show its cost. Each variant runs in its own process with an empty
+warms first); on CPUs without them the installed package's operators run ``torch.compile``d kernels
+(``compiled_kernels.py``), whose first call compiles: the variant "standard (compiled kernels)" forces that path to
+show its cost. "standard (eager, the remote code's path)" runs no operator, as an adapter folder loaded without the
+package does. Each variant runs in its own process with an empty
 TorchInductor cache (--warm-inductor: one shared cache, filled by an untimed first round), so the figure is what a
 user sees on a fresh machine (or on every run, with a warm cache). Variants interleaved, --repeats rounds; ratios
 to the base per round, median (min–max) (bench/stats.py).
@@ -22,14 +24,15 @@ import time
 
 from stats import round_ratios, spread
 
-VARIANTS = ["base", "compatible", "standard", "causal", "sampling", "standard (compiled scores)"]
+VARIANTS = ["base", "compatible", "standard", "causal", "sampling", "standard (compiled kernels)",
+            "standard (eager, the remote code's path)"]
 
 
 def _child(base: str, variant: str, new_tokens: int) -> dict:
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    from causalqwen_adapter import CausalQwenForCausalLM, modeling_causalqwen
+    from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernels, heads, modeling_causalqwen
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
@@ -37,8 +40,10 @@ def _child(base: str, variant: str, new_tokens: int) -> dict:
     if variant != "base":
         model = CausalQwenForCausalLM.from_base(model).eval()
         kwargs["inference_mode"] = variant.split()[0]
-    if variant == "standard (compiled scores)":
-        modeling_causalqwen.run_operator = lambda name, *args: None  # no causalqwen::ovr_scores operator
+    if variant == "standard (compiled kernels)":  # as on a CPU without the C kernels
+        cpu_kernels.c_cauchy_linear_applies = cpu_kernels.c_ovr_scores_applies = lambda *args: False
+    if variant.startswith("standard (eager"):  # no causalqwen operator, as without the package
+        heads.run_operator = modeling_causalqwen.run_operator = lambda name, *args: None
     input_ids = AutoTokenizer.from_pretrained(base)("The three laws of thermodynamics are", return_tensors="pt").input_ids
     times = []
     for _ in range(2):
@@ -70,7 +75,7 @@ def main() -> None:
 
         run("standard")  # the C kernels' own one-off build (cached per machine), and a warm page cache
         if args.warm_inductor:
-            run("standard (compiled scores)")
+            run("standard (compiled kernels)")
         results = {v: [] for v in VARIANTS}
         for _ in range(args.repeats):
             for variant in VARIANTS:
@@ -82,7 +87,7 @@ def main() -> None:
     for variant in VARIANTS:
         first = [r["first"] for r in results[variant]]
         second = [r["second"] for r in results[variant]]
-        print(f"  {variant:28s} first {spread(first)} s   second {spread(second)} s   "
+        print(f"  {variant:40s} first {spread(first)} s   second {spread(second)} s   "
               f"first × base {spread(round_ratios(first, base_first))}")
 
 

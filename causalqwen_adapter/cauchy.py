@@ -119,61 +119,6 @@ def cauchy_linear_rows(
     return loc_S, scale_S
 
 
-def _loc_scale_matvec(loc_U, scale_U, weight):
-    # One pass over W for both products: decoding a few rows is bound by reading W, and a second matmul against |W|
-    # would read the vocabulary-sized matrix twice. One reduction per row and product, all fused into one loop over
-    # W (compiled per row count): faster than a broadcast [rows, V, C] reduction from 2 rows on.
-    w = weight.float()
-    abs_w = w.abs()
-    loc = torch.stack([(w * row.float()).sum(-1) for row in loc_U.unbind(0)])
-    scale = torch.stack([(abs_w * row.float()).sum(-1) for row in scale_U.unbind(0)])
-    return loc.to(weight.dtype), scale.to(weight.dtype)
-
-
-class CompiledKernel:
-    """``fn`` through `torch.compile`, compiled on first call; calling returns None where this platform cannot compile
-    or run it (no backend, no C++ toolchain), and the caller falls back to the eager code."""
-
-    def __init__(self, fn, **options):
-        self.fn, self.options, self.compiled = fn, options, None
-
-    def __call__(self, *args):
-        if self.compiled is None:
-            try:
-                self.compiled = torch.compile(self.fn, **self.options)
-            except Exception:  # no compiler backend on this platform
-                self.compiled = False
-        if self.compiled is False:
-            return None
-        try:
-            return self.compiled(*args)
-        except Exception:  # a backend that compiles but cannot run
-            self.compiled = False
-            return None
-
-
-_fused_matvec = CompiledKernel(_loc_scale_matvec, dynamic=False)
-
-
-FUSED_MAX_ROWS = 4  # beyond, the compiled kernel's float32 vector code loses to two blocked matmuls (bf16, 2 CPU cores)
-
-
-def cauchy_linear_fused(loc_U, scale_U, weight, bias):
-    """`cauchy_linear` for up to `FUSED_MAX_ROWS` rows (decoding at batch 1 to 4, no gradient), reading W once: the
-    path where no causalqwen::cauchy_linear operator serves (dispatch.py).
-
-    A `torch.compile`d kernel. Returns None when the caller should use `cauchy_linear_blocked` instead (no compiler).
-    """
-    shape = loc_U.shape
-    fused = _fused_matvec(loc_U.reshape(-1, shape[-1]), scale_U.reshape(-1, shape[-1]), weight)
-    if fused is None:
-        return None
-    loc_S, scale_S = fused
-    if bias is not None:
-        loc_S = loc_S + bias
-    return loc_S.reshape(*shape[:-1], -1), scale_S.reshape(*shape[:-1], -1)
-
-
 def ovr_standardize(loc_S: torch.Tensor, scale_S: torch.Tensor, threshold) -> torch.Tensor:
     """x_k = (loc_S_k − C_k) / scale_S_k (relative thresholds pass log softmax(loc_S) as ``loc_S``).
 
@@ -212,7 +157,8 @@ def ovr_decision_scores(loc_S, scale_S, threshold, relative: bool, distribution:
     ``distribution`` up to a constant: loc_S + log P_k (``accept``), log P_k (``normalize``), or
     log softmax(loc_S)_k + log(1 − A + P_k) (``accept_once``). ``log_P`` may be passed when the caller has it.
 
-    One function of whole rows, so that decoding runs it as one compiled kernel (`CompiledKernel`).
+    One function of whole rows, so that the installed package can compile it into one kernel (compiled_kernels.py);
+    the remote code runs it eagerly.
     """
     loc = loc_S.float()
     log_r = torch.log_softmax(loc, -1) if relative or distribution == "accept_once" else None

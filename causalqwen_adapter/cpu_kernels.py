@@ -1,15 +1,17 @@
-"""The decode operators of the `causalqwen` namespace (`cauchy_linear`, `ovr_scores`) on x86-64 CPUs with AVX-512:
-C kernels (`csrc/`) built with PyTorch's extension mechanism on first use. Installed package only: the adapter
-folder's remote code never imports this file; it runs these kernels only in a process where the package has
-registered them (dispatch.py), the torch reference elsewhere.
+"""The decode operators of the `causalqwen` namespace (`cauchy_linear`, `ovr_scores`) on the CPU: on x86-64 CPUs
+with AVX-512, C kernels (`csrc/`) built with PyTorch's extension mechanism on first use; elsewhere, and for what the
+C kernels decline, the torch functions compiled by `torch.compile` (compiled_kernels.py: the head to 4 rows, the
+scores). Installed package only: the adapter folder's remote code never imports this file; it runs these kernels
+only in a process where the package has registered them (dispatch.py), the eager torch reference elsewhere.
 
-Importing the package registers, cheaply, the operators' `_applies` queries for the CPU (`ops.py`); the first query
-that could be served builds the library (`torch.utils.cpp_extension.load`, with the C++ compiler and ninja, into
-`TORCH_EXTENSIONS_DIR`) or loads it from there, and the library registers the operators' CPU kernels. A query says
-no, and the reference runs, where the kernels do not apply: `CAUSALQWEN_CPU_KERNELS=0` in the environment, not
-x86-64 Linux, no AVX-512 (no AVX512-BF16 for bf16), no compiler or ninja, a failed build, tensors of another dtype or
-device, and for the decode head a weight that is not contiguous or more rows than `MAX_ROWS` (beyond, two matmuls
-are faster: the kernel is then bound by its products, two per weight where a matmul does one).
+Importing the package registers, cheaply, the operators' CPU kernels and `_applies` queries (`ops.py`); the first
+query that C could serve builds the library (`torch.utils.cpp_extension.load`, with the C++ compiler and ninja, into
+`TORCH_EXTENSIONS_DIR`) or loads it from there, and the library registers its C kernels (`causalqwen_cpu::<name>`),
+which the operators' kernels call. C declines, and the compiled kernel or the reference runs, where it does not
+apply: `CAUSALQWEN_CPU_KERNELS=0` in the environment, not x86-64 Linux, no AVX-512 (no AVX512-BF16 for bf16), no
+compiler or ninja, a failed build, tensors of another dtype or device, and for the decode head a weight that is not
+contiguous or more rows than `MAX_ROWS` (beyond, two matmuls are faster: the kernel is then bound by its products,
+two per weight where a matmul does one).
 
 The library is loaded only when its bytes are those the build wrote: the build records the library's sha256 beside
 it, and a cached library that does not match its record (or has none) is deleted and built again, never loaded.
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import ops
+from . import compiled_kernels, ops
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +158,9 @@ def _on_cpu(*tensors) -> bool:
     return all(t is None or t.device.type == "cpu" for t in tensors)
 
 
-def cauchy_linear_applies(loc_U, scale_U, weight, bias) -> bool:
-    """A bf16 or float32 contiguous [V, C] weight, 1 to `MAX_ROWS` rows, and autocast off or in the weight's dtype."""
+def c_cauchy_linear_applies(loc_U, scale_U, weight, bias) -> bool:
+    """The C kernel's: a bf16 or float32 contiguous [V, C] weight, 1 to `MAX_ROWS` rows, and autocast off or in the
+    weight's dtype."""
     dtype = weight.dtype
     rows = loc_U.numel() // loc_U.shape[-1] if loc_U.numel() else 0
     return (
@@ -173,8 +176,8 @@ def cauchy_linear_applies(loc_U, scale_U, weight, bias) -> bool:
     )
 
 
-def ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution) -> bool:
-    """bf16 or float32 loc_S and scale_S of one shape and dtype, and one threshold or one per token."""
+def c_ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution) -> bool:
+    """The C kernel's: bf16 or float32 loc_S and scale_S of one shape and dtype, and one threshold or one per token."""
     vocab = loc_S.shape[-1] if loc_S.dim() else 0
     return (
         distribution in DISTRIBUTIONS
@@ -187,7 +190,31 @@ def ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution) -> boo
     )
 
 
+# The operators' CPU kernels: the C kernel where it applies, else the compiled torch function (compiled_kernels.py),
+# for what it takes. The C library registers its kernels as causalqwen_cpu::<name> when it loads.
+def cauchy_linear_applies(*args) -> bool:
+    return c_cauchy_linear_applies(*args) or compiled_kernels.cauchy_linear_applies(*args)
+
+
+def cauchy_linear(*args):
+    if c_cauchy_linear_applies(*args):
+        return torch.ops.causalqwen_cpu.cauchy_linear(*args)
+    return compiled_kernels.cauchy_linear(*args)
+
+
+def ovr_scores_applies(*args) -> bool:
+    return c_ovr_scores_applies(*args) or compiled_kernels.ovr_scores_applies(*args)
+
+
+def ovr_scores(*args):
+    if c_ovr_scores_applies(*args):
+        return torch.ops.causalqwen_cpu.ovr_scores(*args)
+    return compiled_kernels.ovr_scores(*args)
+
+
 # The decode operators only: the training loss's torch tiles measured within 5 % of C ones (BENCHMARKS.md)
-for _name, _query in (("cauchy_linear", cauchy_linear_applies), ("ovr_scores", ovr_scores_applies)):
+for _name, _kernel, _query in (("cauchy_linear", cauchy_linear, cauchy_linear_applies),
+                               ("ovr_scores", ovr_scores, ovr_scores_applies)):
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"causalqwen::{_name}_applies", "CPU"):
         ops.library.impl(f"{_name}_applies", _query, "CPU")
+        ops.library.impl(_name, _kernel, "CPU")

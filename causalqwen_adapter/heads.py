@@ -13,10 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cauchy import (
-    FUSED_MAX_ROWS,
     cauchy_linear,
     cauchy_linear_blocked,
-    cauchy_linear_fused,
     cauchy_nll,
     cauchy_regression,
     fuse_noise,
@@ -27,11 +25,11 @@ from .cauchy import (
 from .dispatch import run_operator
 from .sharding import HeadModule, full_tensor, gathered
 
-# Decoding runs fused kernels: one read of W_A for loc_S and scale_S (the causalqwen::cauchy_linear operator where one
-# is registered, else cauchy.cauchy_linear_fused up to 4 rows), and the OvR modes' scores in one pass
-# (causalqwen::ovr_scores, else cauchy.ovr_decision_scores compiled); CAUSALQWEN_FUSED_DECODE=0 runs them eager.
+# Decoding asks for fused kernels where the installed package registered them (dispatch.py): one read of W_A for loc_S
+# and scale_S (the causalqwen::cauchy_linear operator), and the OvR modes' scores in one pass (causalqwen::ovr_scores);
+# the torch code otherwise, eager (the remote code compiles nothing). CAUSALQWEN_FUSED_DECODE=0 runs the torch code.
 _FUSED_DECODE = os.environ.get("CAUSALQWEN_FUSED_DECODE", "1") != "0"
-_FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice and not worth a compilation
+_FUSED_MIN_NUMEL = 1 << 22  # below this W_A is cheap to read twice, and not worth a kernel's compilation
 
 
 def no_gradient(*tensors: torch.Tensor) -> bool:
@@ -40,8 +38,8 @@ def no_gradient(*tensors: torch.Tensor) -> bool:
 
 
 def fused_decode_applies(weight_numel: int, *tensors: torch.Tensor) -> bool:
-    """Whether inference runs the compiled decode kernels: enabled, no gradient to compute, and a W_A large enough
-    to repay a compilation (tiny models run eager)."""
+    """Whether inference asks for the decode operators: enabled, no gradient to compute, and a W_A large enough to
+    repay a kernel's compilation (tiny models run the torch code)."""
     return _FUSED_DECODE and no_gradient(*tensors) and weight_numel >= _FUSED_MIN_NUMEL
 
 
@@ -136,8 +134,6 @@ class ActionNetwork(HeadModule):
         tensors = (loc_U, scale_U, weight, self.bias)
         if fused_decode_applies(weight.numel(), *tensors):
             fused = run_operator("cauchy_linear", loc_U, scale_U, weight, self.bias)  # dispatch.py
-            if fused is None and loc_U.numel() <= FUSED_MAX_ROWS * loc_U.shape[-1]:
-                fused = cauchy_linear_fused(loc_U, scale_U, weight, self.bias)
             if fused is not None:
                 return fused
         if no_gradient(*tensors):

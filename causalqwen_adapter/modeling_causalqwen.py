@@ -23,7 +23,6 @@ from transformers.utils import logging
 from .adapter_io import CausalAdapterMixin, base_is_tied
 from .cauchy import (
     INFERENCE_MODES,
-    CompiledKernel,
     ovr_decision_scores,
     ovr_log_prob,
     ovr_probs,
@@ -95,11 +94,6 @@ class CausalQwenCausalLMOutput(CausalQwenModelOutput, _LossOutput):
 
     The fields are `loss`, `logits`, `metrics`, then those of `CausalQwenModelOutput` (`last_hidden_state` stays
     None: the heads have read it)."""
-
-
-# The OvR modes' scores at decoding where the C kernel does not run: one pass over the vocabulary instead of about
-# ten elementwise ones.
-_compiled_decision_scores = CompiledKernel(ovr_decision_scores)
 
 
 # --------------------------------------------------------------------------------------- model
@@ -236,9 +230,9 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
     def mode_scores(self, loc_S, scale_S, inference_mode, log_P=None):
         """The logits a mode decodes with (docs/design.md, Inference modes): loc_S in `compatible`, in the OvR modes
         `cauchy.ovr_decision_scores` of the config's `ovr_distribution`. `log_P` may be passed when the caller
-        already has it. Without gradient, at a vocabulary that makes it worth a compilation, one kernel: the
-        `causalqwen::ovr_scores` operator where the installed package registered one (dispatch.py; nothing to compile
-        at the first call), else a compiled one."""
+        already has it. Without gradient, at a vocabulary that makes it worth a kernel, one kernel: the
+        `causalqwen::ovr_scores` operator where the installed package registered one (dispatch.py), else the torch
+        code, eager."""
         if inference_mode == "compatible":
             return loc_S
         # The config is a plain object: a value set after loading is checked where it is used.
@@ -249,8 +243,6 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
         args = (loc_S, scale_S, ovr.threshold, ovr.relative, self.config.ovr_distribution)
         if log_P is None and fused_decode_applies(self.config.vocab_size * self.config.causal_size, loc_S, scale_S):
             scores = run_operator("ovr_scores", *args)
-            if scores is None:
-                scores = _compiled_decision_scores(*args)
             if scores is not None:
                 return scores
         return ovr_decision_scores(*args, log_P=log_P)

@@ -1,5 +1,6 @@
 """The CPU kernels (cpu_kernels.py, csrc/): the causalqwen operators on x86 CPUs with AVX-512 against float64
-references, what their `_applies` queries decline, and how the library is built, cached, verified and given up."""
+references, what the C kernels' `_applies` queries decline and the compiled kernels take instead, and how the library
+is built, cached, verified and given up."""
 
 import hashlib
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from causalqwen_adapter import cpu_kernels, dispatch
+from causalqwen_adapter import compiled_kernels, cpu_kernels, dispatch
 from causalqwen_adapter.cauchy import ovr_decision_scores
 
 from conftest import decision_scores_float64
@@ -54,7 +55,7 @@ def test_kernel_matches_float64_reference(dtype, vocab, size, rows):
     scale_U = torch.rand(rows, 1, size, generator=generator).to(dtype)
     relative, absolute = TOLERANCE[dtype]
     for b in (bias, None):
-        assert ops.cauchy_linear_applies(loc_U, scale_U, weight, b)
+        assert cpu_kernels.c_cauchy_linear_applies(loc_U, scale_U, weight, b)
         got = ops.cauchy_linear(loc_U, scale_U, weight, b)
         for value, want in zip(got, _reference(loc_U, scale_U, weight, b)):
             assert value.dtype == dtype and value.shape == (rows, 1, vocab)
@@ -80,16 +81,16 @@ def test_kernel_declines_what_it_does_not_compute(dtype, kernels_everywhere):
     weight = torch.randn(300, 64).to(dtype)
     x = torch.randn(2, 64).to(dtype)
     for other in (torch.float16, torch.float64):
-        assert not ops.cauchy_linear_applies(x, x.abs(), weight.to(other), None)
-    assert not ops.cauchy_linear_applies(x, x.abs(), weight.T.contiguous().T, None)
+        assert not cpu_kernels.c_cauchy_linear_applies(x, x.abs(), weight.to(other), None)
+    assert not cpu_kernels.c_cauchy_linear_applies(x, x.abs(), weight.T.contiguous().T, None)
     many = torch.randn(cpu_kernels.MAX_ROWS[dtype] + 1, 64).to(dtype)
-    assert not ops.cauchy_linear_applies(many, many.abs(), weight, None)
-    assert not ops.cauchy_linear_applies(x[:0], x[:0], weight, None)
-    assert not ops.cauchy_linear_applies(x[:, :63], x[:, :63].abs(), weight, None)
+    assert not cpu_kernels.c_cauchy_linear_applies(many, many.abs(), weight, None)
+    assert not cpu_kernels.c_cauchy_linear_applies(x[:0], x[:0], weight, None)
+    assert not cpu_kernels.c_cauchy_linear_applies(x[:, :63], x[:, :63].abs(), weight, None)
     with torch.autocast("cpu", dtype=torch.float16):
-        assert not ops.cauchy_linear_applies(x, x.abs(), weight, None)
+        assert not cpu_kernels.c_cauchy_linear_applies(x, x.abs(), weight, None)
     rows = x.double()
-    assert ops.cauchy_linear_applies(rows, rows.abs(), weight, None)
+    assert cpu_kernels.c_cauchy_linear_applies(rows, rows.abs(), weight, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -124,7 +125,7 @@ def test_scores_match_float64_reference(dtype, distribution, relative, vocab):
         loc_S, scale_S = _score_inputs(dtype, rows, vocab, seed=vocab + rows)
         shift = -8.0 if relative else 0.0  # near log-probabilities under relative thresholds
         for threshold in (torch.tensor(shift + 0.5), torch.randn(vocab) + shift):
-            assert ops.ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution)
+            assert cpu_kernels.c_ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution)
             got = ops.ovr_scores(loc_S, scale_S, threshold, relative, distribution)
             want = decision_scores_float64(loc_S, scale_S, threshold, relative, distribution)
             assert got.dtype == torch.float32 and got.shape == want.shape
@@ -155,7 +156,7 @@ def test_scores_in_the_tails(dtype, distribution):
 def test_scores_decline_what_they_do_not_compute(dtype, kernels_everywhere):
     loc_S, scale_S = _score_inputs(dtype, 2, 300, seed=0)
     threshold = torch.tensor(0.5)
-    applies = ops.ovr_scores_applies
+    applies = cpu_kernels.c_ovr_scores_applies
     assert not applies(loc_S.half(), scale_S.half(), threshold, True, "accept_once")
     assert not applies(loc_S, scale_S.float() if dtype != torch.float32 else scale_S.bfloat16(), threshold, True,
                        "accept_once")
@@ -165,6 +166,39 @@ def test_scores_decline_what_they_do_not_compute(dtype, kernels_everywhere):
     assert not applies(loc_S[:0], scale_S[:0], threshold, True, "accept_once")
     assert applies(loc_S, scale_S, threshold, True, "accept_once")
     assert applies(loc_S, scale_S, torch.zeros(300), False, "normalize")
+
+
+def test_what_c_declines_runs_compiled(monkeypatch):
+    """The operators' CPU kernels run the compiled torch functions (compiled_kernels.py) where the C kernels decline
+    (here float16, which C never computes, and any input on a CPU without them): the head at 1 to `FUSED_MAX_ROWS`
+    rows, the scores at any, equal to float64; beyond those rows the torch code of the caller runs."""
+    weight, bias = torch.randn(300, 24).half(), torch.randn(300).half()
+    for rows in (1, compiled_kernels.FUSED_MAX_ROWS):
+        loc_U, scale_U = torch.randn(rows, 1, 24).half(), torch.rand(rows, 1, 24).half()
+        assert not cpu_kernels.c_cauchy_linear_applies(loc_U, scale_U, weight, bias)
+        assert dispatch.lookup_operator("cauchy_linear", loc_U, scale_U, weight, bias) is not None
+        got = ops.cauchy_linear(loc_U, scale_U, weight, bias)
+        assert not compiled_kernels._fused_matvec.given_up, "torch.compile is unavailable here"
+        for value, want in zip(got, _reference(loc_U, scale_U, weight, bias)):
+            assert value.dtype == torch.float16 and value.shape == (rows, 1, 300)
+            torch.testing.assert_close(value.double(), want, rtol=2e-3, atol=2e-2)
+    many = torch.randn(compiled_kernels.FUSED_MAX_ROWS + 1, 24).half()
+    assert dispatch.lookup_operator("cauchy_linear", many, many.abs(), weight, bias) is None
+
+    loc_S, scale_S = _score_inputs(torch.float16, 3, 300, seed=1)
+    threshold = torch.tensor(-6.0)
+    assert not cpu_kernels.c_ovr_scores_applies(loc_S, scale_S, threshold, True, "accept_once")
+    got = dispatch.run_operator("ovr_scores", loc_S, scale_S, threshold, True, "accept_once")
+    assert got is not None and not compiled_kernels._decision_scores.given_up
+    want = decision_scores_float64(loc_S, scale_S, threshold, True, "accept_once")
+    torch.testing.assert_close((got - got[..., :1]).double(), want - want[..., :1], rtol=1e-5, atol=1e-5)
+
+    # where torch.compile cannot run, the queries say no once it has failed, and the call that failed still answers
+    monkeypatch.setattr(compiled_kernels._decision_scores, "compiled", None)
+    monkeypatch.setattr(compiled_kernels.torch, "compile", lambda fn, **options: 1 / 0)
+    failed = ops.ovr_scores(loc_S, scale_S, threshold, True, "accept_once")
+    torch.testing.assert_close(failed, ovr_decision_scores(loc_S, scale_S, threshold, True, "accept_once"))
+    assert dispatch.lookup_operator("ovr_scores", loc_S, scale_S, threshold, True, "accept_once") is None
 
 
 def test_the_training_loss_has_no_cpu_kernel(kernels_everywhere):
@@ -178,18 +212,18 @@ def test_the_training_loss_has_no_cpu_kernel(kernels_everywhere):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_operators_refuse_what_they_do_not_compute(dtype):
-    """Called directly, past their queries, the kernels raise on inputs they do not compute instead of reading past
+    """Called directly, past their queries, the C kernels raise on inputs they do not compute instead of reading past
     them."""
     weight = torch.randn(300, 64).to(dtype)
     x = torch.randn(2, 64).to(dtype)
     with pytest.raises(RuntimeError):
-        ops.cauchy_linear(x, x.abs(), weight.half(), None)
+        torch.ops.causalqwen_cpu.cauchy_linear(x, x.abs(), weight.half(), None)
     with pytest.raises(RuntimeError):
-        ops.cauchy_linear(x[:, :63], x[:, :63].abs(), weight, None)
+        torch.ops.causalqwen_cpu.cauchy_linear(x[:, :63], x[:, :63].abs(), weight, None)
     with pytest.raises(RuntimeError):
-        ops.ovr_scores(x, x.abs(), torch.zeros(3), True, "accept_once")
+        torch.ops.causalqwen_cpu.ovr_scores(x, x.abs(), torch.zeros(3), True, "accept_once")
     with pytest.raises(RuntimeError):
-        ops.ovr_scores(x, x.abs(), torch.zeros(1), True, "no-such-distribution")
+        torch.ops.causalqwen_cpu.ovr_scores(x, x.abs(), torch.zeros(1), True, "no-such-distribution")
 
 
 # --------------------------------------------------------------------------------------- where the kernels run
@@ -218,6 +252,14 @@ def test_the_environment_switch_turns_the_kernels_off(monkeypatch, tmp_path, cap
     assert "the build was tried" in caplog.text
 
 
+def _c_declines_at_any_rows(x, weight):
+    """Where C does not run: the compiled head serves 1 to 4 rows (tested in test_what_c_declines_runs_compiled), and
+    beyond, the torch code of the caller runs."""
+    assert not cpu_kernels.c_cauchy_linear_applies(x, x.abs(), weight, None)
+    many = x.repeat(compiled_kernels.FUSED_MAX_ROWS, 1)
+    assert dispatch.run_operator("cauchy_linear", many, many.abs(), weight, None) is None
+
+
 def test_without_avx512_nothing_is_built_and_the_reference_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
@@ -226,9 +268,7 @@ def test_without_avx512_nothing_is_built_and_the_reference_runs(monkeypatch, tmp
         assert not cpu_kernels.available(torch.float32)
     assert "no AVX-512" in caplog.text
     assert not (tmp_path / "extensions").exists()
-    weight = torch.randn(300, 64)
-    x = torch.randn(2, 64)
-    assert dispatch.run_operator("cauchy_linear", x, x.abs(), weight, None) is None
+    _c_declines_at_any_rows(torch.randn(2, 64), torch.randn(300, 64))
 
 
 def test_without_a_compiler_nothing_is_built_and_the_reference_runs(monkeypatch, tmp_path, caplog):
@@ -241,9 +281,7 @@ def test_without_a_compiler_nothing_is_built_and_the_reference_runs(monkeypatch,
         assert not cpu_kernels.available(torch.bfloat16)
     assert "No C++ compiler or no ninja" in caplog.text
     assert not (tmp_path / "extensions").exists()
-    weight = torch.randn(300, 64).bfloat16()
-    x = torch.randn(2, 64).bfloat16()
-    assert dispatch.run_operator("cauchy_linear", x, x.abs(), weight, None) is None
+    _c_declines_at_any_rows(torch.randn(2, 64).bfloat16(), torch.randn(300, 64).bfloat16())
 
 
 def test_a_failed_build_warns_and_the_reference_runs(monkeypatch, caplog):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM, heads
-from causalqwen_adapter.cauchy import cauchy_linear, cauchy_linear_fused, fuse_noise
+from causalqwen_adapter.cauchy import cauchy_linear, fuse_noise
 from causalqwen_adapter.devices import available_devices, resolve_device
 from causalqwen_adapter.evaluation import EvaluationAccumulator
 from causalqwen_adapter.features import extract_features
@@ -131,12 +131,6 @@ def test_decode_head_matches_float64_cauchy_linear(tied_base, device, monkeypatc
             want_loc, want_scale = cauchy_linear(fused_loc, fused_scale, W, b)
             torch.testing.assert_close(loc_S.double(), want_loc, **tolerance)
             torch.testing.assert_close(scale_S.double(), want_scale, **tolerance)
-        if device.type == "cuda" and rows <= 4:  # the compiled kernel itself ran, not a fallback
-            fused = cauchy_linear_fused(loc_U, scale_U, model.action.weight, model.action.bias)
-            assert fused is not None, "torch.compile is unavailable on this CUDA device"
-            want = cauchy_linear(loc_U.double(), scale_U.double(), W, b)
-            for got, expected in zip(fused, want):
-                torch.testing.assert_close(got.double(), expected, **tolerance)
 
 
 @pytest.mark.parametrize("relative,threshold", [(True, -2.0), (False, 0.5)], ids=["relative", "absolute"])

@@ -424,3 +424,38 @@ def test_linear_ceiling_picks_the_penalty_on_validation_and_scores_the_protocols
     noise = torch.randn(200, generator=g)
     picked = linear.linear_ceiling(wide, noise, seeds=2, fraction=0.2, penalties=(1e-6, 1e3))
     assert [r["penalty"] for r in picked if r["condition"] == "clean"] == [1e3, 1e3]
+
+
+def test_kernel_fit_is_the_kernel_ridge_solution():
+    """With a vanishing penalty the fit interpolates its training targets; with a penalty its dual coefficients solve
+    (K + λI) α = y − ȳ for the RBF kernel matrix K built by loops, and it predicts k(x, rows)·α + ȳ."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(30, 4, generator=g), torch.randn(30, generator=g)
+    fit = linear.kernel_fit(x, y, bandwidth=1.5, penalty=1e-9)
+    torch.testing.assert_close(linear.kernel_predict(x, fit), y.double(), rtol=0, atol=1e-5)
+    gram = torch.tensor([[math.exp(-float(((a - b) ** 2).sum()) / (2 * 1.5**2)) for b in x.double()] for a in x.double()],
+                        dtype=torch.float64)
+    fit = linear.kernel_fit(x, y, bandwidth=1.5, penalty=0.3)
+    want = torch.linalg.solve(gram + 0.3 * torch.eye(30, dtype=torch.float64), y.double() - y.double().mean())
+    torch.testing.assert_close(fit[1], want, rtol=1e-9, atol=1e-9)
+    new = torch.randn(5, 4, generator=g).double()
+    cross = torch.tensor([[math.exp(-float(((a - b) ** 2).sum()) / (2 * 1.5**2)) for b in x.double()] for a in new],
+                         dtype=torch.float64)
+    torch.testing.assert_close(linear.kernel_predict(new, fit), cross @ want + y.double().mean())
+
+
+def test_kernel_ceiling_finds_a_nonlinear_median_the_linear_one_cannot():
+    """Targets that are a nonlinear function of z (|z₀| and a product): the kernel ceiling's test error is a fraction
+    of ridge's on the same splits, and each row names what validation picked."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(300, 3, generator=g)
+    target = 2 * z[:, 0].abs() + z[:, 1] * z[:, 2]
+    kernel = linear.kernel_ceiling(z, target, seeds=1, fraction=0.2)
+    ridge = linear.linear_ceiling(z, target, seeds=1, fraction=0.2)
+    assert [r["condition"] for r in kernel] == ["clean", "shuffled", "shuffled_test"]
+    assert kernel[0]["penalty"] in linear.KERNEL_PENALTIES and kernel[0]["bandwidth"] in linear.BANDWIDTHS
+    assert kernel[0]["median_abs_error"] < 0.5 * ridge[0]["median_abs_error"]
+    # the standardisation is the training rows': a dimension scaled by 1,000 (an outlier dimension) changes nothing
+    scaled = z * torch.tensor([1000.0, 1.0, 1.0])
+    again = linear.kernel_ceiling(scaled, target, seeds=1, fraction=0.2)
+    assert again[0]["median_abs_error"] == pytest.approx(kernel[0]["median_abs_error"], rel=1e-4)

@@ -11,12 +11,17 @@ import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernels, dispatch, heads, modeling_causalqwen
+from causalqwen_adapter import (
+    CausalQwenForCausalLM,
+    compiled_kernels,
+    cpu_kernels,
+    dispatch,
+    heads,
+    modeling_causalqwen,
+)
 from causalqwen_adapter.cauchy import (
-    CompiledKernel,
     cauchy_linear,
     cauchy_linear_blocked,
-    cauchy_linear_fused,
     ovr_decision_scores,
     ovr_log_prob,
     ovr_standardize,
@@ -213,8 +218,8 @@ def test_fused_kernel_matches_float64_reference(rows):
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 24), torch.randn(300)
     loc_U, scale_U = torch.randn(rows, 1, 24), torch.rand(rows, 1, 24)
-    fused = cauchy_linear_fused(loc_U, scale_U, weight, bias)
-    assert fused is not None, "torch.compile is unavailable here"
+    fused = compiled_kernels.cauchy_linear(loc_U, scale_U, weight, bias)
+    assert not compiled_kernels._fused_matvec.given_up, "torch.compile is unavailable here"
     expected = cauchy_linear(loc_U.double(), scale_U.double(), weight.double(), bias.double())
     for got, want in zip(fused, expected):
         assert got.shape == (rows, 1, 300)
@@ -229,7 +234,7 @@ def test_compiled_decision_scores_match_float64_reference(distribution, relative
     threshold = torch.randn(1000) - (8.0 if relative else 0.0)  # near log-probabilities under relative thresholds
     want = decision_scores_float64(loc_S, scale_S, threshold, relative, distribution)
     eager = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution)
-    compiled = CompiledKernel(ovr_decision_scores)(loc_S, scale_S, threshold, relative, distribution)
+    compiled = compiled_kernels.CompiledKernel(ovr_decision_scores)(loc_S, scale_S, threshold, relative, distribution)
     assert compiled is not None, "torch.compile is unavailable here"
     log_r = torch.log_softmax(loc_S, -1)  # the evaluation passes log P_k it already has
     log_P = ovr_log_prob(ovr_standardize(log_r if relative else loc_S, scale_S, threshold))
@@ -241,18 +246,29 @@ def test_compiled_decision_scores_match_float64_reference(distribution, relative
 
 
 def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch, monkeypatch):
+    """The installed package's compiled kernels (what the operators run where C does not) decode as the eager torch
+    code does."""
     model = _trained_like(tied_base)
     runs = {}
-    monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the compiled kernels too
-    monkeypatch.setattr(heads, "FUSED_MAX_ROWS", 2)  # batch 3: the blocked head beside the compiled scores
-    monkeypatch.setattr(heads, "run_operator", lambda name, *args: None)  # the torch.compile path (the operators' below)
-    monkeypatch.setattr(modeling_causalqwen, "run_operator", lambda name, *args: None)
+    monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the operators too
+    monkeypatch.setattr(compiled_kernels, "FUSED_MAX_ROWS", 2)  # batch 3: the blocked head beside the compiled scores
+    monkeypatch.setattr(cpu_kernels, "c_cauchy_linear_applies", lambda *args: False)  # as on a CPU without the C ones
+    monkeypatch.setattr(cpu_kernels, "c_ovr_scores_applies", lambda *args: False)
+    calls = {"cauchy_linear": 0, "ovr_scores": 0}
+    for name in calls:
+        def counted(*args, _name=name, _kernel=getattr(compiled_kernels, name)):
+            calls[_name] += 1
+            return _kernel(*args)
+        monkeypatch.setattr(compiled_kernels, name, counted)
     for compiled in (False, True):
         monkeypatch.setattr(heads, "_FUSED_DECODE", compiled)
         for batch in (1, 2, 3):  # the fused head at one and two rows, then the blocked one
             inputs = {k: v[:batch] for k, v in padded_batch.items()}
             runs[compiled, batch] = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True,
                                                    return_dict_in_generate=True, inference_mode="standard")
+    # 4 steps at batch 1 and 2 through the compiled head, every step of the three batches through the scores
+    assert calls == {"cauchy_linear": 8, "ovr_scores": 12}, calls
+    assert not (compiled_kernels._fused_matvec.given_up or compiled_kernels._decision_scores.given_up)
     for batch in (1, 2, 3):
         eager, compiled = runs[False, batch], runs[True, batch]
         assert torch.equal(compiled.sequences, eager.sequences)

@@ -1,6 +1,6 @@
-// The CPU kernels of the causalqwen operators (their schemas: causalqwen_adapter/ops.py), over the AVX-512 code of
-// kernels.cpp. Each checks what it is given and raises on what it does not compute; which inputs it serves is the
-// answer of the operator's `_applies` query (causalqwen_adapter/cpu_kernels.py), asked first.
+// The C kernels of the causalqwen decode operators (their schemas: causalqwen_adapter/ops.py), over the AVX-512 code
+// of kernels.cpp, registered as causalqwen_cpu::<name>. Each checks what it is given and raises on what it does not
+// compute; the operators' CPU kernels (causalqwen_adapter/cpu_kernels.py) call them where `c_<name>_applies` says so.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -107,12 +107,15 @@ at::Tensor ovr_scores(const at::Tensor &loc_S, const at::Tensor &scale_S, const 
 
 }  // namespace
 
-// What this CPU runs, asked by causalqwen_adapter/cpu_kernels.py once the library is loaded: cq_supported's bits.
+// What this CPU runs, asked by causalqwen_adapter/cpu_kernels.py once the library is loaded: cq_supported's bits; and
+// the kernels, which the causalqwen operators' CPU kernels (cpu_kernels.py) call where they apply.
 TORCH_LIBRARY(causalqwen_cpu, m) {
     m.def("supported(Tensor like) -> int", [](const at::Tensor &) { return static_cast<int64_t>(supported()); });
+    m.def("cauchy_linear(Tensor loc_U, Tensor scale_U, Tensor weight, Tensor? bias) -> (Tensor, Tensor)");
+    m.def("ovr_scores(Tensor loc_S, Tensor scale_S, Tensor threshold, bool relative, str distribution) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(causalqwen, CPU, m) {
+TORCH_LIBRARY_IMPL(causalqwen_cpu, CPU, m) {
     m.impl("cauchy_linear", &cauchy_linear);
     m.impl("ovr_scores", &ovr_scores);
 }
