@@ -8,6 +8,12 @@ condition by the validation rows' median absolute error (validation targets corr
 the protocol). Same cached z, texts, seeds, splits and shuffles as the JSON of an evidence_numbers run, whose per-seed
 rows (learning rates re-picked by `--select`) give the paired differences.
 
+Beside it, a nonlinear one: kernel ridge regression with a Gaussian (RBF) kernel on z standardised by the training
+rows' mean and spread (the base's outlier dimensions would otherwise set every distance), its penalty and bandwidth
+(multiples of the median distance between training rows) picked the same way. A head on z of any shape that the
+training rows can pin down should not do much better than it: if it trails the digits LM too, the numbers cell is out
+of reach for any head that reads z alone.
+
     python bench/evidence_numbers.py --base build/demo-base --texts 2304 --seeds 5 --output OUT   # writes OUT.json
     python bench/evidence_numbers_linear.py --features /work/data/evidence-numbers/vader-answers-<key>.pt \
         --runs OUT.json
@@ -24,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import evidence_numbers as numbers  # noqa: E402
 
 PENALTIES = tuple(10.0**k for k in range(-3, 7))
+KERNEL_PENALTIES = tuple(10.0**k for k in range(-4, 2))
+BANDWIDTHS = (0.25, 0.5, 1.0, 2.0, 4.0)  # × the median distance between training rows
 
 
 def ridge_fit(x: torch.Tensor, y: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -38,10 +46,30 @@ def ridge_predict(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     return x.double() @ coef[:-1] + coef[-1]
 
 
-def linear_ceiling(z: torch.Tensor, ratings: torch.Tensor, seeds: int, fraction: float,
-                   penalties=PENALTIES) -> list[dict]:
-    """One row per (seed, condition): the test median absolute error of the ridge fit whose penalty has the lowest
-    validation median absolute error, on evidence_numbers' splits and shuffles."""
+def kernel_fit(x: torch.Tensor, y: torch.Tensor, bandwidth: float, penalty: float):
+    """Kernel ridge with k(a, b) = exp(−‖a − b‖² / 2h²) in float64: the dual coefficients α = (K + penalty·I)⁻¹ (y − ȳ)
+    and ȳ (the mean as an unpenalised offset)."""
+    x = x.double()
+    gram = torch.exp(-torch.cdist(x, x).square() / (2 * bandwidth**2))
+    gram.diagonal().add_(penalty)
+    offset = y.double().mean()
+    return x, torch.linalg.solve(gram, y.double() - offset), offset, bandwidth
+
+
+def kernel_predict(x: torch.Tensor, fit) -> torch.Tensor:
+    rows, alpha, offset, bandwidth = fit
+    return torch.exp(-torch.cdist(x.double(), rows).square() / (2 * bandwidth**2)) @ alpha + offset
+
+
+def standardised(z: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
+    """z by the training rows' per-dimension mean and standard deviation (a constant dimension left at 0)."""
+    mean, std = z[train].double().mean(0), z[train].double().std(0)
+    return (z.double() - mean) / torch.where(std > 0, std, 1.0)
+
+
+def ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, arm) -> list[dict]:
+    """One row per (seed, condition) of `arm`: `fit_and_pick(train, y_train, val, y_val)` returns a predictor (of row
+    indices) and what it picked; scored on evidence_numbers' splits and shuffles."""
     rows = []
     for seed in range(seeds):
         (train, val, test), (shuffle_train, shuffle_val, shuffle_test) = numbers.split_and_corrupt(
@@ -51,13 +79,41 @@ def linear_ceiling(z: torch.Tensor, ratings: torch.Tensor, seeds: int, fraction:
             y_train, y_val = ratings[train], ratings[val]
             if training == "shuffled":
                 y_train, y_val = y_train[shuffle_train], y_val[shuffle_val]
-            fits = [(p, ridge_fit(z[train], y_train, p)) for p in penalties]
-            scored = [(numbers.median_absolute_error(ridge_predict(z[val], c), y_val), p, c) for p, c in fits]
-            _, penalty, coef = min(scored, key=lambda s: s[0])
+            predict, picked = fit_and_pick(train, y_train, val, y_val)
             for condition, y_test in tests.items():
-                rows.append({"seed": seed, "condition": condition, "arm": "ridge", "penalty": penalty,
-                             "median_abs_error": numbers.median_absolute_error(ridge_predict(z[test], coef), y_test)})
+                rows.append({"seed": seed, "condition": condition, "arm": arm, **picked,
+                             "median_abs_error": numbers.median_absolute_error(predict(test), y_test)})
     return rows
+
+
+def kernel_ceiling(z: torch.Tensor, ratings: torch.Tensor, seeds: int, fraction: float,
+                   penalties=KERNEL_PENALTIES, bandwidths=BANDWIDTHS) -> list[dict]:
+    """The RBF kernel ridge fit whose (penalty, bandwidth) has the lowest validation median absolute error."""
+
+    def fit_and_pick(train, y_train, val, y_val):
+        x = standardised(z, train)
+        scale = torch.cdist(x[train], x[train]).median().item()
+        fits = [(kernel_fit(x[train], y_train, h * scale, p), p, h) for h in bandwidths for p in penalties]
+        _, fit, penalty, bandwidth = min(
+            ((numbers.median_absolute_error(kernel_predict(x[val], f), y_val), f, p, h) for f, p, h in fits),
+            key=lambda scored: scored[0])
+        return (lambda rows: kernel_predict(x[rows], fit)), {"penalty": penalty, "bandwidth": bandwidth}
+
+    return ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, "kernel")
+
+
+def linear_ceiling(z: torch.Tensor, ratings: torch.Tensor, seeds: int, fraction: float,
+                   penalties=PENALTIES) -> list[dict]:
+    """One row per (seed, condition): the test median absolute error of the ridge fit whose penalty has the lowest
+    validation median absolute error, on evidence_numbers' splits and shuffles."""
+
+    def fit_and_pick(train, y_train, val, y_val):
+        fits = [(p, ridge_fit(z[train], y_train, p)) for p in penalties]
+        _, penalty, coef = min(((numbers.median_absolute_error(ridge_predict(z[val], c), y_val), p, c) for p, c in fits),
+                               key=lambda scored: scored[0])
+        return (lambda rows: ridge_predict(z[rows], coef)), {"penalty": penalty}
+
+    return ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, "ridge")
 
 
 def main() -> None:
@@ -76,28 +132,36 @@ def main() -> None:
         raise ValueError(f"{args.features} holds {len(store['rating'])} texts; {args.runs} used {texts}")
     z = torch.as_tensor(store["z"])[:texts].float()
     ratings = torch.tensor(store["rating"][:texts], dtype=torch.float32)
-    rows = linear_ceiling(z, ratings, meta["seeds"], meta["shuffle_fraction"])
+    rows = (linear_ceiling(z, ratings, meta["seeds"], meta["shuffle_fraction"])
+            + kernel_ceiling(z, ratings, meta["seeds"], meta["shuffle_fraction"]))
     runs = numbers.reselect(saved["runs"], args.select) + rows
     print(f"{texts} texts, {meta['seeds']} seeds; the JSON's arms at the rates picked by validation {args.select}; "
-          "ridge's λ picked by validation MedAE\n")
-    print("| condition | arm | MedAE | ridge − arm, paired | λ picked |")
-    print("|---|---|---:|---:|---|")
+          "the ceilings' penalty (λ) and bandwidth (h, × the median distance) picked by validation MedAE\n")
+    print("| condition | arm | MedAE | ridge − arm, paired | kernel − arm, paired | picked |")
+    print("|---|---|---:|---:|---:|---|")
     by_key = {(r["seed"], r["condition"], r["arm"]): r for r in runs}
+
+    def paired(ceiling, arm, seeds):
+        if arm == ceiling:
+            return "–"
+        d, dse = numbers.mean_and_standard_error([by_key[s, condition, ceiling]["median_abs_error"]
+                                                  - by_key[s, condition, arm]["median_abs_error"] for s in seeds])
+        return f"{d:+.3f} ± {dse:.3f}"
+
     for condition in ("clean", "shuffled", "shuffled_test"):
-        for arm in ("ridge", "cauchy", "cauchy_free", "gaussian", "student_t", "digits"):
+        for arm in ("ridge", "kernel", "cauchy", "cauchy_free", "gaussian", "student_t", "digits"):
             seeds = [s for s in range(meta["seeds"]) if (s, condition, arm) in by_key
                      and not by_key[s, condition, arm].get("diverged")]
             if not seeds:
                 continue
             mean, se = numbers.mean_and_standard_error([by_key[s, condition, arm]["median_abs_error"] for s in seeds])
-            paired = "–"
-            if arm != "ridge":
-                d, dse = numbers.mean_and_standard_error([by_key[s, condition, "ridge"]["median_abs_error"]
-                                                          - by_key[s, condition, arm]["median_abs_error"]
-                                                          for s in seeds])
-                paired = f"{d:+.3f} ± {dse:.3f}"
-            penalties = ", ".join(f"{by_key[s, condition, 'ridge']['penalty']:g}" for s in seeds) if arm == "ridge" else ""
-            print(f"| {condition} | {arm} | {mean:.3f} ± {se:.3f} | {paired} | {penalties} |")
+            picked = ""
+            if arm in ("ridge", "kernel"):
+                picked = ", ".join(f"λ {by_key[s, condition, arm]['penalty']:g}"
+                                   + (f" h {by_key[s, condition, arm]['bandwidth']:g}" if arm == "kernel" else "")
+                                   for s in seeds)
+            print(f"| {condition} | {arm} | {mean:.3f} ± {se:.3f} | {paired('ridge', arm, seeds)} | "
+                  f"{paired('kernel', arm, seeds)} | {picked} |")
 
 
 if __name__ == "__main__":
