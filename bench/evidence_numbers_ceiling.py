@@ -1,4 +1,5 @@
-"""Evidence, numbers: how far can a head whose median is linear in z go? The ceiling of the regression arms.
+"""Evidence, numbers: how far can a head on z go? The ceilings of the regression arms, linear and not, and a nonlinear
+Cauchy head.
 
 Every regression arm of bench/evidence_numbers.py — the package's `<NUM>` head (loc_Y = w·loc_U + b, loc_U linear in
 z), the Gaussian, Student-t and `cauchy_free` heads — predicts a median that is a linear function of the frozen base's
@@ -14,6 +15,12 @@ rows' mean and spread (the base's outlier dimensions would otherwise set every d
 training rows can pin down should not do much better than it: if it trails the digits LM too, the numbers cell is out
 of reach for any head that reads z alone.
 
+And a probe of what a nonlinear Cauchy head reaches (`cauchy_mlp`, not the package's `<NUM>` head): one hidden layer
+(256 GELU units) from the standardised z to the location and scale of a Cauchy law, trained on the Cauchy NLL (the
+package head's loss) by full-batch AdamW for 400 steps, the step (every 10th) and the (learning rate, weight decay)
+kept by the validation MedAE; its central intervals the Cauchy law's, raw and split-conformal calibrated on the
+validation rows as every arm of evidence_numbers is.
+
     python bench/evidence_numbers.py --base build/demo-base --texts 2304 --seeds 5 --output OUT   # writes OUT.json
     python bench/evidence_numbers_linear.py --features /work/data/evidence-numbers/vader-answers-<key>.pt \
         --runs OUT.json
@@ -28,6 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import evidence_numbers as numbers  # noqa: E402
+
+from causalqwen_adapter.cauchy import cauchy_nll  # noqa: E402
 
 PENALTIES = tuple(10.0**k for k in range(-3, 7))
 KERNEL_PENALTIES = tuple(10.0**k for k in range(-4, 2))
@@ -116,6 +125,68 @@ def linear_ceiling(z: torch.Tensor, ratings: torch.Tensor, seeds: int, fraction:
     return ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, "ridge")
 
 
+MLP_LEARNING_RATES = (1e-3, 3e-4)
+MLP_WEIGHT_DECAYS = (1e-2, 1e-1)
+LEVELS = (0.5, 0.8, 0.9, 0.95)
+
+
+def train_cauchy_mlp(x, y, x_val, y_val, *, hidden, learning_rate, weight_decay, steps, seed):
+    """(the network at its best validation MedAE, that MedAE): full-batch AdamW on the Cauchy NLL."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 2))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=learning_rate, weight_decay=weight_decay)
+    best, kept = float("inf"), None
+    for step in range(steps):
+        loc, scale = cauchy_law(net(x))
+        loss = cauchy_nll(y, loc, scale).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 10 == 9:
+            with torch.no_grad():
+                error = numbers.median_absolute_error(net(x_val)[:, 0], y_val)
+            if error < best:
+                best, kept = error, {k: v.clone() for k, v in net.state_dict().items()}
+    net.load_state_dict(kept)
+    return net, best
+
+
+def cauchy_law(out: torch.Tensor):
+    """(location, scale) of the network's two outputs; the scale floored at 1e-3."""
+    return out[:, 0], torch.nn.functional.softplus(out[:, 1]) + 1e-3
+
+
+def cauchy_mlp_rows(z, ratings, seeds, fraction, *, hidden=256, learning_rates=MLP_LEARNING_RATES,
+                    weight_decays=MLP_WEIGHT_DECAYS, steps=400) -> list[dict]:
+    """One row per (seed, condition) of `cauchy_mlp`: MedAE, and coverage, width and Winkler score of the raw and the
+    calibrated intervals at each of `LEVELS` (evidence_numbers' metric names)."""
+    rows = []
+    for seed in range(seeds):
+        (train, val, test), (shuffle_train, shuffle_val, shuffle_test) = numbers.split_and_corrupt(
+            len(ratings), seed, fraction)
+        x = standardised(z, train).float()
+        for training, tests in (("clean", {"clean": ratings[test]}),
+                                ("shuffled", {"shuffled": ratings[test], "shuffled_test": ratings[test][shuffle_test]})):
+            y_train, y_val = ratings[train], ratings[val]
+            if training == "shuffled":
+                y_train, y_val = y_train[shuffle_train], y_val[shuffle_val]
+            fits = [(train_cauchy_mlp(x[train], y_train, x[val], y_val, hidden=hidden, learning_rate=lr,
+                                      weight_decay=decay, steps=steps, seed=seed), lr, decay)
+                    for lr in learning_rates for decay in weight_decays]
+            (net, _), lr, decay = min(fits, key=lambda fit: fit[0][1])
+            with torch.no_grad():
+                test_law, val_law = cauchy_law(net(x[test])), cauchy_law(net(x[val]))
+            intervals = {level: numbers.central_interval("cauchy", *test_law, level) for level in LEVELS}
+            calibrated = numbers.calibrated_intervals(
+                {level: numbers.central_interval("cauchy", *val_law, level) for level in LEVELS}, y_val, intervals)
+            for condition, y_test in tests.items():
+                rows.append({"seed": seed, "condition": condition, "arm": "cauchy_mlp", "lr": lr, "weight_decay": decay,
+                             "median_abs_error": numbers.median_absolute_error(test_law[0], y_test),
+                             **numbers.interval_metrics(intervals, y_test),
+                             **numbers.interval_metrics(calibrated, y_test, "calibrated_")})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--features", required=True, help="evidence_numbers' cached .pt (its z and ratings)")
@@ -123,6 +194,7 @@ def main() -> None:
                         "seeds and shuffle fraction, and its arms' per-seed rows to pair with")
     parser.add_argument("--select", choices=("score", "nll"), default="nll",
                         help="the rule that picks the JSON arms' learning rates (default: NLL, as the tables)")
+    parser.add_argument("--mlp", action="store_true", help="also the nonlinear Cauchy head (`cauchy_mlp`: minutes)")
     args = parser.parse_args()
     saved = json.loads(Path(args.runs).read_text())
     meta = saved["meta"]
@@ -134,6 +206,8 @@ def main() -> None:
     ratings = torch.tensor(store["rating"][:texts], dtype=torch.float32)
     rows = (linear_ceiling(z, ratings, meta["seeds"], meta["shuffle_fraction"])
             + kernel_ceiling(z, ratings, meta["seeds"], meta["shuffle_fraction"]))
+    if args.mlp:
+        rows += cauchy_mlp_rows(z, ratings, meta["seeds"], meta["shuffle_fraction"])
     runs = numbers.reselect(saved["runs"], args.select) + rows
     print(f"{texts} texts, {meta['seeds']} seeds; the JSON's arms at the rates picked by validation {args.select}; "
           "the ceilings' penalty (λ) and bandwidth (h, × the median distance) picked by validation MedAE\n")
@@ -149,7 +223,7 @@ def main() -> None:
         return f"{d:+.3f} ± {dse:.3f}"
 
     for condition in ("clean", "shuffled", "shuffled_test"):
-        for arm in ("ridge", "kernel", "cauchy", "cauchy_free", "gaussian", "student_t", "digits"):
+        for arm in ("ridge", "kernel", "cauchy_mlp", "cauchy", "cauchy_free", "gaussian", "student_t", "digits"):
             seeds = [s for s in range(meta["seeds"]) if (s, condition, arm) in by_key
                      and not by_key[s, condition, arm].get("diverged")]
             if not seeds:
@@ -162,6 +236,24 @@ def main() -> None:
                                    for s in seeds)
             print(f"| {condition} | {arm} | {mean:.3f} ± {se:.3f} | {paired('ridge', arm, seeds)} | "
                   f"{paired('kernel', arm, seeds)} | {picked} |")
+    if not args.mlp:
+        return
+    print("\nIntervals: Winkler score at 50 / 80 / 90 / 95 %, raw and calibrated on validation; coverage at 95 %\n")
+    print("| condition | arm | Winkler | calibrated | coverage 95 %, raw / calibrated |")
+    print("|---|---|---|---|---|")
+    for condition in ("clean", "shuffled", "shuffled_test"):
+        for arm in ("cauchy_mlp", "cauchy", "gaussian", "digits"):
+            seeds = [s for s in range(meta["seeds"]) if (s, condition, arm) in by_key]
+            if not seeds:
+                continue
+
+            def mean(key):
+                return numbers.mean_and_standard_error([by_key[s, condition, arm][key] for s in seeds])[0]
+
+            raw = " / ".join(f"{mean(f'winkler_{level}'):.2f}" for level in LEVELS)
+            calibrated = " / ".join(f"{mean(f'calibrated_winkler_{level}'):.2f}" for level in LEVELS)
+            print(f"| {condition} | {arm} | {raw} | {calibrated} | {mean('coverage_0.95'):.2f} / "
+                  f"{mean('calibrated_coverage_0.95'):.2f} |")
 
 
 if __name__ == "__main__":
