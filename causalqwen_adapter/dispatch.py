@@ -3,9 +3,10 @@ the torch code of the caller as the reference wherever none serves (docs/design.
 
 An operator `causalqwen::<name>` serves a call when it has a kernel for the device of the call's first tensor and,
 where `causalqwen::<name>_applies` is registered for that device too, that query says yes to the arguments. The
-namespace is process-wide: the operators one copy of this code finds (the installed package registers C kernels for
-x86 CPUs with AVX-512) serve every other copy too, the Hub's remote code included. Where none is registered the
-caller's torch code runs, and says so once in the log.
+namespace is process-wide: the operators one copy of this code finds (the installed package registers CPU kernels,
+C on x86 CPUs with AVX-512 and `torch.compile`d torch elsewhere, and Triton kernels for CUDA) serve every other copy
+too, the Hub's remote code included. Where none is registered the caller's torch code runs, eagerly, and says so once
+in the log.
 
 Shipped as remote code: imports only the standard library and torch, and loads nothing.
 """
