@@ -3,7 +3,8 @@ as its own class) in bf16 (--dtype float32: in float32).
 
 Same prompts, greedy (sampling mode draws its ε but picks argmax), exactly --new-tokens new tokens
 (min_new_tokens), KV cache on, one untimed warm-up per variant (it also triggers the one-off
-compilation of the decode kernels; "standard (eager)" runs without them, as CAUSALQWEN_FUSED_DECODE=0 does).
+compilation of the decode kernels; "standard (eager)" runs without them, as CAUSALQWEN_FUSED_DECODE=0 does and as
+an adapter folder's remote code does without the package).
 Variants run interleaved, --repeats rounds; tokens/s are medians, ratios to the base are per round,
 reported as median (min–max) (bench/stats.py). Targets: every mode ≥ 1.0×.
 
