@@ -77,8 +77,9 @@ def standardised(z: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
 
 
 def ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, arm) -> list[dict]:
-    """One row per (seed, condition) of `arm`: `fit_and_pick(train, y_train, val, y_val)` returns a predictor (of row
-    indices) and what it picked; scored on evidence_numbers' splits and shuffles."""
+    """One row per (seed, condition) of `arm` on evidence_numbers' splits and shuffles: `fit_and_pick(seed, train,
+    y_train, val, y_val, test)` fits on the training rows, picks on the validation ones and returns what it picked and
+    `score(y_test)`, the metrics of its predictions for the test rows against those targets."""
     rows = []
     for seed in range(seeds):
         (train, val, test), (shuffle_train, shuffle_val, shuffle_test) = numbers.split_and_corrupt(
@@ -88,25 +89,29 @@ def ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, arm) -> list[dict]:
             y_train, y_val = ratings[train], ratings[val]
             if training == "shuffled":
                 y_train, y_val = y_train[shuffle_train], y_val[shuffle_val]
-            predict, picked = fit_and_pick(train, y_train, val, y_val)
+            score, picked = fit_and_pick(seed, train, y_train, val, y_val, test)
             for condition, y_test in tests.items():
-                rows.append({"seed": seed, "condition": condition, "arm": arm, **picked,
-                             "median_abs_error": numbers.median_absolute_error(predict(test), y_test)})
+                rows.append({"seed": seed, "condition": condition, "arm": arm, **picked, **score(y_test)})
     return rows
+
+
+def median_error(prediction: torch.Tensor):
+    """`score` of a median prediction: its median absolute error."""
+    return lambda y_test: {"median_abs_error": numbers.median_absolute_error(prediction, y_test)}
 
 
 def kernel_ceiling(z: torch.Tensor, ratings: torch.Tensor, seeds: int, fraction: float,
                    penalties=KERNEL_PENALTIES, bandwidths=BANDWIDTHS) -> list[dict]:
     """The RBF kernel ridge fit whose (penalty, bandwidth) has the lowest validation median absolute error."""
 
-    def fit_and_pick(train, y_train, val, y_val):
+    def fit_and_pick(seed, train, y_train, val, y_val, test):
         x = standardised(z, train)
         scale = torch.cdist(x[train], x[train]).median().item()
         fits = [(kernel_fit(x[train], y_train, h * scale, p), p, h) for h in bandwidths for p in penalties]
         _, fit, penalty, bandwidth = min(
             ((numbers.median_absolute_error(kernel_predict(x[val], f), y_val), f, p, h) for f, p, h in fits),
             key=lambda scored: scored[0])
-        return (lambda rows: kernel_predict(x[rows], fit)), {"penalty": penalty, "bandwidth": bandwidth}
+        return median_error(kernel_predict(x[test], fit)), {"penalty": penalty, "bandwidth": bandwidth}
 
     return ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, "kernel")
 
@@ -116,11 +121,11 @@ def linear_ceiling(z: torch.Tensor, ratings: torch.Tensor, seeds: int, fraction:
     """One row per (seed, condition): the test median absolute error of the ridge fit whose penalty has the lowest
     validation median absolute error, on evidence_numbers' splits and shuffles."""
 
-    def fit_and_pick(train, y_train, val, y_val):
+    def fit_and_pick(seed, train, y_train, val, y_val, test):
         fits = [(p, ridge_fit(z[train], y_train, p)) for p in penalties]
         _, penalty, coef = min(((numbers.median_absolute_error(ridge_predict(z[val], c), y_val), p, c) for p, c in fits),
                                key=lambda scored: scored[0])
-        return (lambda rows: ridge_predict(z[rows], coef)), {"penalty": penalty}
+        return median_error(ridge_predict(z[test], coef)), {"penalty": penalty}
 
     return ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, "ridge")
 
@@ -160,31 +165,26 @@ def cauchy_mlp_rows(z, ratings, seeds, fraction, *, hidden=256, learning_rates=M
                     weight_decays=MLP_WEIGHT_DECAYS, steps=400) -> list[dict]:
     """One row per (seed, condition) of `cauchy_mlp`: MedAE, and coverage, width and Winkler score of the raw and the
     calibrated intervals at each of `LEVELS` (evidence_numbers' metric names)."""
-    rows = []
-    for seed in range(seeds):
-        (train, val, test), (shuffle_train, shuffle_val, shuffle_test) = numbers.split_and_corrupt(
-            len(ratings), seed, fraction)
+
+    def fit_and_pick(seed, train, y_train, val, y_val, test):
         x = standardised(z, train).float()
-        for training, tests in (("clean", {"clean": ratings[test]}),
-                                ("shuffled", {"shuffled": ratings[test], "shuffled_test": ratings[test][shuffle_test]})):
-            y_train, y_val = ratings[train], ratings[val]
-            if training == "shuffled":
-                y_train, y_val = y_train[shuffle_train], y_val[shuffle_val]
-            fits = [(train_cauchy_mlp(x[train], y_train, x[val], y_val, hidden=hidden, learning_rate=lr,
-                                      weight_decay=decay, steps=steps, seed=seed), lr, decay)
-                    for lr in learning_rates for decay in weight_decays]
-            (net, _), lr, decay = min(fits, key=lambda fit: fit[0][1])
-            with torch.no_grad():
-                test_law, val_law = cauchy_law(net(x[test])), cauchy_law(net(x[val]))
-            intervals = {level: numbers.central_interval("cauchy", *test_law, level) for level in LEVELS}
-            calibrated = numbers.calibrated_intervals(
-                {level: numbers.central_interval("cauchy", *val_law, level) for level in LEVELS}, y_val, intervals)
-            for condition, y_test in tests.items():
-                rows.append({"seed": seed, "condition": condition, "arm": "cauchy_mlp", "lr": lr, "weight_decay": decay,
-                             "median_abs_error": numbers.median_absolute_error(test_law[0], y_test),
-                             **numbers.interval_metrics(intervals, y_test),
-                             **numbers.interval_metrics(calibrated, y_test, "calibrated_")})
-    return rows
+        fits = [(train_cauchy_mlp(x[train], y_train, x[val], y_val, hidden=hidden, learning_rate=lr,
+                                  weight_decay=decay, steps=steps, seed=seed), lr, decay)
+                for lr in learning_rates for decay in weight_decays]
+        (net, _), lr, decay = min(fits, key=lambda fit: fit[0][1])
+        with torch.no_grad():
+            test_law, val_law = cauchy_law(net(x[test])), cauchy_law(net(x[val]))
+        intervals = {level: numbers.central_interval("cauchy", *test_law, level) for level in LEVELS}
+        calibrated = numbers.calibrated_intervals(
+            {level: numbers.central_interval("cauchy", *val_law, level) for level in LEVELS}, y_val, intervals)
+
+        def score(y_test):
+            return {**median_error(test_law[0])(y_test), **numbers.interval_metrics(intervals, y_test),
+                    **numbers.interval_metrics(calibrated, y_test, "calibrated_")}
+
+        return score, {"lr": lr, "weight_decay": decay}
+
+    return ceiling_rows(z, ratings, seeds, fraction, fit_and_pick, "cauchy_mlp")
 
 
 def main() -> None:
