@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=4)
     parser.add_argument("--tail-weights", type=float, nargs="+", default=[1.0, 0.0],
                         help="distill_tail_weight of each stage-2 run (the first run gives the throughput figure)")
+    parser.add_argument("--gamma-init", type=float, default=None,
+                        help="gamma_init of every head this builds (default: each builder's own, 0.005 for the "
+                        "fresh-heads row and the SFT reference, 1e-5 for distillation)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -94,7 +97,7 @@ def main() -> None:
     base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     work = Path(tempfile.mkdtemp(prefix="bench-distill-"))
-    heads = dict(action_weight="tied")
+    heads = dict(action_weight="tied", **({} if args.gamma_init is None else {"gamma_init": args.gamma_init}))
     common = dict(report_to="none", save_strategy="no", use_cpu=True, dataloader_pin_memory=False, disable_tqdm=True,
                   seed=0, **heads)
     try:
