@@ -142,7 +142,10 @@ class CausalQwenConfig(PreTrainedConfig):
             scales near 0, so that P_k is a step function of the location (docs/design.md, Training losses).
             Adapters saved before this option existed load with None.
         distill_tail_weight (`float`): in offline distillation, the weight of the tail term Σ_{k∉K} −log(1 − P_k)
-            beside the top-K MSE (0 = the top-K MSE alone, which leaves the other tokens' P_k free).
+            beside the top-K MSE (0 = the top-K MSE alone, which leaves the other tokens' P_k free). 1 keeps Σ_k P_k
+            near 1 but not the teacher's top-K probabilities; 0 fits those with Σ_k P_k in the hundreds; the weights
+            measured between end near 1's fit (0.1 and 0.01 where 1 does, 0.001 at Σ_k P_k ≈ 12; BENCHMARKS.md,
+            Offline distillation).
     """
 
     model_type = "causalqwen"
