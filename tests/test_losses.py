@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss, log_partition
+from causalqwen_adapter.losses import DecisionHead, chunked_ovr_loss, log_partition, zero_rows
 
 NAMES = ("loc_U", "scale_U", "weight", "bias", "b_noise", "threshold")
 
@@ -290,3 +290,25 @@ def test_zero_row_below_a_threshold_gives_finite_gradients():
     for t in (loc_U, scale_U, weight, bias, b_noise, threshold):
         assert torch.isfinite(t.grad).all()
     assert bias.grad[0] == 0 and threshold.grad[0] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_rows_finds_exactly_the_all_zero_rows(dtype):
+    """Against a loop over the rows: −0.0 counts as zero; a tiny, an infinite or a NaN entry does not; signed and
+    |W| blocks alike."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 12)
+    w[3] = 0.0
+    w[10] = -0.0
+    w[20] = 0.0
+    w[20, 5] = -1e-30  # one tiny entry: not a zero row (1e-30 is representable in bf16's range)
+    w[30] = 0.0
+    w[30, 0] = float("inf")
+    w[40] = 0.0
+    w[40, 11] = float("nan")
+    w[50, :6] = 0.0
+    w = w.to(dtype)
+    expected = [i for i in range(len(w)) if all(float(v) == 0.0 for v in w[i])]
+    assert expected == [3, 10]
+    assert zero_rows(w).tolist() == expected
+    assert zero_rows(w.abs()).tolist() == expected
