@@ -97,7 +97,9 @@ def main() -> None:
     base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     work = Path(tempfile.mkdtemp(prefix="bench-distill-"))
-    heads = dict(action_weight="tied", **({} if args.gamma_init is None else {"gamma_init": args.gamma_init}))
+    heads = dict(action_weight="tied")
+    if args.gamma_init is not None:
+        heads["gamma_init"] = args.gamma_init
     common = dict(report_to="none", save_strategy="no", use_cpu=True, dataloader_pin_memory=False, disable_tqdm=True,
                   seed=0, **heads)
     try:
