@@ -59,6 +59,9 @@ GROUND_TRUTH_SUFFIX = "_GroundTruth.txt"
 INNER_ARCHIVE = "hutto_ICWSM_2014.tar.gz"
 PROMPT = 'Text: "{text}"\nSentiment of the text, from -4 (very negative) to 4 (very positive):'
 LEVELS = (0.5, 0.8, 0.9, 0.95)
+# the range of the ratings the digits LM can write (its histogram's support, −4.05 … 4.05): every arm's law is also
+# read restricted to it (the `truncated_*` metrics), the knowledge of the scale that the LM's answers have
+SUPPORT = (digits.GRID[0] - digits.bin_width(digits.GRID) / 2, digits.GRID[-1] + digits.bin_width(digits.GRID) / 2)
 DF_LR_RATIO = 30.0  # the Student-t head's ν learns at this multiple of the head's learning rate
 
 
@@ -200,29 +203,76 @@ def standard_quantile(family: str, p: float, df: float | None = None) -> float:
 
 
 def student_t_quantile(p: float, df: float, points: int = 4001) -> float:
-    """Quantile of Student's t with `df` degrees of freedom (no closed form for a general ν, no scipy here).
-
-    With t = √ν·tan θ the CDF is ½ + c_ν ∫₀^θ cos^(ν−1) φ dφ, c_ν = Γ((ν+1)/2) / (√π Γ(ν/2)): a bounded integrand
-    on a finite range for ν ≥ 1, integrated by Simpson's rule; θ is found by bisection.
-    """
+    """Quantile of Student's t with `df` degrees of freedom (no closed form for a general ν, no scipy here): θ with
+    t = √ν·tan θ found by bisection on the CDF's integral (`student_t_half_mass`)."""
     if not df > 0:
         raise ValueError(f"Student-t degrees of freedom must be > 0, got {df}")
     if p == 0.5:
         return 0.0
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
     target = abs(p - 0.5)
-
-    def half_mass(theta: float) -> float:
-        phi = torch.linspace(0.0, theta, points, dtype=torch.float64)
-        f = torch.cos(phi) ** (df - 1)
-        h = theta / (points - 1)
-        return c * h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum()).item()
-
     lo, hi = 0.0, math.pi / 2
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if half_mass(mid) < target else (lo, mid)
+        lo, hi = (mid, hi) if student_t_half_mass(torch.tensor([mid], dtype=torch.float64), df, points).item() < target else (lo, mid)
     return math.copysign(math.sqrt(df) * math.tan((lo + hi) / 2), p - 0.5)
+
+
+def student_t_half_mass(theta: torch.Tensor, df: float, points: int = 4001) -> torch.Tensor:
+    """P(0 < T < √ν·tan θ) for each θ in (−π/2, π/2) (negative where θ is): with t = √ν·tan θ the CDF is
+    ½ + c_ν ∫₀^θ cos^(ν−1) φ dφ, c_ν = Γ((ν+1)/2) / (√π Γ(ν/2)), a bounded integrand on a finite range for ν ≥ 1,
+    integrated by Simpson's rule (`points` odd), float64."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    theta = theta.double()
+    phi = theta[..., None] * torch.linspace(0.0, 1.0, points, dtype=torch.float64)
+    f = torch.cos(phi) ** (df - 1)
+    simpson = f[..., 0] + f[..., -1] + 4 * f[..., 1:-1:2].sum(-1) + 2 * f[..., 2:-1:2].sum(-1)
+    return c * theta / (points - 1) / 3 * simpson
+
+
+def standard_cdf(family: str, x: torch.Tensor, df: float | None = None) -> torch.Tensor:
+    """The CDF of `family`'s standard law at each x, float64."""
+    x = x.double()
+    if family == "cauchy":
+        return 0.5 + torch.atan(x) / math.pi
+    if family == "gaussian":
+        return torch.special.ndtr(x)
+    if family == "student_t":
+        return 0.5 + student_t_half_mass(torch.atan(x / math.sqrt(df)), df, points=201)
+    raise ValueError(f"unknown family {family!r}: choose cauchy, gaussian or student_t")
+
+
+def standard_quantiles(family: str, p: torch.Tensor, df: float | None = None) -> torch.Tensor:
+    """The quantile of `family`'s standard law at each level p in (0, 1), float64 (Student-t: bisection on θ)."""
+    p = p.double()
+    if family == "cauchy":
+        return torch.tan(math.pi * (p - 0.5))
+    if family == "gaussian":
+        return torch.special.ndtri(p)
+    if family != "student_t":
+        raise ValueError(f"unknown family {family!r}: choose cauchy, gaussian or student_t")
+    lo, hi = torch.full_like(p, -math.pi / 2), torch.full_like(p, math.pi / 2)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        below = 0.5 + student_t_half_mass(mid, df, points=201) < p
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return math.sqrt(df) * torch.tan((lo + hi) / 2)
+
+
+def truncated_quantile(family: str, loc: torch.Tensor, scale: torch.Tensor, p: float, support: tuple[float, float],
+                       df: float | None = None) -> torch.Tensor:
+    """The p-quantile of loc + scale·X given that it lies in `support` = (low, high), X `family`'s standard law:
+    loc + scale·F⁻¹(F(a) + p·(F(b) − F(a))) with a, b the standardised ends. The law a head would give if told the
+    target's range, as the digits LM's answers know it. A row whose law puts no float64 mass on the range gets the
+    nearer end."""
+    loc, scale = loc.double(), scale.double()
+    low, high = support
+    f_low = standard_cdf(family, (low - loc) / scale, df)
+    f_high = standard_cdf(family, (high - loc) / scale, df)
+    inside = f_high > f_low
+    level = torch.where(inside, f_low + p * (f_high - f_low), torch.full_like(loc, 0.5)).clamp(1e-300, 1 - 1e-16)
+    value = loc + scale * standard_quantiles(family, level, df)
+    nearer = torch.where(loc < low, torch.full_like(loc, low), torch.full_like(loc, high))
+    return torch.where(inside, value, nearer).clamp(low, high)
 
 
 def central_interval(family: str, loc: torch.Tensor, scale: torch.Tensor, level: float, df: float | None = None):
@@ -292,13 +342,20 @@ def mean_and_standard_error(values) -> tuple[float, float]:
 class LocationScalePrediction:
     """The median and central intervals of a head whose law is loc + scale·X, X its family's standard law."""
 
-    def predict(self, z, levels):
-        """(median, {level: (lower, upper)}); None when the head gives a non-finite location or a scale not > 0."""
+    def predict(self, z, levels, support=None):
+        """(median, {level: (lower, upper)}); None when the head gives a non-finite location or a scale not > 0. With
+        `support` = (low, high), those of the law restricted to that range (`truncated_quantile`)."""
         loc, scale = self(z)
         if not (torch.isfinite(loc).all() and torch.isfinite(scale).all() and (scale > 0).all()):
             return None
         df = self.law().get("df")
-        return loc, {level: central_interval(self.family, loc, scale, level, df) for level in levels}
+        if support is None:
+            return loc, {level: central_interval(self.family, loc, scale, level, df) for level in levels}
+
+        def quantile(p):
+            return truncated_quantile(self.family, loc, scale, p, support, df)
+
+        return quantile(0.5), {level: (quantile((1 - level) / 2), quantile((1 + level) / 2)) for level in levels}
 
 
 class PackageCauchyHead(LocationScalePrediction, torch.nn.Module):
@@ -432,23 +489,49 @@ def train_head(arm: str, x, y, *, lr: float, steps: int, batch_size: int, seed: 
 def score_head(head, x, y, calibration=None) -> dict:
     """Test metrics of a trained head; non-finite predictions score inf (a diverged run is a loss, not an error).
     With `calibration` = (x, y) of validation rows, also the metrics of its intervals conformally calibrated there
-    (`calibrated_*`)."""
+    (`calibrated_*`). The same again for its law read on SUPPORT (`truncated_*`, `truncated_calibrated_*`)."""
     with torch.no_grad():
         prediction = head.predict(x, LEVELS)
         if prediction is None:
             return {"diverged": True, "score": float("inf")}
-        median, intervals = prediction
         nll = head.nll(x, y).double().mean().item()
-        calibrated = {}
-        if calibration is not None:
-            x_validation, y_validation = calibration
-            validation = head.predict(x_validation, LEVELS)
-            if validation is not None:
-                calibrated = interval_metrics(calibrated_intervals(validation[1], y_validation, intervals), y,
-                                              prefix="calibrated_")
+        x_validation, y_validation = calibration if calibration is not None else (None, None)
+        out = {"nll": nll, **prediction_metrics(
+            prediction, y, None if x_validation is None else head.predict(x_validation, LEVELS), y_validation)}
+        out |= prediction_metrics(on_support(head, x), y, None if x_validation is None else on_support(head, x_validation),
+                                  y_validation, prefix="truncated_")
     law = head.law() if isinstance(head, LocationScalePrediction) else {}
-    return {"median_abs_error": median_absolute_error(median, y), "nll": nll, **law, **interval_metrics(intervals, y),
-            **calibrated}
+    return {**out, **law}
+
+
+def on_support(head, x):
+    """The head's (median, intervals) from its law restricted to SUPPORT: a location-scale law truncated there; any
+    other (the digits LM's histogram, already inside) as it is."""
+    if isinstance(head, LocationScalePrediction):
+        return clipped(head.predict(x, LEVELS, SUPPORT))
+    return clipped(head.predict(x, LEVELS))
+
+
+def clipped(prediction):
+    """(median, intervals) with every end clipped to SUPPORT: widening beyond the range covers nothing more (for a
+    law inside the range, only float rounding changes)."""
+    median, intervals = prediction
+    clip = lambda values: values.double().clamp(*SUPPORT)  # noqa: E731
+    return clip(median), {level: (clip(lower), clip(upper)) for level, (lower, upper) in intervals.items()}
+
+
+def prediction_metrics(prediction, y, validation=None, y_validation=None, prefix: str = "") -> dict:
+    """MedAE and interval metrics of `prediction` = (median, intervals) on targets y, and with a `validation`
+    prediction and its targets those of the intervals calibrated on it (`calibrated_`; clipped to SUPPORT under the
+    `truncated_` prefix, where widening beyond the range covers nothing more)."""
+    median, intervals = prediction
+    out = {f"{prefix}median_abs_error": median_absolute_error(median, y), **interval_metrics(intervals, y, prefix)}
+    if validation is not None:
+        calibrated = calibrated_intervals(validation[1], y_validation, intervals)
+        if prefix == "truncated_":
+            calibrated = clipped((median, calibrated))[1]
+        out |= interval_metrics(calibrated, y, prefix=f"{prefix}calibrated_")
+    return out
 
 
 def interval_metrics(intervals: dict, y, prefix: str = "") -> dict:
@@ -477,10 +560,11 @@ def score_constant(train_y, y, validation_y=None) -> dict:
                 like, hi.item(), dtype=torch.float64)
         return out
 
-    intervals = intervals_for(y)
-    calibrated = {} if validation_y is None else interval_metrics(
-        calibrated_intervals(intervals_for(validation_y), validation_y, intervals), y, prefix="calibrated_")
-    return {"median_abs_error": median_absolute_error(median, y), **interval_metrics(intervals, y), **calibrated}
+    prediction = median, intervals_for(y)
+    validation = None if validation_y is None else (None, intervals_for(validation_y))
+    # the training targets' quantiles lie inside SUPPORT: the truncated reading clips only float rounding
+    return {**prediction_metrics(prediction, y, validation, validation_y),
+            **prediction_metrics(clipped(prediction), y, validation, validation_y, prefix="truncated_")}
 
 
 # --- protocol ---------------------------------------------------------------------------------------------------
@@ -561,7 +645,9 @@ def reselect(results: list[dict], select: str) -> list[dict]:
 
 
 INTERVAL_METRICS = [f"{m}_{lv}" for m in ("coverage", "width", "winkler") for lv in LEVELS]
-METRICS = ["median_abs_error", "nll"] + INTERVAL_METRICS + ["calibrated_" + m for m in INTERVAL_METRICS]
+CALIBRATED_METRICS = INTERVAL_METRICS + ["calibrated_" + m for m in INTERVAL_METRICS]
+METRICS = (["median_abs_error", "nll"] + CALIBRATED_METRICS + ["truncated_median_abs_error"]
+           + ["truncated_" + m for m in CALIBRATED_METRICS])
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -584,6 +670,7 @@ def summarize(results: list[dict]) -> list[dict]:
 
 PAIRED_METRICS = (["median_abs_error"] + [f"winkler_{lv}" for lv in LEVELS]
                   + [f"calibrated_winkler_{lv}" for lv in LEVELS])
+TRUNCATED_PAIRED_METRICS = ["truncated_" + m for m in PAIRED_METRICS]
 
 
 def paired_differences(results: list[dict], reference: str = "cauchy") -> list[dict]:
@@ -597,7 +684,7 @@ def paired_differences(results: list[dict], reference: str = "cauchy") -> list[d
             if arm == reference:
                 continue
             entry = {"condition": condition, "arm": arm, "reference": reference}
-            for metric in PAIRED_METRICS:
+            for metric in PAIRED_METRICS + TRUNCATED_PAIRED_METRICS:
                 diffs = [by_key[s, condition, arm][metric] - by_key[s, condition, reference][metric]
                          for s in sorted({r["seed"] for r in results})
                          if metric in by_key.get((s, condition, arm), {})
@@ -644,15 +731,30 @@ def markdown(summary: list[dict], paired: list[dict] = ()) -> str:
                       "|---" * (1 + 3 * len(LEVELS)) + "|"]
             lines += [f"| {e['arm']} | " + " | ".join(cell(e, "calibrated_" + m) for m in INTERVAL_METRICS) + " |"
                       for e in calibrated]
+        truncated = [e for e in summary if e["condition"] == condition and "truncated_winkler_0.5" in e]
+        if truncated:
+            lines += ["\nThe same heads' laws restricted to the digits LM's range (SUPPORT: a location-scale law "
+                      "truncated there), as they are and calibrated\n",
+                      "| arm | MedAE | " + " | ".join(f"cov {lv:.0%}" for lv in LEVELS) + " | "
+                      + " | ".join(f"Winkler {lv:.0%}" for lv in LEVELS) + " | "
+                      + " | ".join(f"Winkler {lv:.0%} calibrated" for lv in LEVELS) + " |",
+                      "|---" * (2 + 3 * len(LEVELS)) + "|"]
+            metrics = (["truncated_median_abs_error"] + [f"truncated_coverage_{lv}" for lv in LEVELS]
+                       + [f"truncated_winkler_{lv}" for lv in LEVELS]
+                       + [f"truncated_calibrated_winkler_{lv}" for lv in LEVELS])
+            lines += [f"| {e['arm']} | " + " | ".join(cell(e, m) for m in metrics) + " |" for e in truncated]
         for reference in dict.fromkeys(e["reference"] for e in paired):
             rows = [e for e in paired if e["condition"] == condition and e["reference"] == reference]
             if not rows:
                 continue
-            lines += [f"\nPaired over seeds, arm − {reference} (negative: the arm is better)\n",
-                      "| arm | ΔMedAE | " + " | ".join(f"ΔWinkler {lv:.0%}" for lv in LEVELS) + " | "
-                      + " | ".join(f"ΔWinkler {lv:.0%} calibrated" for lv in LEVELS) + " |",
-                      "|---" * (2 + 2 * len(LEVELS)) + "|"]
-            lines += [f"| {e['arm']} | " + " | ".join(cell(e, m) for m in PAIRED_METRICS) + " |" for e in rows]
+            for title, metrics in (("", PAIRED_METRICS), (", laws restricted to the range", TRUNCATED_PAIRED_METRICS)):
+                if not any(metrics[0] in e for e in rows):
+                    continue
+                lines += [f"\nPaired over seeds, arm − {reference}{title} (negative: the arm is better)\n",
+                          "| arm | ΔMedAE | " + " | ".join(f"ΔWinkler {lv:.0%}" for lv in LEVELS) + " | "
+                          + " | ".join(f"ΔWinkler {lv:.0%} calibrated" for lv in LEVELS) + " |",
+                          "|---" * (2 + 2 * len(LEVELS)) + "|"]
+                lines += [f"| {e['arm']} | " + " | ".join(cell(e, m) for m in metrics) + " |" for e in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -87,6 +87,43 @@ def test_central_interval_is_the_two_tail_quantiles(family, df):
             assert upper[i].item() == pytest.approx(hi_ref, rel=1e-5, abs=1e-6)
 
 
+def naive_truncated_quantile(family, loc, scale, p, low, high, df=None):
+    """Bisection on the truncated law's CDF (F(x) − F(a)) / (F(b) − F(a)), F the numerically integrated one."""
+    a, b = (low - loc) / scale, (high - loc) / scale
+    f_a, f_b = naive_cdf(family, a, df, points=40_001), naive_cdf(family, b, df, points=40_001)
+    lo, hi = a, b
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if (naive_cdf(family, mid, df, points=40_001) - f_a) / (f_b - f_a) < p else (lo, mid)
+    return loc + scale * (lo + hi) / 2
+
+
+@pytest.mark.parametrize("family, df", [("gaussian", None), ("cauchy", None), ("student_t", 3.0),
+                                        ("student_t", 14.0)])
+def test_truncated_quantile_inverts_the_truncated_cdf(family, df):
+    # inside the range, at its edge, beyond it; narrow and wide laws
+    loc = torch.tensor([0.3, -3.9, 3.5, 5.0, -4.5, 1.0])
+    scale = torch.tensor([0.5, 1.0, 3.0, 2.0, 0.7, 20.0])
+    low, high = -4.05, 4.05
+    for p in (0.025, 0.25, 0.5, 0.9, 0.975):
+        got = evidence.truncated_quantile(family, loc, scale, p, (low, high), df)
+        assert got.dtype == torch.float64 and ((low <= got) & (got <= high)).all()
+        for i in range(len(loc)):
+            ref = naive_truncated_quantile(family, loc[i].item(), scale[i].item(), p, low, high, df)
+            assert got[i].item() == pytest.approx(ref, abs=2e-5), (i, p)
+
+
+def test_truncated_quantile_of_a_law_far_outside_the_range():
+    loc, scale = torch.tensor([60.0, -60.0]), torch.tensor([1e-3, 1e-3])
+    # no float64 mass of the Gaussian law in the range: the nearer end itself
+    assert evidence.truncated_quantile("gaussian", loc, scale, 0.5, (-4.05, 4.05)).tolist() == [4.05, -4.05]
+    # the Cauchy tail keeps mass there, with density ∝ 1/(60 − x)² 56 000 scales out: median m solves
+    # 1/(60 − m) = (1/55.95 + 1/64.05)/2
+    got = evidence.truncated_quantile("cauchy", loc, scale, 0.5, (-4.05, 4.05))
+    m = 60 - 2 / (1 / 55.95 + 1 / 64.05)
+    assert got.tolist() == pytest.approx([m, -m], abs=1e-6)
+
+
 # --- interval metrics ----------------------------------------------------------------------------------------------
 
 
@@ -289,9 +326,15 @@ def test_protocol_runs_every_arm_and_condition_on_a_learnable_task():
         assert by["clean", arm]["median_abs_error"] < 0.6 * by["clean", "constant"]["median_abs_error"]
     for row in results:  # every arm's intervals are also scored calibrated on the validation rows
         assert 0.0 <= row["calibrated_coverage_0.9"] <= 1.0 and row["calibrated_score"] > 0
+    for row in results:  # and read on the ratings' range: the constant's quantiles lie inside it, nothing changes
+        assert 0.0 <= row["truncated_calibrated_coverage_0.9"] <= 1.0 and row["truncated_score"] > 0
+        if row["arm"] == "constant":
+            assert all(row["truncated_" + k] == pytest.approx(v, abs=1e-9) for k, v in row.items()
+                       if "truncated_" + k in row)
     summary = evidence.summarize(results)
     table = evidence.markdown(summary)
-    assert table.count("| cauchy |") == 6 and "Winkler 95%" in table and "calibrated on the validation rows" in table
+    assert table.count("| cauchy |") == 9 and "Winkler 95%" in table and "calibrated on the validation rows" in table
+    assert "restricted to the digits LM's range" in table
 
 
 @pytest.mark.parametrize("select", ["score", "nll"])
@@ -379,7 +422,9 @@ def test_reselect_picks_what_a_run_with_that_rule_picks():
     assert evidence.reselect(by_score, "nll") == by_nll
     assert evidence.reselect(by_nll, "score") == by_score
     table = evidence.markdown(evidence.summarize(by_nll), evidence.all_paired_differences(by_nll))
-    assert table.count("arm − cauchy") == 3 and "arm − digits" not in table  # one per condition; no digits run
+    # two per condition (as read, and with the laws restricted to the range); no digits run
+    assert table.count("arm − cauchy (") == 3 and table.count("arm − cauchy, laws restricted to the range") == 3
+    assert "arm − digits" not in table
 
 
 # --- the linear ceiling (bench/evidence_numbers_ceiling.py) --------------------------------------------------------
