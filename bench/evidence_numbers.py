@@ -230,26 +230,24 @@ def student_t_half_mass(theta: torch.Tensor, df: float, points: int = 4001) -> t
 
 
 def standard_cdf(family: str, x: torch.Tensor, df: float | None = None) -> torch.Tensor:
-    """The CDF of `family`'s standard law at each x, float64."""
+    """The CDF of the Gaussian or Student-t standard law at each x, float64 (the Cauchy law's truncated quantiles are
+    the package's, `cauchy_quantile`)."""
     x = x.double()
-    if family == "cauchy":
-        return 0.5 + torch.atan(x) / math.pi
     if family == "gaussian":
         return torch.special.ndtr(x)
     if family == "student_t":
         return 0.5 + student_t_half_mass(torch.atan(x / math.sqrt(df)), df, points=201)
-    raise ValueError(f"unknown family {family!r}: choose cauchy, gaussian or student_t")
+    raise ValueError(f"unknown family {family!r}: choose gaussian or student_t")
 
 
 def standard_quantiles(family: str, p: torch.Tensor, df: float | None = None) -> torch.Tensor:
-    """The quantile of `family`'s standard law at each level p in (0, 1), float64 (Student-t: bisection on θ)."""
+    """The quantile of the Gaussian or Student-t standard law at each level p in (0, 1), float64 (Student-t: bisection
+    on θ)."""
     p = p.double()
-    if family == "cauchy":
-        return torch.tan(math.pi * (p - 0.5))
     if family == "gaussian":
         return torch.special.ndtri(p)
     if family != "student_t":
-        raise ValueError(f"unknown family {family!r}: choose cauchy, gaussian or student_t")
+        raise ValueError(f"unknown family {family!r}: choose gaussian or student_t")
     lo, hi = torch.full_like(p, -math.pi / 2), torch.full_like(p, math.pi / 2)
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -263,8 +261,12 @@ def truncated_quantile(family: str, loc: torch.Tensor, scale: torch.Tensor, p: f
     """The p-quantile of loc + scale·X given that it lies in `support` = (low, high), X `family`'s standard law:
     loc + scale·F⁻¹(F(a) + p·(F(b) − F(a))) with a, b the standardised ends. The law a head would give if told the
     target's range, as the digits LM's answers know it. A row whose law puts no float64 mass on the range gets the
-    nearer end."""
+    nearer end. The Cauchy law's is the package's reading (`causalqwen_adapter.cauchy.cauchy_quantile`)."""
     loc, scale = loc.double(), scale.double()
+    if family == "cauchy":
+        from causalqwen_adapter.cauchy import cauchy_quantile
+
+        return cauchy_quantile(loc, scale, p, support)
     low, high = support
     f_low = standard_cdf(family, (low - loc) / scale, df)
     f_high = standard_cdf(family, (high - loc) / scale, df)

@@ -232,6 +232,38 @@ def cauchy_nll(y: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch
     return _LOG_PI + torch.log(scale) + torch.log1p(((y - loc) / scale).square())
 
 
+def cauchy_quantile(
+    loc: torch.Tensor, scale: torch.Tensor, p: float, support: tuple[float, float] | None = None
+) -> torch.Tensor:
+    """The p-quantile of Cauchy(loc, scale), elementwise: loc + scale·tan(π(p − ½)).
+
+    With ``support`` = (low, high), the quantile of the law restricted to that range, for a value known to lie in it
+    (a rating on a fixed scale, a percentage): F⁻¹(F(low) + p·(F(high) − F(low))), written in angles since
+    π(F(x) − ½) = atan((x − loc)/scale). Computed in float32 or the inputs' wider dtype.
+    """
+    if not 0 < p < 1:
+        raise ValueError(f"a quantile level must lie in (0, 1), got {p}")
+    dtype = torch.promote_types(torch.promote_types(loc.dtype, scale.dtype), torch.float32)
+    loc, scale = loc.to(dtype), scale.to(dtype)
+    if support is None:
+        return loc + scale * math.tan(math.pi * (p - 0.5))
+    low, high = support
+    if not low < high:
+        raise ValueError(f"support must be (low, high) with low < high, got {support}")
+    a, b = torch.atan((low - loc) / scale), torch.atan((high - loc) / scale)
+    return (loc + scale * torch.tan(a + p * (b - a))).clamp(low, high)
+
+
+def cauchy_interval(
+    loc: torch.Tensor, scale: torch.Tensor, level: float, support: tuple[float, float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lower, upper) of the central ``level`` interval of Cauchy(loc, scale), on ``support`` when given: the
+    (1 ∓ level)/2 quantiles (`cauchy_quantile`). A numeric head's `loc_Y`, `scale_Y` give its number's interval."""
+    if not 0 < level < 1:
+        raise ValueError(f"an interval's level must lie in (0, 1), got {level}")
+    return cauchy_quantile(loc, scale, (1 - level) / 2, support), cauchy_quantile(loc, scale, (1 + level) / 2, support)
+
+
 def check_labels(valid_labels: torch.Tensor, vocab_size: int) -> None:
     """Labels other than −100 must index the vocabulary."""
     if valid_labels.numel() and (valid_labels.min() < 0 or valid_labels.max() >= vocab_size):

@@ -18,7 +18,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
-from causalqwen_adapter.cauchy import cauchy_nll, ovr_loss, signed_log1p
+from causalqwen_adapter.cauchy import cauchy_interval, cauchy_nll, cauchy_quantile, ovr_loss, signed_log1p
 from causalqwen_adapter.numeric import (
     NUM_TOKEN,
     NumericCollator,
@@ -62,6 +62,61 @@ def test_formulas_match_float64():
     y, loc, scale = torch.tensor([1.0, -4.0, 100.0]), torch.tensor([0.5, 2.0, -3.0]), torch.tensor([0.1, 3.0, 50.0])
     want = [math.log(math.pi * s) + math.log(1 + ((a - b) / s) ** 2) for a, b, s in zip(y.tolist(), loc.tolist(), scale.tolist())]
     torch.testing.assert_close(cauchy_nll(y, loc, scale), torch.tensor(want))
+
+
+def naive_cauchy_cdf(x, loc, scale):
+    return 0.5 + math.atan((x - loc) / scale) / math.pi
+
+
+def naive_truncated_cauchy_quantile(loc, scale, p, low, high):
+    """Bisection in float64 on (F(x) − F(low)) / (F(high) − F(low))."""
+    f_low, f_high = naive_cauchy_cdf(low, loc, scale), naive_cauchy_cdf(high, loc, scale)
+    lo, hi = low, high
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if (naive_cauchy_cdf(mid, loc, scale) - f_low) / (f_high - f_low) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def test_cauchy_quantiles_and_intervals_invert_the_cdf():
+    # inside the range, at its edges, beyond it; narrow and wide laws
+    loc = torch.tensor([0.3, -3.9, 3.5, 6.0, -5.0, 1.0], dtype=torch.float64)
+    scale = torch.tensor([0.5, 1.0, 3.0, 2.0, 0.7, 40.0], dtype=torch.float64)
+    for p in (0.025, 0.1, 0.5, 0.8, 0.975):
+        plain = cauchy_quantile(loc, scale, p)
+        assert all(naive_cauchy_cdf(q, a, s) == pytest.approx(p, abs=1e-12)
+                   for q, a, s in zip(plain.tolist(), loc.tolist(), scale.tolist()))
+        truncated = cauchy_quantile(loc, scale, p, support=(-4.0, 4.0))
+        assert truncated.dtype == torch.float64 and ((truncated >= -4) & (truncated <= 4)).all()
+        want = [naive_truncated_cauchy_quantile(a, s, p, -4.0, 4.0) for a, s in zip(loc.tolist(), scale.tolist())]
+        torch.testing.assert_close(truncated, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-9)
+    lower, upper = cauchy_interval(loc, scale, 0.9, support=(-4.0, 4.0))  # holds 90 % of the truncated law
+    for lo, hi, a, s in zip(lower.tolist(), upper.tolist(), loc.tolist(), scale.tolist()):
+        mass = (naive_cauchy_cdf(hi, a, s) - naive_cauchy_cdf(lo, a, s)) / (
+            naive_cauchy_cdf(4.0, a, s) - naive_cauchy_cdf(-4.0, a, s))
+        assert mass == pytest.approx(0.9, abs=1e-9)
+    torch.testing.assert_close(cauchy_interval(loc, scale, 0.5)[1], cauchy_quantile(loc, scale, 0.75))
+
+
+def test_cauchy_quantile_far_outside_the_range_and_in_low_precision():
+    # 56 000 scales beyond the range the truncated density is ∝ 1/(60 − x)², whose median m solves
+    # 1/(60 − m) = (1/56 + 1/64)/2
+    got = cauchy_quantile(torch.tensor([60.0], dtype=torch.float64), torch.tensor([1e-3], dtype=torch.float64), 0.5,
+                          support=(-4.0, 4.0))
+    assert got.item() == pytest.approx(60 - 2 / (1 / 56 + 1 / 64), abs=1e-6)
+    half = cauchy_quantile(torch.tensor([0.5], dtype=torch.bfloat16), torch.tensor([2.0], dtype=torch.bfloat16), 0.9)
+    assert half.dtype == torch.float32 and half.item() == pytest.approx(0.5 + 2 * math.tan(0.4 * math.pi), rel=1e-6)
+
+
+def test_cauchy_quantile_refuses_bad_levels_and_ranges():
+    loc, scale = torch.zeros(2), torch.ones(2)
+    for p in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="quantile level"):
+            cauchy_quantile(loc, scale, p)
+    with pytest.raises(ValueError, match="interval's level"):
+        cauchy_interval(loc, scale, 1.0)
+    with pytest.raises(ValueError, match="low < high"):
+        cauchy_quantile(loc, scale, 0.5, support=(4.0, -4.0))
 
 
 def test_zero_values_change_nothing(numeric_base, model):
