@@ -213,7 +213,8 @@ def student_t_quantile(p: float, df: float, points: int = 4001) -> float:
     lo, hi = 0.0, math.pi / 2
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if student_t_half_mass(torch.tensor([mid], dtype=torch.float64), df, points).item() < target else (lo, mid)
+        below = student_t_half_mass(torch.tensor([mid], dtype=torch.float64), df, points).item() < target
+        lo, hi = (mid, hi) if below else (lo, mid)
     return math.copysign(math.sqrt(df) * math.tan((lo + hi) / 2), p - 0.5)
 
 
@@ -498,20 +499,22 @@ def score_head(head, x, y, calibration=None) -> dict:
             return {"diverged": True, "score": float("inf")}
         nll = head.nll(x, y).double().mean().item()
         x_validation, y_validation = calibration if calibration is not None else (None, None)
-        out = {"nll": nll, **prediction_metrics(
-            prediction, y, None if x_validation is None else head.predict(x_validation, LEVELS), y_validation)}
-        out |= prediction_metrics(on_support(head, x), y, None if x_validation is None else on_support(head, x_validation),
-                                  y_validation, prefix="truncated_")
+        validation = None if x_validation is None else head.predict(x_validation, LEVELS)
+        out = {"nll": nll, **prediction_metrics(prediction, y, validation, y_validation)}
+        validation = None if x_validation is None else on_support(head, x_validation)
+        out |= prediction_metrics(on_support(head, x), y, validation, y_validation, prefix="truncated_")
     law = head.law() if isinstance(head, LocationScalePrediction) else {}
     return {**out, **law}
 
 
 def on_support(head, x):
     """The head's (median, intervals) from its law restricted to SUPPORT: a location-scale law truncated there; any
-    other (the digits LM's histogram, already inside) as it is."""
+    other (the digits LM's histogram, already inside) as it is. None where the head's prediction is (diverged)."""
     if isinstance(head, LocationScalePrediction):
-        return clipped(head.predict(x, LEVELS, SUPPORT))
-    return clipped(head.predict(x, LEVELS))
+        prediction = head.predict(x, LEVELS, SUPPORT)
+    else:
+        prediction = head.predict(x, LEVELS)
+    return None if prediction is None else clipped(prediction)
 
 
 def clipped(prediction):
@@ -525,7 +528,8 @@ def clipped(prediction):
 def prediction_metrics(prediction, y, validation=None, y_validation=None, prefix: str = "") -> dict:
     """MedAE and interval metrics of `prediction` = (median, intervals) on targets y, and with a `validation`
     prediction and its targets those of the intervals calibrated on it (`calibrated_`; clipped to SUPPORT under the
-    `truncated_` prefix, where widening beyond the range covers nothing more)."""
+    `truncated_` prefix, where widening beyond the range covers nothing more). No calibrated metrics when the
+    validation prediction is None (a head diverged there)."""
     median, intervals = prediction
     out = {f"{prefix}median_abs_error": median_absolute_error(median, y), **interval_metrics(intervals, y, prefix)}
     if validation is not None:
