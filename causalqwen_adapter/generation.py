@@ -39,7 +39,9 @@ class CausalGenerationMixin:
 
         Numeric models (docs/design.md, Numbers) take `numeric_values` beside the prompt (0 where a token is not `<NUM>`; zeros
         when omitted), feed each generated `<NUM>` its predicted value loc_Y, and with `return_dict_in_generate=True`
-        return `numeric_values` [batch, length] (the value of every `<NUM>` of the sequences, 0 elsewhere).
+        return `numeric_values` [batch, length] (the value of every `<NUM>` of the sequences, 0 elsewhere) and
+        `numeric_scales` (scale_Y of every generated `<NUM>`: its Cauchy law is (value, scale), whose intervals
+        `cauchy.cauchy_interval` gives; 0 elsewhere, the prompt's numbers included).
         """
         mode, _ = self._resolve_mode(
             kwargs.get("inference_mode"), kwargs.get("causal_temperature"), kwargs.get("noise_sharing", "step")
@@ -85,8 +87,10 @@ class CausalGenerationMixin:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         generated = record["values"]
         if not isinstance(out, torch.Tensor):
-            generated = generated[:, : sequences.shape[1]]
-            out["numeric_values"] = torch.where(sequences == self.config.num_token_id, generated, 0.0)
+            is_number = sequences == self.config.num_token_id
+            out["numeric_values"] = torch.where(is_number, generated[:, : sequences.shape[1]], 0.0)
+            scales = record.get("scales", torch.zeros_like(generated))  # none when no step ran
+            out["numeric_scales"] = torch.where(is_number, scales[:, : sequences.shape[1]], 0.0)
         return out
 
     def _get_candidate_generator(self, *args, **kwargs):
@@ -102,8 +106,12 @@ class CausalGenerationMixin:
             model_kwargs["causal_noise"] = outputs.causal_noise  # the same individual for the whole answer
         if model_kwargs.get("numeric_values") is not None and outputs.loc_Y is not None:
             # The value of the token just chosen, should it be <NUM>; masked by token when fed back.
-            predicted = outputs.loc_Y[:, -1:].to(model_kwargs["numeric_values"])
-            model_kwargs["numeric_values"] = torch.cat([model_kwargs["numeric_values"], predicted], dim=1)
-            if model_kwargs.get("numeric_record") is not None:
-                model_kwargs["numeric_record"]["values"] = model_kwargs["numeric_values"]
+            values = model_kwargs["numeric_values"]
+            model_kwargs["numeric_values"] = torch.cat([values, outputs.loc_Y[:, -1:].to(values)], dim=1)
+            record = model_kwargs.get("numeric_record")
+            if record is not None:
+                # the scale of that value beside it (the prompt's columns 0): generate() returns both
+                scales = record.get("scales", torch.zeros_like(values))
+                record["values"] = model_kwargs["numeric_values"]
+                record["scales"] = torch.cat([scales, outputs.scale_Y[:, -1:].to(values)], dim=1)
         return model_kwargs

@@ -4,7 +4,9 @@
 
 The tokenizer is the base's (adapters carry none); its chat template is applied when it has one
 (`--no-chat` to feed the prompt raw). With a numeric adapter (docs/design.md, Numbers) the numbers of the prompt enter as <NUM>
-tokens with their values, and the answer is printed once done, each generated <NUM> written as its predicted value.
+tokens with their values, and the answer is printed once done, each generated <NUM> written as its predicted value;
+`--interval 0.9` adds a line per generated number with its central 90 % interval (the Cauchy law of its value), on
+`--value-range LOW HIGH` when the numbers are known to lie there.
 The model runs on `--device` (default `auto`: CUDA if available, else MPS, else the CPU).
 """
 
@@ -15,7 +17,7 @@ from transformers import AutoTokenizer, TextStreamer
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import ADAPTER_HINT, check_found
-from causalqwen_adapter.cauchy import INFERENCE_MODES
+from causalqwen_adapter.cauchy import INFERENCE_MODES, cauchy_interval
 from causalqwen_adapter.configuration_causalqwen import check_number
 from causalqwen_adapter.devices import add_device_argument, resolve_device
 from causalqwen_adapter.numeric import add_num_token, decode_with_numbers, encode_with_numbers
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-model", default=None, help="override the base named in the adapter")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--interval", type=float, default=None, metavar="LEVEL",
+                        help="numeric adapters: also print each generated number's central LEVEL interval (e.g. 0.9)")
+    parser.add_argument("--value-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help="with --interval: the range the numbers are known to lie in (their law truncated to it)")
     add_device_argument(parser)
     args = parser.parse_args(argv)
 
@@ -56,6 +62,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.causal_temperature is not None:
             check_number("--causal-temperature", args.causal_temperature, minimum=0)
         check_number("--max-new-tokens", args.max_new_tokens, minimum=1, integer=True)
+        if args.interval is not None and not 0 < check_number("--interval", args.interval) < 1:
+            raise ValueError(f"--interval is the interval's level, in (0, 1) (0.9 for 90 %), got {args.interval}")
+        if args.value_range is not None:
+            if args.interval is None:
+                raise ValueError("--value-range reads the numbers' intervals: give --interval LEVEL with it")
+            low, high = (check_number("--value-range", v) for v in args.value_range)
+            if not low < high:
+                raise ValueError(f"--value-range is LOW HIGH with LOW < HIGH, got {low:g} {high:g}")
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     if args.seed is not None:
@@ -76,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     if model.config.numeric:
         print(generate_with_numbers(model, tokenizer, args.prompt, not args.no_chat, args, options))
         return
+    if args.interval is not None:
+        parser.error(f"--interval reads the numbers of a numeric adapter (config.numeric), and {args.adapter} is not one")
     model.generate(
         **inputs,
         max_new_tokens=args.max_new_tokens,
@@ -101,7 +117,16 @@ def generate_with_numbers(model, tokenizer, prompt: str, chat: bool, args, optio
         **options,
     )
     start = len(encoded["input_ids"])
-    return decode_with_numbers(tokenizer, out.sequences[0, start:].cpu(), out.numeric_values[0, start:].cpu(), num_id)
+    tokens, values = out.sequences[0, start:].cpu(), out.numeric_values[0, start:].cpu()
+    text = decode_with_numbers(tokenizer, tokens, values, num_id)
+    if args.interval is None:
+        return text
+    is_number = tokens == num_id
+    lower, upper = cauchy_interval(values[is_number], out.numeric_scales[0, start:].cpu()[is_number], args.interval,
+                                   support=None if args.value_range is None else tuple(args.value_range))
+    lines = [f"number {i}: {v:g}, {args.interval * 100:g} % interval [{lo:g}, {hi:g}]"
+             for i, (v, lo, hi) in enumerate(zip(values[is_number].tolist(), lower.tolist(), upper.tolist()), 1)]
+    return "\n".join([text, *lines])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ teacher-forced forward pass for the generated values.
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -216,23 +217,30 @@ def test_generated_numbers_are_loc_y_and_are_fed_back(model):
     prompt, values = IDS[:1, :4], VALUES[:1, :4]
     out = model.generate(prompt, numeric_values=values, max_new_tokens=3, do_sample=False,
                          inference_mode="compatible", return_dict_in_generate=True)
-    seq, got = out.sequences, out.numeric_values
+    seq, got, scales = out.sequences, out.numeric_values, out.numeric_scales
     assert (seq[0, 4:] == NUM).all()
     assert torch.equal(got[:, :4], values)
-    # teacher forcing: each generated value is loc_Y of the previous position given all earlier values
+    assert scales.shape == seq.shape and torch.equal(scales[:, :4], torch.zeros_like(values))  # given, not predicted
+    # teacher forcing: each generated value is loc_Y of the previous position given all earlier values, its scale
+    # that position's scale_Y
     for p in range(4, seq.shape[1]):
         with torch.no_grad():
             step = model(seq[:, :p], numeric_values=got[:, :p], inference_mode="compatible")
         torch.testing.assert_close(got[0, p], step.loc_Y[0, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(scales[0, p], step.scale_Y[0, -1], rtol=1e-5, atol=1e-5)
+        assert scales[0, p] > 0
     no_cache = model.generate(prompt, numeric_values=values, max_new_tokens=3, do_sample=False, use_cache=False,
                               inference_mode="compatible", return_dict_in_generate=True)
     assert torch.equal(no_cache.sequences, seq)
     torch.testing.assert_close(no_cache.numeric_values, got, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(no_cache.numeric_scales, scales, rtol=1e-5, atol=1e-5)
     # several samples per prompt: the values are expanded with the sequences
     multi = model.generate(prompt, numeric_values=values, max_new_tokens=2, do_sample=True, num_return_sequences=2,
                            inference_mode="compatible", return_dict_in_generate=True)
-    assert multi.numeric_values.shape == multi.sequences.shape == (2, 6)
+    assert multi.numeric_values.shape == multi.sequences.shape == multi.numeric_scales.shape == (2, 6)
     assert torch.equal(multi.numeric_values[:, :4], values.expand(2, -1))
+    assert (multi.numeric_scales[:, 4:][multi.sequences[:, 4:] == NUM] > 0).all()
+    assert (multi.numeric_scales[multi.sequences != NUM] == 0).all()
     # without return_dict: the usual tensor; without numeric_values: zeros for the prompt
     plain = model.generate(prompt, max_new_tokens=2, do_sample=False, inference_mode="compatible")
     assert isinstance(plain, torch.Tensor) and plain.shape == (1, 6)
@@ -246,7 +254,11 @@ def test_generation_refuses_beams_and_misaligned_values(model):
 
 
 def test_adapter_round_trip_and_remote_code(model, tmp_path):
+    _force_numbers(model)
     model.save_pretrained(tmp_path / "adapter")
+    options = dict(numeric_values=VALUES[:1, :4], max_new_tokens=2, do_sample=False, inference_mode="compatible",
+                   return_dict_in_generate=True)
+    want = model.generate(IDS[:1, :4], **options)
     for loaded in (CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter"),
                    AutoModelForCausalLM.from_pretrained(tmp_path / "adapter", trust_remote_code=True)):
         assert loaded.config.numeric and loaded.config.num_token_id == NUM
@@ -254,6 +266,11 @@ def test_adapter_round_trip_and_remote_code(model, tmp_path):
         with torch.no_grad():
             a, b = model(IDS, numeric_values=VALUES), loaded(IDS, numeric_values=VALUES)
         assert torch.equal(a.loc_Y, b.loc_Y) and torch.equal(a.logits, b.logits)
+        got = loaded.generate(IDS[:1, :4], **options)  # generated numbers with their scales, the remote code too
+        assert torch.equal(got.sequences, want.sequences) and (got.sequences[0, 4:] == NUM).all()
+        torch.testing.assert_close(got.numeric_values, want.numeric_values, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.numeric_scales, want.numeric_scales, rtol=1e-5, atol=1e-5)
+        assert (got.numeric_scales[0, 4:] > 0).all() and (got.numeric_scales[0, :4] == 0).all()
 
 
 # --------------------------------------------------------------------------------------- data helpers
@@ -408,6 +425,36 @@ def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
     values = out.numeric_values[0, n:]
     assert proc.stdout.strip() == "".join(f"{v:g}" for v in values.tolist())
     assert all(abs(v - 42.0) < 5 for v in values.tolist())
+    # with --interval: a line per generated number, its Cauchy interval on the range given
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "recipes" / "generate.py"), str(tmp_path / "adapter"),
+                           "--prompt", "the cat sat on 3", "--no-chat", "--mode", "compatible", "--max-new-tokens", "2",
+                           "--interval", "0.9", "--value-range", "0", "45"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lower, upper = cauchy_interval(values, out.numeric_scales[0, n:], 0.9, support=(0.0, 45.0))
+    assert proc.stdout.strip().splitlines() == ["".join(f"{v:g}" for v in values.tolist())] + [
+        f"number {i}: {v:g}, 90 % interval [{lo:g}, {hi:g}]"
+        for i, (v, lo, hi) in enumerate(zip(values.tolist(), lower.tolist(), upper.tolist()), 1)]
+    assert (upper <= 45).all() and (lower < values).all() and (values < upper).all()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--interval", "1.5"], r"--interval is the interval's level, in \(0, 1\)"),
+    (["--interval", "nan"], "--interval must be a finite number"),
+    (["--value-range", "0", "4"], "give --interval LEVEL with it"),
+    (["--interval", "0.9", "--value-range", "4", "-4"], "LOW < HIGH, got 4 -4"),
+])
+def test_generate_recipe_refuses_bad_interval_options(sft_base, tmp_path, capsys, extra, message):
+    spec = importlib.util.spec_from_file_location("generate_recipe_intervals", REPO_ROOT / "recipes" / "generate.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    CausalQwenForCausalLM.from_base(str(sft_base)).save_pretrained(tmp_path / "plain")
+    with pytest.raises(SystemExit) as exit_info:  # refused before the model loads
+        recipe.main([str(tmp_path / "plain"), "--prompt", "hi", "--no-chat", "--device", "cpu", *extra])
+    assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exit_info:  # a plain adapter has no numbers to give intervals of
+        recipe.main([str(tmp_path / "plain"), "--prompt", "hi", "--no-chat", "--device", "cpu", "--interval", "0.9",
+                     "--max-new-tokens", "1"])
+    assert exit_info.value.code == 2 and "is not one" in capsys.readouterr().err
 
 
 def test_model_card_says_the_adapter_is_numeric(model, tmp_path):
