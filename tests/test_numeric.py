@@ -460,7 +460,7 @@ def test_generate_recipe_refuses_bad_interval_options(sft_base, tmp_path, capsys
 def test_model_card_says_the_adapter_is_numeric(model, tmp_path):
     model.save_pretrained(tmp_path / "adapter")
     card = (tmp_path / "adapter" / "README.md").read_text()
-    assert f"`<NUM>` (id {NUM})" in card and "numeric_values" in card
+    assert f"`<NUM>` (id {NUM})" in card and "numeric_values" in card and "numeric_scales" in card
     CausalQwenForCausalLM.from_base(model.config.base_model_name_or_path).save_pretrained(tmp_path / "plain")
     assert "<NUM>" not in (tmp_path / "plain" / "README.md").read_text()
 
