@@ -15,7 +15,7 @@ import argparse
 import torch
 from transformers import AutoTokenizer, TextStreamer
 
-from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import ADAPTER_HINT, check_found
 from causalqwen_adapter.cauchy import INFERENCE_MODES, cauchy_interval
 from causalqwen_adapter.configuration_causalqwen import check_number
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
             low, high = (check_number("--value-range", v) for v in args.value_range)
             if not low < high:
                 raise ValueError(f"--value-range is LOW HIGH with LOW < HIGH, got {low:g} {high:g}")
+        if args.interval is not None and not CausalQwenConfig.from_pretrained(args.adapter).numeric:
+            raise ValueError(f"--interval reads the numbers of a numeric adapter (config.numeric), and {args.adapter} "
+                             "is not one")
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     if args.seed is not None:
@@ -90,8 +93,6 @@ def main(argv: list[str] | None = None) -> None:
     if model.config.numeric:
         print(generate_with_numbers(model, tokenizer, args.prompt, not args.no_chat, args, options))
         return
-    if args.interval is not None:
-        parser.error(f"--interval reads the numbers of a numeric adapter (config.numeric), and {args.adapter} is not one")
     model.generate(
         **inputs,
         max_new_tokens=args.max_new_tokens,

@@ -443,18 +443,19 @@ def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
     (["--value-range", "0", "4"], "give --interval LEVEL with it"),
     (["--interval", "0.9", "--value-range", "4", "-4"], "LOW < HIGH, got 4 -4"),
 ])
-def test_generate_recipe_refuses_bad_interval_options(sft_base, tmp_path, capsys, extra, message):
+def test_generate_recipe_refuses_bad_interval_options(sft_base, tmp_path, capsys, monkeypatch, extra, message):
     spec = importlib.util.spec_from_file_location("generate_recipe_intervals", REPO_ROOT / "recipes" / "generate.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     CausalQwenForCausalLM.from_base(str(sft_base)).save_pretrained(tmp_path / "plain")
-    with pytest.raises(SystemExit) as exit_info:  # refused before the model loads
+    loaded = []  # every refusal comes before the model loads
+    monkeypatch.setattr(recipe.CausalQwenForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))
+    with pytest.raises(SystemExit) as exit_info:
         recipe.main([str(tmp_path / "plain"), "--prompt", "hi", "--no-chat", "--device", "cpu", *extra])
     assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err)
     with pytest.raises(SystemExit) as exit_info:  # a plain adapter has no numbers to give intervals of
-        recipe.main([str(tmp_path / "plain"), "--prompt", "hi", "--no-chat", "--device", "cpu", "--interval", "0.9",
-                     "--max-new-tokens", "1"])
-    assert exit_info.value.code == 2 and "is not one" in capsys.readouterr().err
+        recipe.main([str(tmp_path / "plain"), "--prompt", "hi", "--no-chat", "--device", "cpu", "--interval", "0.9"])
+    assert exit_info.value.code == 2 and "is not one" in capsys.readouterr().err and not loaded
 
 
 def test_model_card_says_the_adapter_is_numeric(model, tmp_path):
