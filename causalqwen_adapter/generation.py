@@ -89,7 +89,8 @@ class CausalGenerationMixin:
         if not isinstance(out, torch.Tensor):
             is_number = sequences == self.config.num_token_id
             out["numeric_values"] = torch.where(is_number, generated[:, : sequences.shape[1]], 0.0)
-            scales = record.get("scales", torch.zeros_like(generated))  # none when no step ran
+            scales = record.get("scales")
+            scales = torch.zeros_like(generated) if scales is None else scales  # None when no step ran
             out["numeric_scales"] = torch.where(is_number, scales[:, : sequences.shape[1]], 0.0)
         return out
 
@@ -111,7 +112,9 @@ class CausalGenerationMixin:
             record = model_kwargs.get("numeric_record")
             if record is not None:
                 # the scale of that value beside it (the prompt's columns 0): generate() returns both
-                scales = record.get("scales", torch.zeros_like(values))
+                scales = record.get("scales")
+                if scales is None:  # the first step
+                    scales = torch.zeros_like(values)
                 record["values"] = model_kwargs["numeric_values"]
                 record["scales"] = torch.cat([scales, outputs.scale_Y[:, -1:].to(values)], dim=1)
         return model_kwargs
