@@ -203,19 +203,22 @@ def standard_quantile(family: str, p: float, df: float | None = None) -> float:
 
 
 def student_t_quantile(p: float, df: float, points: int = 4001) -> float:
-    """Quantile of Student's t with `df` degrees of freedom (no closed form for a general ν, no scipy here): θ with
-    t = √ν·tan θ found by bisection on the CDF's integral (`student_t_half_mass`)."""
+    """Quantile of Student's t with `df` degrees of freedom (no closed form for a general ν, no scipy here)."""
     if not df > 0:
         raise ValueError(f"Student-t degrees of freedom must be > 0, got {df}")
-    if p == 0.5:
-        return 0.0
-    target = abs(p - 0.5)
-    lo, hi = 0.0, math.pi / 2
+    return student_t_quantiles(torch.tensor([p], dtype=torch.float64), df, points).item()
+
+
+def student_t_quantiles(p: torch.Tensor, df: float, points: int = 201) -> torch.Tensor:
+    """The quantile at each level p: θ with √ν·tan θ the quantile, found by bisection on the CDF's integral
+    (`student_t_half_mass`) for |p − ½| and signed after (exactly 0 at p = ½), float64."""
+    target = (p.double() - 0.5).abs()
+    lo, hi = torch.zeros_like(target), torch.full_like(target, math.pi / 2)
     for _ in range(60):
         mid = (lo + hi) / 2
-        below = student_t_half_mass(torch.tensor([mid], dtype=torch.float64), df, points).item() < target
-        lo, hi = (mid, hi) if below else (lo, mid)
-    return math.copysign(math.sqrt(df) * math.tan((lo + hi) / 2), p - 0.5)
+        below = student_t_half_mass(mid, df, points) < target
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return torch.sign(p.double() - 0.5) * math.sqrt(df) * torch.tan((lo + hi) / 2)
 
 
 def student_t_half_mass(theta: torch.Tensor, df: float, points: int = 4001) -> torch.Tensor:
@@ -242,19 +245,13 @@ def standard_cdf(family: str, x: torch.Tensor, df: float | None = None) -> torch
 
 
 def standard_quantiles(family: str, p: torch.Tensor, df: float | None = None) -> torch.Tensor:
-    """The quantile of the Gaussian or Student-t standard law at each level p in (0, 1), float64 (Student-t: bisection
-    on θ)."""
+    """The quantile of the Gaussian or Student-t standard law at each level p in (0, 1), float64."""
     p = p.double()
     if family == "gaussian":
         return torch.special.ndtri(p)
-    if family != "student_t":
-        raise ValueError(f"unknown family {family!r}: choose gaussian or student_t")
-    lo, hi = torch.full_like(p, -math.pi / 2), torch.full_like(p, math.pi / 2)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        below = 0.5 + student_t_half_mass(mid, df, points=201) < p
-        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
-    return math.sqrt(df) * torch.tan((lo + hi) / 2)
+    if family == "student_t":
+        return student_t_quantiles(p, df)
+    raise ValueError(f"unknown family {family!r}: choose gaussian or student_t")
 
 
 def truncated_quantile(family: str, loc: torch.Tensor, scale: torch.Tensor, p: float, support: tuple[float, float],
@@ -501,19 +498,18 @@ def score_head(head, x, y, calibration=None) -> dict:
         x_validation, y_validation = calibration if calibration is not None else (None, None)
         validation = None if x_validation is None else head.predict(x_validation, LEVELS)
         out = {"nll": nll, **prediction_metrics(prediction, y, validation, y_validation)}
-        validation = None if x_validation is None else on_support(head, x_validation)
-        out |= prediction_metrics(on_support(head, x), y, validation, y_validation, prefix="truncated_")
+        validation = None if x_validation is None else on_support(head, x_validation, validation)
+        out |= prediction_metrics(on_support(head, x, prediction), y, validation, y_validation, prefix="truncated_")
     law = head.law() if isinstance(head, LocationScalePrediction) else {}
     return {**out, **law}
 
 
-def on_support(head, x):
+def on_support(head, x, prediction):
     """The head's (median, intervals) from its law restricted to SUPPORT: a location-scale law truncated there; any
-    other (the digits LM's histogram, already inside) as it is. None where the head's prediction is (diverged)."""
+    other (the digits LM's histogram, already inside) its `prediction` as it is. None where the head's prediction is
+    (diverged)."""
     if isinstance(head, LocationScalePrediction):
         prediction = head.predict(x, LEVELS, SUPPORT)
-    else:
-        prediction = head.predict(x, LEVELS)
     return None if prediction is None else clipped(prediction)
 
 
@@ -521,7 +517,10 @@ def clipped(prediction):
     """(median, intervals) with every end clipped to SUPPORT: widening beyond the range covers nothing more (for a
     law inside the range, only float rounding changes)."""
     median, intervals = prediction
-    clip = lambda values: values.double().clamp(*SUPPORT)  # noqa: E731
+
+    def clip(values):
+        return values.double().clamp(*SUPPORT)
+
     return clip(median), {level: (clip(lower), clip(upper)) for level, (lower, upper) in intervals.items()}
 
 
