@@ -124,13 +124,17 @@ def extract_features(base: str, rows: list[dict], texts: int, cache: Path, batch
     """z at the last prompt token for the first `texts` rows of a fixed permutation (seed 0) of all rows; resumes a
     partial cache (saved after every batch), so a long extraction can be stopped and continued. With `answers`, also
     the states the digits arm reads (evidence_digits.answer_states; z is their first) and the base's output rows of
-    the answer tokens, in a cache of their own."""
+    the answer tokens, in a cache of their own. Without `answers`, z is read from (and grown in) the answer states'
+    cache when it exists and no cache of z alone does: z is their first state."""
     path = feature_cache_path(cache, base, answers)
+    if not answers and not path.exists() and feature_cache_path(cache, base, True).exists():
+        path = feature_cache_path(cache, base, True)  # z is the answer states' first: the digits arms' cache serves
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
     store = torch.load(path, weights_only=False) if path.exists() else {
         "prompt": PROMPT, "base": str(base), "keys": [], "z": [], "rating": [], "seconds": 0.0}
     if len(store["keys"]) >= texts:
         return store
+    answers = answers or "states" in store  # a cache of answer states grows as one, whoever resumes it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -399,6 +403,30 @@ class PackageCauchyHead(LocationScalePrediction, torch.nn.Module):
         return {}
 
 
+def cauchy_log_mass(loc: torch.Tensor, scale: torch.Tensor, support: tuple[float, float]) -> torch.Tensor:
+    """log P(low ≤ Y ≤ high) of Y ~ Cauchy(loc, scale), in float64: log((atan(u) − atan(v))/π), u = (high − loc)/scale,
+    v = (low − loc)/scale, the difference taken as atan((u − v)/(1 + uv)) where uv > −1 (loc outside the range, where
+    the two angles nearly cancel)."""
+    low, high = support
+    loc, scale = loc.double(), scale.double()
+    u, v = (high - loc) / scale, (low - loc) / scale
+    same_side = u * v > -1
+    angle = torch.where(same_side, torch.atan((high - low) / scale / (1 + u * v).where(same_side, 1.0)),
+                        torch.atan(u) - torch.atan(v))
+    return torch.log(angle / math.pi)
+
+
+class RangeCauchyHead(PackageCauchyHead):
+    """The package's head trained on its law restricted to SUPPORT: the NLL of the truncated Cauchy, −log f(y) +
+    log P(Y ∈ SUPPORT), the range in the loss and not only in the reading (its `nll` metric is that density's)."""
+
+    def nll(self, z, y):
+        from causalqwen_adapter.cauchy import cauchy_nll
+
+        loc, scale = self(z)
+        return cauchy_nll(y, loc, scale).double() + cauchy_log_mass(loc, scale, SUPPORT)
+
+
 class LocationScaleHead(LocationScalePrediction, torch.nn.Module):
     """A head a user would write: location w·z + b, log-scale read from a softplus layer of the abduction scale path's
     size, log σ = v·softplus(W z + c) + s; Gaussian (σ² the variance), Student-t (ν learned) or Cauchy."""
@@ -446,6 +474,7 @@ class LocationScaleHead(LocationScalePrediction, torch.nn.Module):
 
 ARMS = {  # arm → fresh head from (its inputs, the training targets)
     "cauchy": lambda z, y: PackageCauchyHead(z.shape[1], y),
+    "cauchy_range": lambda z, y: RangeCauchyHead(z.shape[1], y),  # the range in the loss
     "gaussian": lambda z, y: LocationScaleHead(z.shape[1], y, "gaussian"),
     "student_t": lambda z, y: LocationScaleHead(z.shape[1], y, "student_t"),
     "cauchy_free": lambda z, y: LocationScaleHead(z.shape[1], y, "cauchy"),

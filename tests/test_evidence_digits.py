@@ -183,9 +183,14 @@ def test_extracted_states_are_one_unpadded_forward_of_prompt_and_answer(char_bas
             for i in range(7)]
     first = numbers.extract_features(str(char_base), rows, 4, tmp_path, batch_size=3, answers=True)
     assert first["states"].shape[0] == 4
-    store = numbers.extract_features(str(char_base), rows, 7, tmp_path, batch_size=3, answers=True)  # resumed
+    store = numbers.extract_features(str(char_base), rows, 7, tmp_path, batch_size=3)  # resumed, z alone asked
+    assert store["states"].shape[0] == 7 and store["rest_lse"].shape[0] == 7
     features = numbers.answer_features(store, 7)
     tree = features.tree
+    # a run of the regression arms alone reads z from this cache, and resumes it as answer states
+    z_alone = numbers.extract_features(str(char_base), rows, 7, tmp_path, batch_size=3)
+    torch.testing.assert_close(torch.as_tensor(z_alone["z"]), torch.as_tensor(store["z"]), rtol=0, atol=0)
+    assert not numbers.feature_cache_path(tmp_path, str(char_base)).exists()
     tokenizer = AutoTokenizer.from_pretrained(char_base)
     model = AutoModelForCausalLM.from_pretrained(char_base, dtype=torch.float32).eval()
     torch.testing.assert_close(features.rows, model.lm_head.weight[tree.tokens])
