@@ -34,6 +34,7 @@ OUTPUT.json and OUTPUT.md.
 
     python bench/evidence_numbers.py --base /work/demo-base --quick
     python bench/evidence_numbers.py --base /work/demo-base --texts 768 --seeds 5    # BENCHMARKS.md; bench/results/evidence-numbers.md
+    python bench/evidence_numbers.py --summarize RUN.json OTHER_ARMS.json --select nll --output BOTH
 """
 
 import argparse
@@ -678,6 +679,32 @@ def reselect(results: list[dict], select: str) -> list[dict]:
     return out
 
 
+PROTOCOL_KEYS = ("texts", "seeds", "steps", "batch_size", "learning_rates", "shuffle_fraction", "prompt")
+
+
+def merge_runs(saved: list[dict]) -> tuple[dict, list[dict]]:
+    """(meta, runs) of several JSON files this script wrote for the same protocol (texts, seeds, steps, rates, ...:
+    the same splits and shuffles), as one run of all their arms: an arm run later pairs with the arms run before.
+    The constant predictor's rows, which every file has, are taken once. Refuses files of different protocols, and an
+    arm in two files."""
+    meta = saved[0]["meta"]
+    for other in saved[1:]:
+        differ = [key for key in PROTOCOL_KEYS if other["meta"].get(key) != meta.get(key)]
+        if differ:
+            raise ValueError(f"these runs are not of the same protocol ({', '.join(differ)} differ: "
+                             f"{[other['meta'].get(k) for k in differ]} against {[meta.get(k) for k in differ]}): "
+                             "only runs with the same splits pair")
+    runs, owner = [], {}
+    for index, file in enumerate(saved):
+        for row in file["runs"]:
+            if row["arm"] == "constant" and index > 0:
+                continue
+            if owner.setdefault(row["arm"], index) != index:
+                raise ValueError(f"arm {row['arm']!r} ran in two of these files: keep one of them")
+            runs.append(row)
+    return meta, runs
+
+
 INTERVAL_METRICS = [f"{m}_{lv}" for m in ("coverage", "width", "winkler") for lv in LEVELS]
 CALIBRATED_METRICS = INTERVAL_METRICS + ["calibrated_" + m for m in INTERVAL_METRICS]
 METRICS = (["median_abs_error", "nll"] + CALIBRATED_METRICS + ["truncated_median_abs_error"]
@@ -809,15 +836,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a subset under 10 minutes: 200 texts, 3 seeds, 200 steps, rates 3e-4 and 3e-3")
     parser.add_argument("--output", default="bench/results/evidence_numbers", help="writes OUTPUT.json and OUTPUT.md")
-    parser.add_argument("--summarize", metavar="JSON",
-                        help="only re-render OUTPUT.md from a JSON this script wrote (with --select: re-picked)")
+    parser.add_argument("--summarize", metavar="JSON", nargs="+",
+                        help="only re-render OUTPUT.md from JSON files this script wrote (with --select: re-picked); "
+                             "several: runs of other arms on the same protocol, summarised and paired as one run")
     args = parser.parse_args()
     if args.summarize:
-        saved = json.loads(Path(args.summarize).read_text())
-        meta, results = saved["meta"], reselect(saved["runs"], args.select)
+        saved = [json.loads(Path(path).read_text()) for path in args.summarize]
+        try:
+            meta, runs = merge_runs(saved)
+        except ValueError as err:
+            parser.error(str(err))
+        results = reselect(runs, args.select)
         table = markdown(summarize(results), all_paired_differences(results))
-        rule = f"; learning rates re-picked by validation {args.select}" if args.select != meta["select"] else ""
-        Path(f"{args.output}.md").write_text(f"{meta['command']}  ({meta['date']}, {meta['machine']}{rule})\n{table}")
+        header = "\n".join(f"{m['command']}  ({m['date']}, {m['machine']}"
+                           + (f"; learning rates re-picked by validation {args.select}" if args.select != m["select"]
+                              else "") + ")" for m in (file["meta"] for file in saved))
+        Path(f"{args.output}.md").write_text(f"{header}\n{table}")
         print(table)
         return
     if args.quick:

@@ -31,25 +31,33 @@ def build_inputs(tokenizer, prompt: str, chat: bool):
     return tokenizer(prompt, return_tensors="pt")
 
 
+def spellings(*names: str) -> list[str]:
+    """Each option under its dashed name and its generate() keyword's (`--max-new-tokens`, `--max_new_tokens`), as
+    the HfArgumentParser recipes (sft_ovr.py, evaluate.py) accept both."""
+    return [*names, *("--" + n[2:].replace("-", "_") for n in names if "-" in n[2:])]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("adapter", help="adapter folder or Hub id")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--mode", choices=INFERENCE_MODES, default=None, help="default: the adapter's config")
-    parser.add_argument("--causal-temperature", type=float, default=None, help="T of the mode's noise")
-    parser.add_argument("--noise-sharing", choices=("step", "sequence"), default=None, help="sampling mode only")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument(*spellings("--mode", "--inference-mode"), dest="mode", choices=INFERENCE_MODES, default=None,
+                        help="default: the adapter's config")
+    parser.add_argument(*spellings("--causal-temperature"), type=float, default=None, help="T of the mode's noise")
+    parser.add_argument(*spellings("--noise-sharing"), choices=("step", "sequence"), default=None,
+                        help="sampling mode only")
+    parser.add_argument(*spellings("--max-new-tokens"), type=int, default=128)
+    parser.add_argument(*spellings("--do-sample"), action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument(*spellings("--top-k"), type=int, default=None)
+    parser.add_argument(*spellings("--top-p"), type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--base-model", default=None, help="override the base named in the adapter")
+    parser.add_argument(*spellings("--base-model"), default=None, help="override the base named in the adapter")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
-    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument(*spellings("--no-chat"), action="store_true", help="do not apply the chat template")
     parser.add_argument("--interval", type=float, default=None, metavar="LEVEL",
                         help="numeric adapters: also print each generated number's central LEVEL interval (e.g. 0.9)")
-    parser.add_argument("--value-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+    parser.add_argument(*spellings("--value-range"), type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="with --interval: the range the numbers are known to lie in (their law truncated to it)")
     add_device_argument(parser)
     args = parser.parse_args(argv)

@@ -3,6 +3,7 @@ inverting a numerically integrated CDF), the VADER reader on a tiny synthetic ar
 
 import importlib.util
 import io
+import json
 import math
 import random
 import tarfile
@@ -448,6 +449,29 @@ def test_extraction_is_each_prompt_alone_and_resumes(sft_base, tmp_path):
         for k, i in enumerate(order):
             ids = tokenizer(evidence.PROMPT.format(text=rows[i]["text"]), return_tensors="pt").input_ids
             torch.testing.assert_close(store["z"][k], model(ids).last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_runs_of_other_arms_merge_into_the_run_of_all_of_them():
+    torch.manual_seed(0)
+    z = torch.randn(200, 4)  # 40 validation rows: enough for a finite conformal offset at 95 %
+    ratings = z[:, 0] + 0.2 * torch.randn(200)
+    protocol = dict(seeds=2, steps=10, batch_size=16, learning_rates=[1e-2], fraction=0.2, log=lambda *_: None)
+    meta = {"texts": 200, "seeds": 2, "steps": 10, "batch_size": 16, "learning_rates": [1e-2], "shuffle_fraction": 0.2,
+            "prompt": evidence.PROMPT}
+
+    def saved(arms):
+        return {"meta": meta, "runs": json.loads(json.dumps(evidence.run_protocol(z, ratings, arms=arms, **protocol)))}
+
+    together = saved(["cauchy", "gaussian", "cauchy_range"])["runs"]
+    _, merged = evidence.merge_runs([saved(["cauchy", "gaussian"]), saved(["cauchy_range"])])
+    key = lambda r: (r["seed"], r["condition"], r["arm"])  # noqa: E731
+    assert sorted(merged, key=key) == sorted(together, key=key)
+    assert evidence.all_paired_differences(merged) == evidence.all_paired_differences(together)
+    other = {**saved(["cauchy_range"]), "meta": {**meta, "steps": 20}}
+    with pytest.raises(ValueError, match="steps differ"):
+        evidence.merge_runs([saved(["cauchy"]), other])
+    with pytest.raises(ValueError, match="'cauchy' ran in two"):
+        evidence.merge_runs([saved(["cauchy"]), saved(["cauchy", "gaussian"])])
 
 
 def test_reselect_picks_what_a_run_with_that_rule_picks():

@@ -316,8 +316,11 @@ def test_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_bat
 # --------------------------------------------------------------------------------------- recipes/generate.py
 
 
-def test_generate_recipe_streams_the_greedy_answer(sft_base, tmp_path):
-    """Compatible mode with fresh heads: what the recipe prints is the base's own greedy continuation."""
+@pytest.mark.parametrize("spelling", [("--no-chat", "--mode", "--max-new-tokens"),
+                                      ("--no_chat", "--inference_mode", "--max_new_tokens")])
+def test_generate_recipe_streams_the_greedy_answer(sft_base, tmp_path, spelling):
+    """Compatible mode with fresh heads: what the recipe prints is the base's own greedy continuation. Its options
+    read under their dashed names and generate()'s keywords alike."""
     base = Qwen2ForCausalLM.from_pretrained(sft_base).eval()
     CausalQwenForCausalLM.from_base(base).save_pretrained(tmp_path / "adapter")
     tokenizer = AutoTokenizer.from_pretrained(sft_base)
@@ -326,7 +329,8 @@ def test_generate_recipe_streams_the_greedy_answer(sft_base, tmp_path):
     expected = tokenizer.decode(base.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1]:],
                                 skip_special_tokens=True)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "generate.py"
-    proc = subprocess.run([sys.executable, str(recipe), str(tmp_path / "adapter"), "--prompt", prompt, "--no-chat",
-                           "--mode", "compatible", "--max-new-tokens", "5"], capture_output=True, text=True)
+    no_chat, mode, max_new_tokens = spelling
+    proc = subprocess.run([sys.executable, str(recipe), str(tmp_path / "adapter"), "--prompt", prompt, no_chat,
+                           mode, "compatible", max_new_tokens, "5"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == expected.strip()
