@@ -33,6 +33,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 from .configuration_causalqwen import CausalQwenConfig, check_number
 from .model_card import CARD_NAME, write_model_card
 from .sharding import gathered, gathered_tensors, is_partitioned, whole_shape
+from .tokenization_causalqwen import TOKENIZER_CONFIG, TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
 LORA_FOLDER = "lora"
@@ -356,10 +357,18 @@ def give_plain_modes(folder: Path) -> None:
 
 
 def adapter_file_names() -> set[str]:
-    """The names a save writes at the top of an adapter folder (docs/design.md, The adapter folder)."""
+    """The names a save writes at the top of an adapter folder (docs/design.md, The adapter folder), but for
+    `tokenizer_config.json`, which it writes only where no tokenizer of the user's is (`keeps_tokenizer_config`)."""
     modeling = Path(__file__).with_name("modeling_causalqwen.py")
     code = {Path(f).name for f in [modeling, *get_relative_import_files(modeling)]}
     return {"config.json", ADAPTER_WEIGHTS_NAME, GENERATION_CONFIG_NAME, CARD_NAME, LORA_FOLDER, *code}
+
+
+def keeps_tokenizer_config(target: Path) -> bool:
+    """Whether `target` holds a `tokenizer_config.json` that an adapter save did not write (a tokenizer the user
+    saved there): the save leaves it, and AutoTokenizer reads that tokenizer instead of the base's."""
+    path = target / TOKENIZER_CONFIG_NAME
+    return (path.exists() or path.is_symlink()) and not is_adapter_tokenizer_config(path)
 
 
 def stale_save_folders(target: Path) -> list[Path]:
@@ -598,7 +607,7 @@ class CausalAdapterMixin:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            self._write_adapter_files(staging, tensors)
+            self._write_adapter_files(staging, tensors, tokenizer_config=not keeps_tokenizer_config(target))
             install_folder(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -606,7 +615,7 @@ class CausalAdapterMixin:
         for stale in stale_save_folders(target):
             shutil.rmtree(stale, ignore_errors=True)
 
-    def _write_adapter_files(self, folder: Path, tensors: dict) -> None:
+    def _write_adapter_files(self, folder: Path, tensors: dict, tokenizer_config: bool = True) -> None:
         config = self.config.to_dict()
         config["architectures"] = ["CausalQwenForCausalLM"]
         config["auto_map"] = {
@@ -621,6 +630,8 @@ class CausalAdapterMixin:
             shutil.copyfile(source, folder / Path(source).name)
         if getattr(self, "generation_config", None) is not None:
             self.generation_config.save_pretrained(folder)
+        if tokenizer_config:  # AutoTokenizer.from_pretrained(folder) gives the base's tokenizer (tokenization_causalqwen)
+            (folder / TOKENIZER_CONFIG_NAME).write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
         if getattr(self.model, "_hf_peft_config_loaded", False):
             # LoRA on the backbone, in PEFT's format under lora/ (never at the root: transformers
             # would then take the whole folder for a PEFT adapter).

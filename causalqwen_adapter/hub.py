@@ -8,9 +8,11 @@ import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
+from huggingface_hub.errors import RevisionNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from .model_card import CARD_NAME, retarget_model_card
+from .tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
 
 DEFAULT_COMMIT_MESSAGE = "Upload CausalQwen adapter"
 
@@ -53,7 +55,9 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
 
     The same commit deletes what an earlier push left that this adapter does not have: a `lora/` folder (the loader
     would apply a stale backbone LoRA to these heads) and remote-code `.py` files. Other files in the repo (a
-    tokenizer, results) are kept. Returns huggingface_hub's `CommitInfo`. Run `check_push` first.
+    tokenizer, results) are kept: a `tokenizer_config.json` of the repo's own is not replaced by the adapter's (which
+    only points AutoTokenizer at the base's tokenizer); an earlier push's pointer goes when this folder has none.
+    Returns huggingface_hub's `CommitInfo`. Run `check_push` first.
     """
     folder = Path(folder)
     api = HfApi(token=token)
@@ -63,14 +67,33 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
         card.write_text(retarget_model_card(card.read_text(encoding="utf-8"), repo_id), encoding="utf-8")
     if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
         api.create_branch(repo_id, branch=revision, exist_ok=True)
+    pointer, delete = folder / TOKENIZER_CONFIG_NAME, list(STALE_FILE_PATTERNS)
+    remote = remote_tokenizer_config(api, repo_id, revision)
+    if remote == "own" and is_adapter_tokenizer_config(pointer):
+        pointer.unlink()  # the repo's tokenizer stays the one AutoTokenizer reads
+    elif remote == "adapter" and not pointer.exists():
+        delete.append(TOKENIZER_CONFIG_NAME)  # an earlier push's pointer, to a module this push removes
     return api.upload_folder(
         repo_id=repo_id,
         folder_path=folder,
         revision=revision,
         commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
         create_pr=create_pr,
-        delete_patterns=STALE_FILE_PATTERNS,  # files this folder uploads are overwritten, never deleted
+        delete_patterns=delete,  # files this folder uploads are overwritten, never deleted
     )
+
+
+def remote_tokenizer_config(api: HfApi, repo_id: str, revision: str | None) -> str:
+    """What `tokenizer_config.json` the repo holds at `revision` (its default branch when None): "none", "adapter"
+    (the pointer an adapter save writes) or "own" (a tokenizer its owner uploaded)."""
+    try:
+        if TOKENIZER_CONFIG_NAME not in api.list_repo_files(repo_id, revision=revision):
+            return "none"
+    except RevisionNotFoundError:  # a new branch or an empty repo: nothing there yet
+        return "none"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = api.hf_hub_download(repo_id, TOKENIZER_CONFIG_NAME, revision=revision, local_dir=tmp)
+        return "adapter" if is_adapter_tokenizer_config(Path(path)) else "own"
 
 
 def push_adapter(model, repo_id: str, *, private=None, token=None, revision=None, commit_message=None,
@@ -85,4 +108,4 @@ def push_adapter(model, repo_id: str, *, private=None, token=None, revision=None
                                      commit_message=commit_message, create_pr=create_pr)
 
 
-__all__ = ["check_push", "upload_adapter_folder", "push_adapter"]
+__all__ = ["check_push", "remote_tokenizer_config", "upload_adapter_folder", "push_adapter"]

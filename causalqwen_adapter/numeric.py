@@ -150,7 +150,7 @@ class NumericCollator:
     def __call__(self, examples: list[dict]) -> dict:
         if any("numeric_values" not in example for example in examples):
             raise ValueError("a numeric model trains on examples with numeric_values beside input_ids (build them with "
-                             "causalqwen_adapter.numeric.encode_with_numbers)")
+                             "encode_with_numbers, of the numeric module)")
         rows = [self._values(i, example) for i, example in enumerate(examples)]
         batch = self.collator([{k: v for k, v in example.items() if k != "numeric_values"} for example in examples])
         if self.padding_free:

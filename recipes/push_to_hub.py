@@ -25,6 +25,7 @@ from transformers.dynamic_module_utils import get_relative_import_files
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
 from causalqwen_adapter.hub import check_push, upload_adapter_folder
 from causalqwen_adapter.model_card import CARD_NAME, render_model_card
+from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
 
 WEIGHTS = "model.safetensors"
 OPTIONAL = ("generation_config.json", CARD_NAME)
@@ -74,6 +75,8 @@ def adapter_files(folder: Path) -> list[str]:
 
     files = ["config.json", WEIGHTS] + sorted({m.name for m in code})
     files += [name for name in OPTIONAL if (folder / name).is_file()]
+    if is_adapter_tokenizer_config(folder / TOKENIZER_CONFIG_NAME):  # the pointer to the base's tokenizer, not a user's
+        files.append(TOKENIZER_CONFIG_NAME)
     if (folder / "lora").is_dir():
         files += sorted(p.relative_to(folder).as_posix() for p in (folder / "lora").rglob("*")
                         if p.is_file() or p.is_symlink())

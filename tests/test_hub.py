@@ -33,6 +33,8 @@ from safetensors.torch import load as load_safetensors
 
 import causalqwen_adapter.model_card as model_card
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.hub import upload_adapter_folder
+from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_test_token"
@@ -92,6 +94,9 @@ class FakeHub:
 
             def do_GET(self):
                 self._dispatch("GET")
+
+            def do_HEAD(self):
+                self._dispatch("HEAD")
 
             def _dispatch(self, method):
                 url = urlparse(self.path)
@@ -169,6 +174,23 @@ class FakeHub:
                            for path, data in sorted(hub.repos[repo_id][revision].items())]
                 self._reply(200, entries)
 
+            def _resolve(self, body, query, repo_id, revision, path):
+                """A committed file's bytes (GET) or only its headers (HEAD), as hf_hub_download reads them."""
+                data = hub.repos.get(repo_id, {}).get(revision, {}).get(path)
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("ETag", f'"{hashlib.sha1(data).hexdigest()}"')
+                self.send_header("X-Repo-Commit", "0" * 40)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command == "GET":
+                    self.wfile.write(data)
+
             def _lfs_batch(self, body, query, repo_id):
                 objects = []
                 for obj in json.loads(body)["objects"]:
@@ -234,6 +256,8 @@ ROUTES = [  # "METHOD name" → path pattern (groups: repo id, then revision/bra
     ("POST preupload", rf"/api/models{_REPO}/preupload/([^/]+)"),
     ("POST commit", rf"/api/models{_REPO}/commit/([^/]+)"),
     ("GET tree", rf"/api/models{_REPO}/tree/([^/]+)"),
+    ("HEAD resolve", rf"{_REPO}/resolve/([^/]+)/(.+)"),
+    ("GET resolve", rf"{_REPO}/resolve/([^/]+)/(.+)"),
     ("POST lfs-batch", rf"{_REPO}\.git/info/lfs/objects/batch"),
     ("PUT lfs-upload", r"/lfs-upload/([0-9a-f]{64})"),
 ]
@@ -256,6 +280,8 @@ def no_token(tmp_path, monkeypatch):
 def _serve(monkeypatch, xet: bool, **kwargs) -> FakeHub:
     hub = FakeHub(**kwargs)
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)  # HfApi() reads it when built
+    # file URLs come from a template made from the endpoint at import (HF_ENDPOINT), as huggingface_hub makes it
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     # hf_xet installed → upload_folder takes the pipelined path; preupload must then answer "regular" only
     # (an "lfs" answer would need Xet storage). Disabled → the legacy path with LFS batch + PUT.
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", not xet)
@@ -332,6 +358,7 @@ def _assert_is_the_adapter_folder(uploaded: dict, local: Path, repo_id: str) -> 
     card = uploaded["README.md"].decode()
     assert card == model_card.retarget_model_card(expected["README.md"].decode(), repo_id)
     assert f'AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)' in card
+    assert f'AutoTokenizer.from_pretrained("{repo_id}", trust_remote_code=True)' in card
     assert not [k for k in load_safetensors(uploaded["model.safetensors"]) if k.startswith("model.")]  # no base tensor
 
 
@@ -415,6 +442,34 @@ def test_a_new_push_removes_a_stale_lora_and_keeps_other_files(monkeypatch, no_t
     main = hub.repos["user/tiny-causal"]["main"]
     assert not [p for p in main if p.startswith("lora/") or p == "old_helper.py"]
     assert main["tokenizer.json"] == b"{}" and "modeling_causalqwen.py" in main and "model.safetensors" in main
+
+
+def test_a_push_keeps_the_repos_own_tokenizer(monkeypatch, no_token, trained, tmp_path):
+    """The adapter's tokenizer_config.json (a pointer to the base's tokenizer) is uploaded where the repo has none, or
+    has the adapter's; a tokenizer the owner uploaded to the repo stays, and re-pushes do not replace it."""
+    with _serve(monkeypatch, xet=False) as hub:
+        trained.push_to_hub("user/tiny-causal", token=TOKEN)
+        main = hub.repos["user/tiny-causal"]["main"]
+        pointer = main["tokenizer_config.json"]
+        assert json.loads(pointer) == TOKENIZER_CONFIG
+        trained.push_to_hub("user/tiny-causal", token=TOKEN)  # over its own: rewritten as it was
+        assert hub.commits[-1]["kinds"].get("tokenizer_config.json") == "file" and main["tokenizer_config.json"] == pointer
+        theirs = b'{"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 77}'
+        main.update({"tokenizer_config.json": theirs, "tokenizer.json": b"{}"})
+        trained.push_to_hub("user/tiny-causal", token=TOKEN)
+        assert "tokenizer_config.json" not in hub.commits[-1]["kinds"]
+        assert main["tokenizer_config.json"] == theirs and main["tokenizer.json"] == b"{}"
+        assert "model.safetensors" in main and "tokenization_causalqwen.py" in main
+    # a folder saved before adapters had the pointer, pushed over one: the pointer goes with the module it names
+    with _serve(monkeypatch, xet=False) as hub:
+        trained.push_to_hub("user/tiny-causal", token=TOKEN)
+        older = tmp_path / "older"
+        trained.save_pretrained(older)
+        for name in ("tokenizer_config.json", "tokenization_causalqwen.py"):
+            (older / name).unlink()
+        upload_adapter_folder(older, "user/tiny-causal", token=TOKEN)
+        main = hub.repos["user/tiny-causal"]["main"]
+        assert "tokenizer_config.json" not in main and "tokenization_causalqwen.py" not in main
 
 
 def test_push_as_a_pull_request(hub, trained):
@@ -546,7 +601,7 @@ def test_card_metadata_snippet_and_training_record(trained, tmp_path):
     assert meta["datasets"] == ["someone/tiny-corpus"]
     assert body.startswith("\n# my-adapter\n")
     assert 'AutoModelForCausalLM.from_pretrained("my-adapter", trust_remote_code=True)' in body
-    assert f'AutoTokenizer.from_pretrained("{BASE_ID}")' in body
+    assert 'AutoTokenizer.from_pretrained("my-adapter", trust_remote_code=True)' in body  # the base's, by pointer
     for mode in ("compatible", "standard", "sampling", "causal"):
         assert f"| `{mode}` |" in body
     assert "| learning_rate | 0.0002 |" in body and "| train_loss | 1.23457 |" in body
@@ -567,7 +622,7 @@ def test_card_of_fresh_heads_on_a_local_base(tied_base, tmp_path):
     meta, body = _card((tmp_path / "adapter" / "README.md").read_text())
     assert "base_model" not in meta and "base_model_relation" not in meta  # the Hub accepts Hub ids only
     assert meta["license"] == "mit" and "datasets" not in meta
-    assert f'AutoTokenizer.from_pretrained("{base}")' in body and "## Training" not in body
+    assert 'AutoTokenizer.from_pretrained("adapter", trust_remote_code=True)' in body and "## Training" not in body
     # the card reads the head fields from the config it is saved with
     assert "| OvR threshold | -0.6931 (fixed), relative: compared with log softmax(loc_S) |" in body and "| initial scale γ₀ / `b_noise` | 0.005 / 0.01 |" in body
     assert ("| training loss | OvR over each position's 16 most likely tokens and the target + 1.0 × the softmax "

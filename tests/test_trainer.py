@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, TrainerCallback
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 from causalqwen_adapter.training import (
     calibrate_threshold_on_features,
@@ -245,7 +246,8 @@ def test_save_model_writes_a_loadable_adapter(sft_base, tmp_path, full_run):
     card = (folder / "README.md").read_text()  # the adapter's card, with the run the trainer recorded
     assert "It has been trained using [TRL]" not in card
     assert "learning_rate" in card and "target_prob" in card
-    assert not files & {"tokenizer.json", "tokenizer_config.json"}  # the tokenizer is the base's
+    assert "tokenizer.json" not in files  # the tokenizer is the base's: tokenizer_config.json only points at it
+    assert json.loads((folder / "tokenizer_config.json").read_text()) == TOKENIZER_CONFIG
     assert set(load_file(folder / "model.safetensors")) == full.model.adapter_keys()
     assert json.loads((folder / "config.json").read_text())["base_model_name_or_path"] == str(sft_base)
 
