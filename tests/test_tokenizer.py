@@ -1,6 +1,9 @@
 """An adapter folder's tokenizer: AutoTokenizer and pipeline() on the folder give its base's tokenizer."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,3 +83,18 @@ def test_a_tokenizer_the_user_saved_in_the_folder_is_kept(adapter, sft_base, tmp
     theirs = {p.name: p.read_bytes() for p in other.iterdir()}
     model.save_pretrained(other)
     assert {name: (other / name).read_bytes() for name in theirs} == theirs
+
+
+def test_the_tokenizer_loads_as_remote_code_alone(adapter, sft_base, tmp_path):
+    """Where the package is not installed: the folder's own code gives the base's tokenizer."""
+    script = (
+        "import sys\n"
+        "sys.modules['causalqwen_adapter'] = None\n"
+        "from transformers import AutoTokenizer\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "print(tok(sys.argv[2]).input_ids)\n"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, str(adapter), TEXT], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(AutoTokenizer.from_pretrained(sft_base)(TEXT).input_ids)
