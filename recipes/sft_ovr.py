@@ -32,8 +32,10 @@ from transformers import AutoTokenizer, PreTrainedConfig
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
+from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
 from causalqwen_adapter.data import load_text_dataset
 from causalqwen_adapter.numeric import add_num_token, default_num_token_id, encode_with_numbers
+from causalqwen_adapter.tokenization_causalqwen import CausalQwenTokenizer
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
 
@@ -51,9 +53,13 @@ def check_model_args(model_args: ModelConfig) -> None:
 
 def numeric_data(dataset, model_args: ModelConfig, training_args: CausalSFTConfig):
     """For numeric heads: the base's tokenizer with <NUM>, and every `text` turned into input_ids + numeric_values."""
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+    config, _ = PreTrainedConfig.get_config_dict(model_args.model_name_or_path, revision=model_args.model_revision)
+    # an adapter (training continues) names its base, whose tokenizer it uses: the package's own class reads it
+    tokenizer_class = CausalQwenTokenizer if config.get("model_type") == CausalQwenConfig.model_type else AutoTokenizer
+    tokenizer = tokenizer_class.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+    if training_args.num_token_id is None and config.get("numeric") and config.get("num_token_id") is not None:
+        training_args.num_token_id = config["num_token_id"]  # the adapter's own <NUM> row
     if training_args.num_token_id is None:
-        config, _ = PreTrainedConfig.get_config_dict(model_args.model_name_or_path, revision=model_args.model_revision)
         vocab_size = config.get("text_config", config)["vocab_size"]  # an adapter's config holds its base's
         training_args.num_token_id = default_num_token_id(tokenizer, vocab_size, model_args.model_name_or_path)
     add_num_token(tokenizer, training_args.num_token_id)

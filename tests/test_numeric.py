@@ -403,6 +403,15 @@ def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
     assert sorted(v for row in trainer.train_dataset["numeric_values"] for v in row if v) == [3.0, 4.0, 12.0]
     assert "numeric_nll" in trainer.state.log_history[0]
     assert CausalQwenForCausalLM.from_pretrained(tmp_path / "out").config.numeric
+    # training continues from the adapter: the data are read with its base's tokenizer, <NUM> at the adapter's id
+    parsed = recipe.make_parser().parse_args_and_config(args=[
+        "--model_name_or_path", str(tmp_path / "out"), "--dataset_name", str(data), "--output_dir",
+        str(tmp_path / "again"), "--numeric", "--max_steps", "1", "--per_device_train_batch_size", "3",
+        "--report_to", "none", "--use_cpu", "true", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
+    ])
+    again = recipe.main(*parsed)
+    assert again.model.config.num_token_id == num_id
+    assert again.train_dataset["input_ids"] == trainer.train_dataset["input_ids"]
 
 
 def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
