@@ -342,7 +342,8 @@ class AdapterCheckpointMixin:
         return str(last)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """An adapter folder (docs/design.md, The adapter folder) plus `training_args.bin`; no tokenizer, the base provides it."""
+        """An adapter folder (docs/design.md, The adapter folder) plus `training_args.bin`; no tokenizer files: the base
+        provides it (the folder's `tokenizer_config.json` points AutoTokenizer at it)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
