@@ -336,8 +336,8 @@ def median_absolute_error(median: torch.Tensor, y: torch.Tensor) -> float:
 
 def mean_and_standard_error(values) -> tuple[float, float]:
     values = [float(v) for v in values]
-    if len(values) < 2:
-        return values[0], float("nan")
+    if len(values) < 2 or not all(map(math.isfinite, values)):  # an infinite score (no finite conformal offset on
+        return statistics.fmean(values), float("nan")  # a small validation set) has no spread; stdev would raise
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 

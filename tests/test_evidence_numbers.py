@@ -451,6 +451,14 @@ def test_extraction_is_each_prompt_alone_and_resumes(sft_base, tmp_path):
             torch.testing.assert_close(store["z"][k], model(ids).last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)
 
 
+def test_mean_and_standard_error_of_infinite_scores():
+    # 18 validation rows give no finite 95 % conformal offset: such scores are inf, and the summary must not raise
+    mean, se = evidence.mean_and_standard_error([float("inf"), 2.0, 3.0])
+    assert mean == float("inf") and math.isnan(se)
+    mean, se = evidence.mean_and_standard_error([1.0, 2.0, 4.0])
+    assert (mean, se) == pytest.approx((7 / 3, math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2 / 3)))
+
+
 def test_runs_of_other_arms_merge_into_the_run_of_all_of_them():
     torch.manual_seed(0)
     z = torch.randn(200, 4)  # 40 validation rows: enough for a finite conformal offset at 95 %
