@@ -318,7 +318,7 @@ def base_reference(name: str, what: str) -> str:
     here rather than a network lookup."""
     if not name or os.path.isdir(name):
         return os.path.abspath(name) if name else name
-    check_found(name, what, BASE_HINT + " (base_model=... when loading an adapter)")
+    check_found(name, what, BASE_HINT)
     return name
 
 

@@ -44,9 +44,13 @@ class CausalQwenTokenizer:
         if not name:
             raise ValueError(f"{pretrained_model_name_or_path}'s config names no base (base_model_name_or_path is "
                              "empty): pass base_model=... or load the base's tokenizer itself")
+        from .adapter_io import base_reference  # not at the top: adapter_io imports this module
+
+        # a base named by a folder of the machine that saved the adapter, missing here: said as the model says it
+        name = base_reference(str(name), "base_model" if base_model is not None else "the adapter's base")
         revision = base_model_revision if base_model is not None else config.base_model_revision
         base_kwargs = {k: v for k, v in kwargs.items() if k not in ADAPTER_REPO_KWARGS}
-        tokenizer = AutoTokenizer.from_pretrained(str(name), *inputs, revision=revision, **base_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name, *inputs, revision=revision, **base_kwargs)
         if config.numeric:
             add_num_token(tokenizer, config.num_token_id)
         return tokenizer

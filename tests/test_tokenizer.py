@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -98,3 +99,18 @@ def test_the_tokenizer_loads_as_remote_code_alone(adapter, sft_base, tmp_path):
     proc = subprocess.run([sys.executable, "-c", script, str(adapter), TEXT], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == str(AutoTokenizer.from_pretrained(sft_base)(TEXT).input_ids)
+
+
+def test_a_base_folder_missing_here_is_named_with_the_way_out(adapter, sft_base, tmp_path):
+    """An adapter saved on another machine names its base by that machine's folder: the error says to pass
+    base_model=, which the tokenizer takes as the model does."""
+    moved = tmp_path / "moved"
+    shutil.copytree(adapter, moved)
+    config = json.loads((moved / "config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "elsewhere" / "base")
+    (moved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="base_model=") as error:
+        AutoTokenizer.from_pretrained(moved, trust_remote_code=True)
+    assert str(tmp_path / "elsewhere" / "base") in str(error.value)
+    same_tokenizer(AutoTokenizer.from_pretrained(moved, trust_remote_code=True, base_model=str(sft_base)),
+                   AutoTokenizer.from_pretrained(sft_base))
