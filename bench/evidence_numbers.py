@@ -428,6 +428,25 @@ class RangeCauchyHead(PackageCauchyHead):
         return cauchy_nll(y, loc, scale).double() + cauchy_log_mass(loc, scale, SUPPORT)
 
 
+class ResidualCauchyHead(PackageCauchyHead):
+    """A probe of a nonlinear abduction network (not in the package): the package's path with a hidden layer added to
+    the location, loc_U = W_loc z + W₂ GELU(W₁ RMSNorm(z)), W₂ zero at the start so that it starts where `cauchy`
+    does; trained like it (the numeric head, the scale path and the new layer)."""
+
+    def __init__(self, hidden_size: int, targets: torch.Tensor, width: int = 256):
+        super().__init__(hidden_size, targets)
+        self.norm = torch.nn.RMSNorm(hidden_size)
+        self.up = torch.nn.Linear(hidden_size, width)
+        self.down = torch.nn.Linear(width, hidden_size)
+        torch.nn.init.zeros_(self.down.weight)
+        torch.nn.init.zeros_(self.down.bias)
+
+    def forward(self, z):
+        loc_U, scale_U = self.abduction(z)
+        loc_U = loc_U + self.down(torch.nn.functional.gelu(self.up(self.norm(z))))
+        return self.numeric.predict(loc_U, scale_U, self.b_noise)
+
+
 class LocationScaleHead(LocationScalePrediction, torch.nn.Module):
     """A head a user would write: location w·z + b, log-scale read from a softplus layer of the abduction scale path's
     size, log σ = v·softplus(W z + c) + s; Gaussian (σ² the variance), Student-t (ν learned) or Cauchy."""
@@ -476,6 +495,7 @@ class LocationScaleHead(LocationScalePrediction, torch.nn.Module):
 ARMS = {  # arm → fresh head from (its inputs, the training targets)
     "cauchy": lambda z, y: PackageCauchyHead(z.shape[1], y),
     "cauchy_range": lambda z, y: RangeCauchyHead(z.shape[1], y),  # the range in the loss
+    "cauchy_residual": lambda z, y: ResidualCauchyHead(z.shape[1], y),  # a nonlinear location (probe)
     "gaussian": lambda z, y: LocationScaleHead(z.shape[1], y, "gaussian"),
     "student_t": lambda z, y: LocationScaleHead(z.shape[1], y, "student_t"),
     "cauchy_free": lambda z, y: LocationScaleHead(z.shape[1], y, "cauchy"),

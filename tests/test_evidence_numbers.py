@@ -330,6 +330,26 @@ def test_range_cauchy_head_is_a_density_on_the_range():
             assert (-head.nll(row[None], y[:1])).exp().item() == pytest.approx(plain.item() / mass, rel=1e-5)
 
 
+def test_residual_cauchy_head_starts_as_the_package_head_and_bends():
+    torch.manual_seed(3)
+    z, y = torch.randn(256, 6), torch.randn(256)
+    torch.manual_seed(4)
+    plain = evidence.PackageCauchyHead(6, y)
+    torch.manual_seed(4)
+    residual = evidence.ResidualCauchyHead(6, y)
+    with torch.no_grad():
+        for got, want in zip(residual(z), plain(z)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # a median that is not linear in z, z₀², which no line follows on any half of the rows (|z₀| would be: the
+    # Cauchy fit of a line takes one branch and leaves the other as outliers, a median error near 0)
+    target = z[:, 0].square()
+    heads = {arm: evidence.train_head(arm, z, target, lr=1e-2, steps=400, batch_size=64, seed=0)
+             for arm in ("cauchy", "cauchy_residual")}
+    with torch.no_grad():
+        error = {arm: (head(z)[0] - target).abs().median().item() for arm, head in heads.items()}
+    assert error["cauchy_residual"] < 0.5 * error["cauchy"], error
+
+
 @pytest.mark.parametrize("family", ["gaussian", "student_t", "cauchy"])
 def test_location_scale_head_nll_is_the_family_density(family):
     torch.manual_seed(1)
