@@ -22,6 +22,7 @@ from .training import (
     HeadLearningRatesMixin,
     LossMetricsMixin,
     check_output_dir,
+    check_unsupported_flags,
     config_argument,
     prepare_causal_model,
 )
@@ -88,6 +89,7 @@ class CausalDistillTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterChec
         if not isinstance(args, CausalDistillConfig):
             raise TypeError(f"args must be a CausalDistillConfig, got {type(args).__name__}")
         check_output_dir(args.output_dir)
+        check_unsupported_flags(args)
         model, _ = prepare_causal_model(model, args, loss="distill")
         if getattr(model.model, "_hf_peft_config_loaded", False):
             raise ValueError(

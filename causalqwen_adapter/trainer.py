@@ -34,6 +34,7 @@ from .training import (
     calibrate_threshold,
     check_can_calibrate,
     check_output_dir,
+    check_unsupported_flags,
     configure_backbone,
     prepare_causal_model,
 )
@@ -178,6 +179,7 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
     ):
         args = _as_causal_config(args, model)
         check_output_dir(args.output_dir)
+        check_unsupported_flags(args)
         if compute_loss_func is not None or args.loss_type != "nll" or args.label_smoothing_factor > 0:
             raise ValueError(
                 "CausalSFTTrainer trains with the one-vs-rest loss of the causal heads: compute_loss_func, "

@@ -427,6 +427,17 @@ class AdapterCheckpointMixin:
         }
 
 
+def check_unsupported_flags(args) -> None:
+    """Trainer flags a causal-heads trainer cannot honour, refused rather than ignored."""
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError(
+            "use_liger_kernel is not supported: Liger patches a model's own layers and loss by its model type, and "
+            "would find none to patch in a CausalQwen model (it only logs that) while the heads compute their own "
+            "loss, chunked over the vocabulary as Liger's fused linear cross-entropy is (docs/design.md, Training "
+            "losses). Drop the flag."
+        )
+
+
 def check_output_dir(output_dir) -> None:
     """Before a trainer loads anything: its checkpoints, card and adapter go into `output_dir`; refuse a file there,
     or a folder whose files a save would replace (`adapter_io.check_not_foreign`)."""

@@ -399,3 +399,9 @@ def test_fresh_heads_start_from_the_vocabulary_losss_scale(tiny_teacher, feature
     torch.testing.assert_close(softplus, torch.full_like(softplus, 1e-5))
     trainer = CausalDistillTrainer(str(folder), args=_args(tmp_path / "b", gamma_init=0.01), train_dataset=str(features))
     assert trainer.model.config.gamma_init == 0.01
+
+
+def test_liger_kernels_are_refused(sft_base, tmp_path):
+    with pytest.raises(ValueError, match="use_liger_kernel is not supported"):
+        CausalDistillTrainer(str(sft_base), args=_args(tmp_path / "out", use_liger_kernel=True))
+    assert not (tmp_path / "out").exists()

@@ -443,6 +443,11 @@ def test_recipe_takes_trls_model_flags(sft_base, tmp_path):
         recipe.main(*recipe.make_parser().parse_args_and_config(args=[*common, "--output_dir", str(out),
                                                                       "--load_in_4bit"]))
     assert not out.exists()
+    # Liger would find nothing to patch in a CausalQwen model and only log it: refused, before anything is loaded
+    with pytest.raises(ValueError, match="use_liger_kernel is not supported"):
+        recipe.main(*recipe.make_parser().parse_args_and_config(args=[*common, "--output_dir", str(out),
+                                                                      "--use_liger_kernel", "true"]))
+    assert not out.exists()
 
 
 def test_recipe_under_accelerate_launch_two_processes(sft_base, tmp_path):
