@@ -52,6 +52,20 @@ def test_compatible_greedy_equals_base_greedy(demo_base):
     assert torch.equal(got, expected)
 
 
+def test_pipeline_on_the_adapter_folder_writes_what_the_base_writes(demo_base, tmp_path):
+    """`pipeline("text-generation", model=adapter)` (the tokenizer by the adapter's pointer): with fresh heads in the
+    compatible mode, the base's own greedy answer, chat template included."""
+    from transformers import pipeline
+
+    CausalQwenForCausalLM.from_base(str(demo_base), dtype=torch.float32).save_pretrained(tmp_path / "adapter")
+    messages = [{"role": "user", "content": "Name a sorting algorithm."}]
+    pipe = pipeline("text-generation", model=str(tmp_path / "adapter"), trust_remote_code=True, dtype=torch.float32)
+    got = pipe(messages, max_new_tokens=12, do_sample=False, inference_mode="compatible")[0]["generated_text"]
+    want = pipeline("text-generation", model=str(demo_base), dtype=torch.float32)(
+        messages, max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    assert got == want
+
+
 def test_num_token_is_the_first_reserved_row_of_the_real_vocabulary(real):
     from causalqwen_adapter.numeric import NUM_TOKEN, add_num_token, encode_with_numbers
 
