@@ -22,7 +22,6 @@ TOKENIZER_REFERENCE = "tokenization_causalqwen.CausalQwenTokenizer"
 TOKENIZER_CONFIG = {"auto_map": {"AutoTokenizer": [TOKENIZER_REFERENCE, TOKENIZER_REFERENCE]}}
 # what the Auto classes pass about the adapter repository (its revision, code, files): the base is another repository
 ADAPTER_REPO_KWARGS = ("revision", "subfolder", "_commit_hash", "_from_auto", "trust_remote_code", "code_revision")
-HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "proxies")
 
 
 class CausalQwenTokenizer:
@@ -38,14 +37,14 @@ class CausalQwenTokenizer:
         """The tokenizer of the base the adapter `pretrained_model_name_or_path` names (or of `base_model`, as
         `CausalQwenForCausalLM.from_pretrained` takes it), with `<NUM>` at `config.num_token_id` for a numeric adapter.
         Other keyword arguments go to the base's `AutoTokenizer.from_pretrained`."""
-        adapter_kwargs = {k: kwargs[k] for k in (*HUB_KWARGS, "revision", "subfolder") if kwargs.get(k) is not None}
+        from .adapter_io import HUB_KWARGS, base_reference  # not at the top: adapter_io imports this module
+
+        adapter_kwargs = {k: kwargs[k] for k in HUB_KWARGS if kwargs.get(k) is not None}
         config = CausalQwenConfig.from_pretrained(pretrained_model_name_or_path, **adapter_kwargs)
         name = base_model if base_model is not None else config.base_model_name_or_path
         if not name:
             raise ValueError(f"{pretrained_model_name_or_path}'s config names no base (base_model_name_or_path is "
                              "empty): pass base_model=... or load the base's tokenizer itself")
-        from .adapter_io import base_reference  # not at the top: adapter_io imports this module
-
         # a base named by a folder of the machine that saved the adapter, missing here: said as the model says it
         name = base_reference(str(name), "base_model" if base_model is not None else "the adapter's base")
         revision = base_model_revision if base_model is not None else config.base_model_revision
