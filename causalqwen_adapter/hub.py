@@ -11,6 +11,7 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import RevisionNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from .adapter_io import LORA_FOLDER
 from .model_card import CARD_NAME, retarget_model_card
 from .tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
 
@@ -44,20 +45,31 @@ def check_push(repo_id: str, *, token=None, revision: str | None = None, create_
     return token
 
 
+# The remote-code modules adapters of this package have shipped, from the first release on (the `modeling_causalqwen`
+# import closure of every version; `cpu_kernel` compiled C and is gone). A push deletes those of an earlier push that
+# the new adapter lacks, and never another `.py` file: a repo's `handler.py` or `scripts/` are its owner's.
+REMOTE_CODE_MODULES = ("adapter_io", "cauchy", "configuration_causalqwen", "cpu_kernel", "dispatch", "generation",
+                       "heads", "lm_loss", "losses", "model_card", "modeling_causalqwen", "numeric", "sharding",
+                       "tokenization_causalqwen")
 # Remote files of an earlier push that go when the new adapter lacks them (patterns of huggingface_hub's
-# `upload_folder(delete_patterns=...)`, matched with fnmatch: `*` spans folders).
-STALE_FILE_PATTERNS = ["lora/*", "*.py"]
+# `upload_folder(delete_patterns=...)`, matched against whole repo paths with fnmatch: none reaches into a folder
+# but lora/, so a trainer's `last-checkpoint/` keeps its files).
+STALE_FILE_PATTERNS = [f"{LORA_FOLDER}/*", *(f"{name}.py" for name in REMOTE_CODE_MODULES)]
 
 
 def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, revision=None, commit_message=None,
-                          create_pr: bool = False):
-    """Create the repo if needed and upload `folder` (a disposable copy: its card is retargeted) in one commit.
+                          create_pr: bool = False, ignore_patterns: list[str] | None = None,
+                          run_as_future: bool = False):
+    """Create the repo if needed and upload the adapter folder `folder` in one commit; its card is retargeted to
+    `repo_id` in place (the snippet loads the repo), nothing else in it is changed.
 
     The same commit deletes what an earlier push left that this adapter does not have: a `lora/` folder (the loader
-    would apply a stale backbone LoRA to these heads) and remote-code `.py` files. Other files in the repo (a
-    tokenizer, results) are kept: a `tokenizer_config.json` of the repo's own is not replaced by the adapter's (which
-    only points AutoTokenizer at the base's tokenizer); an earlier push's pointer goes when this folder has none.
-    Returns huggingface_hub's `CommitInfo`. Run `check_push` first.
+    would apply a stale backbone LoRA to these heads) and the remote-code modules of earlier versions
+    (`STALE_FILE_PATTERNS`). Other files in the repo (a tokenizer, results, code of the owner's) are kept: a
+    `tokenizer_config.json` of the repo's own is not replaced by the adapter's (which only points AutoTokenizer at
+    the base's tokenizer); an earlier push's pointer goes when this folder has none. `ignore_patterns` are files of
+    `folder` not to upload (a trainer's `checkpoint-*`). Returns huggingface_hub's `CommitInfo`, or a `Future` of it
+    with `run_as_future`. Run `check_push` first.
     """
     folder = Path(folder)
     api = HfApi(token=token)
@@ -67,10 +79,10 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
         card.write_text(retarget_model_card(card.read_text(encoding="utf-8"), repo_id), encoding="utf-8")
     if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    pointer, delete = folder / TOKENIZER_CONFIG_NAME, list(STALE_FILE_PATTERNS)
+    pointer, delete, ignore = folder / TOKENIZER_CONFIG_NAME, list(STALE_FILE_PATTERNS), list(ignore_patterns or [])
     remote = remote_tokenizer_config(api, repo_id, revision)
     if remote == "own" and is_adapter_tokenizer_config(pointer):
-        pointer.unlink()  # the repo's tokenizer stays the one AutoTokenizer reads
+        ignore.append(TOKENIZER_CONFIG_NAME)  # the repo's tokenizer stays the one AutoTokenizer reads
     elif remote == "adapter" and not pointer.exists():
         delete.append(TOKENIZER_CONFIG_NAME)  # an earlier push's pointer, to a module this push removes
     return api.upload_folder(
@@ -79,7 +91,9 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
         revision=revision,
         commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
         create_pr=create_pr,
+        ignore_patterns=ignore or None,
         delete_patterns=delete,  # files this folder uploads are overwritten, never deleted
+        run_as_future=run_as_future,
     )
 
 
@@ -108,4 +122,4 @@ def push_adapter(model, repo_id: str, *, private=None, token=None, revision=None
                                      commit_message=commit_message, create_pr=create_pr)
 
 
-__all__ = ["check_push", "remote_tokenizer_config", "upload_adapter_folder", "push_adapter"]
+__all__ = ["REMOTE_CODE_MODULES", "check_push", "remote_tokenizer_config", "upload_adapter_folder", "push_adapter"]

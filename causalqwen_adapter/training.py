@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
+from transformers.utils.hub import PushInProgress
 
 from .adapter_io import (
     BASE_PREFIXES,
@@ -33,6 +34,7 @@ from .adapter_io import (
     check_found,
     check_not_foreign,
     check_supported_base,
+    install_adapter_copy,
     is_adapter_folder,
 )
 from .configuration_causalqwen import (
@@ -258,6 +260,73 @@ class AdapterCheckpointMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    # what a Trainer's upload of output_dir leaves out, as the Trainer leaves them out
+    _hub_ignore_patterns = ["_*", f"{PREFIX_CHECKPOINT_DIR}-*"]
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
+                    revision=None, private=None, **kwargs):
+        """The Trainer's `push_to_hub` (also what `push_to_hub=True` runs when training ends): saves the adapter into
+        `output_dir` and uploads that folder as `model.push_to_hub` uploads an adapter (`hub.upload_adapter_folder`):
+        the card retargeted to `hub_model_id`, a tokenizer the repo holds kept, the stale LoRA and remote code of an
+        earlier push deleted; `checkpoint-*` and `_*` left out, as the Trainer leaves them. `kwargs` go to
+        `create_model_card` (`dataset_name`, `tags`). Returns the `CommitInfo`, or its `Future` with
+        `blocking=False`."""
+        from .hub import upload_adapter_folder  # sharing is the installed package's (hub.py)
+
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        kwargs.pop("model_name", None)  # TRL's card takes it; the adapter's card names the repo
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        tags = kwargs.pop("tags", None)
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += [t for t in getattr(self.model, "model_tags", None) or [] if t not in tags]
+        self.create_model_card(tags=tags or None, **kwargs)
+        return upload_adapter_folder(
+            self.args.output_dir, self.hub_model_id, token=token, private=private,
+            revision=revision if revision is not None else self.args.hub_revision, commit_message=commit_message,
+            ignore_patterns=self._hub_ignore_patterns, run_as_future=not blocking,
+        )
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """The push at each save of a run with `push_to_hub=True` (`hub_strategy` every_save, checkpoint or
+        all_checkpoints), in the background as the Trainer's. The Trainer's copies only `config.json` and the weights
+        from the checkpoint into `output_dir` and saves the tokenizer there: for an adapter, a repo without its remote
+        code and card (it could not be loaded) and the base's tokenizer files in `output_dir`. This installs the
+        checkpoint's adapter files into `output_dir` (as a save does) and uploads it as `push_to_hub`; the checkpoint
+        itself goes to `last-checkpoint/` or `checkpoint-N/` of the repo as the Trainer sends it."""
+        from huggingface_hub import HfApi
+
+        from .hub import upload_adapter_folder
+
+        args = self.args
+        if not self.is_world_process_zero() or args.hub_strategy == HubStrategy.END:
+            return
+        if not args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        self.callback_handler.on_push_begin(args, self.state, self.control)
+        output_dir = Path(args.output_dir)
+        install_adapter_copy(Path(checkpoint_folder), output_dir)
+        torch.save(args, output_dir / TRAINING_ARGS_NAME)
+        commit_message = (f"Training in progress, step {self.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
+                          else f"Training in progress, epoch {int(self.state.epoch)}")
+        jobs = [upload_adapter_folder(output_dir, self.hub_model_id, token=args.hub_token, revision=args.hub_revision,
+                                      commit_message=commit_message, ignore_patterns=self._hub_ignore_patterns,
+                                      run_as_future=True)]
+        if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            path_in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
+            jobs.append(HfApi(token=args.hub_token).upload_folder(
+                repo_id=self.hub_model_id, folder_path=checkpoint_folder, path_in_repo=path_in_repo,
+                commit_message=commit_message + ", checkpoint", revision=args.hub_revision, run_as_future=True,
+            ))
+        if self.push_in_progress is None or self.push_in_progress.is_done():
+            self.push_in_progress = PushInProgress(jobs)
+        else:
+            self.push_in_progress.jobs.extend(jobs)
+
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's checkpoint, never of heads that are not finite: such a checkpoint could not be loaded, and
         rotation (`save_total_limit`) would delete the good ones before it. Checked on every rank before anything
@@ -349,6 +418,8 @@ class AdapterCheckpointMixin:
             return
         if os.path.isdir(output_dir):
             check_not_foreign(Path(output_dir), (TRAINING_ARGS_NAME,))
+        if os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
+            self._finish_current_push()  # a background upload of output_dir may still be reading what this swaps
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         model.training_summary = self._training_summary()  # rendered into the adapter's README.md
         model.save_pretrained(output_dir, state_dict=state_dict)

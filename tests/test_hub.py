@@ -33,8 +33,12 @@ from safetensors.torch import load as load_safetensors
 
 import causalqwen_adapter.model_card as model_card
 from causalqwen_adapter import CausalQwenForCausalLM
-from causalqwen_adapter.hub import upload_adapter_folder
+from causalqwen_adapter.adapter_io import adapter_file_names
+from causalqwen_adapter.hub import REMOTE_CODE_MODULES, upload_adapter_folder
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG
+from causalqwen_adapter.trainer import CausalSFTTrainer
+
+from test_trainer import _args, _prompt_completion
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_test_token"
@@ -130,7 +134,8 @@ class FakeHub:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":  # a reply to HEAD has no body, or the connection's next reply is garbled
+                    self.wfile.write(data)
 
             # ---- routes
 
@@ -285,6 +290,7 @@ def _serve(monkeypatch, xet: bool, **kwargs) -> FakeHub:
     # hf_xet installed → upload_folder takes the pipelined path; preupload must then answer "regular" only
     # (an "lfs" answer would need Xet storage). Disabled → the legacy path with LFS batch + PUT.
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", not xet)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # TRL's trainers report usage to the endpoint
     return hub
 
 
@@ -431,17 +437,28 @@ def test_push_on_the_default_upload_path(monkeypatch, no_token, trained, tmp_pat
 
 @pytest.mark.parametrize("xet", [False, True], ids=["lfs", "default"])
 def test_a_new_push_removes_a_stale_lora_and_keeps_other_files(monkeypatch, no_token, trained, xet):
-    """An earlier push left lora/ and an old remote-code file; the user added a tokenizer. Re-pushing heads without
-    backbone LoRA must remove lora/ (loading would apply it to the new heads) and keep the tokenizer."""
+    """An earlier push left lora/ and a remote-code module of an older version; the owner added a tokenizer, an
+    Inference Endpoints handler and scripts. Re-pushing heads without backbone LoRA must remove lora/ (loading would
+    apply it to the new heads) and the old module, and keep everything of the owner's."""
+    owners = {"tokenizer.json": b"{}", "handler.py": b"class EndpointHandler: ...", "scripts/eval.py": b"# theirs",
+              "last-checkpoint/modeling_causalqwen.py": b"# a trainer's checkpoint push", "cpu_kernel.txt": b"notes"}
     with _serve(monkeypatch, xet=xet, lfs_suffixes=(".safetensors",) if not xet else ()) as hub:
         trained.push_to_hub("user/tiny-causal", token=TOKEN)
         main = hub.repos["user/tiny-causal"]["main"]
         main.update({"lora/adapter_config.json": b"{}", "lora/adapter_model.safetensors": b"old",
-                     "old_helper.py": b"# gone", "tokenizer.json": b"{}"})
+                     "cpu_kernel.py": b"# compiled C, shipped by an older version", **owners})
         trained.push_to_hub("user/tiny-causal", token=TOKEN)
     main = hub.repos["user/tiny-causal"]["main"]
-    assert not [p for p in main if p.startswith("lora/") or p == "old_helper.py"]
-    assert main["tokenizer.json"] == b"{}" and "modeling_causalqwen.py" in main and "model.safetensors" in main
+    assert not [p for p in main if p.startswith("lora/") or p == "cpu_kernel.py"]
+    assert {k: main.get(k) for k in owners} == owners
+    assert "modeling_causalqwen.py" in main and "model.safetensors" in main
+
+
+def test_every_remote_code_module_is_one_a_push_can_replace():
+    """A module added to the remote code must join hub.REMOTE_CODE_MODULES, or a later push of an adapter without it
+    would leave it in the repo (harmless, not imported) and an older one would not be cleaned up."""
+    code = {name.removesuffix(".py") for name in adapter_file_names() if name.endswith(".py")}
+    assert code and code <= set(REMOTE_CODE_MODULES)
 
 
 def test_a_push_keeps_the_repos_own_tokenizer(monkeypatch, no_token, trained, tmp_path):
@@ -477,6 +494,68 @@ def test_push_as_a_pull_request(hub, trained):
     repo = hub.repos["user/tiny-causal"]
     assert commit.pr_url.endswith("/discussions/1") and commit.pr_revision == "refs/pr/1"
     assert "model.safetensors" in repo["refs/pr/1"] and repo["main"] == {}
+
+
+# --------------------------------------------------------------------------------------- a trainer's push
+
+
+def _push_trainer(sft_base, out, **overrides):
+    args = _args(out, max_steps=4, save_strategy="steps", save_steps=2, push_to_hub=True,
+                 hub_model_id="user/tiny-causal", hub_token=TOKEN, **overrides)
+    return CausalSFTTrainer(str(sft_base), args=args, train_dataset=_prompt_completion())
+
+
+def _uploadable(folder: Path) -> dict[str, bytes]:
+    return {k: v for k, v in _files(folder).items() if not k.startswith("checkpoint-")}
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
+def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, strategy):
+    """`push_to_hub=True`: every push during training (the Trainer's copies only config and weights) and the one
+    at the end upload a whole adapter folder (remote code, card, tokenizer pointer), and `output_dir` never gets
+    the base's tokenizer files; with hub_strategy="checkpoint" the checkpoint pushed beside it keeps its code."""
+    out = tmp_path / "out"
+    trainer = _push_trainer(sft_base, out, hub_strategy=strategy)
+    trainer.train()
+    trainer._finish_current_push()
+    main = hub.repos["user/tiny-causal"]["main"]
+    in_training = [c for c in hub.commits if c["summary"].startswith("Training in progress")
+                   and not c["summary"].endswith(", checkpoint")]
+    assert in_training and in_training[0]["summary"] == "Training in progress, step 2"
+    pushed = tmp_path / "pushed-in-training"  # what the repo held during training, as a folder
+    for name, data in main.items():
+        if not name.startswith("last-checkpoint/"):
+            (pushed / name).parent.mkdir(parents=True, exist_ok=True)
+            (pushed / name).write_bytes(data)
+    step = int(in_training[-1]["summary"].rsplit(" ", 1)[1])
+    loaded = CausalQwenForCausalLM.from_pretrained(pushed)
+    saved = load_safetensors((out / f"checkpoint-{step}" / "model.safetensors").read_bytes())
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in saved.items())
+    assert json.loads(main["tokenizer_config.json"]) == TOKENIZER_CONFIG and "tokenization_causalqwen.py" in main
+
+    commit = trainer.push_to_hub(dataset_name="tiny-pairs")
+    assert hub.commits[-1]["summary"] == "End of training" and commit.oid == hub.commits[-1]["oid"]
+    local = _uploadable(out)
+    assert not {"tokenizer.json", "chat_template.jinja"} & set(local)  # never the base's tokenizer
+    assert json.loads(local["tokenizer_config.json"]) == TOKENIZER_CONFIG
+    assert {k: v for k, v in main.items() if not k.startswith("last-checkpoint/")} == local
+    card = main["README.md"].decode()
+    assert 'AutoModelForCausalLM.from_pretrained("user/tiny-causal", trust_remote_code=True)' in card
+    assert "tiny-pairs" in card
+    if strategy == "checkpoint":  # the main push's stale-file patterns never reach into the checkpoint
+        assert "last-checkpoint/modeling_causalqwen.py" in main and "last-checkpoint/optimizer.pt" in main
+
+
+def test_trainer_push_to_hub_keeps_the_repos_own_tokenizer(hub, sft_base, tmp_path):
+    """A repo whose owner uploaded a tokenizer: the trainer's pushes leave it, and keep the pointer in output_dir."""
+    theirs = b'{"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 77}'
+    hub.repos["user/tiny-causal"] = {"main": {"tokenizer_config.json": theirs}}
+    trainer = _push_trainer(sft_base, tmp_path / "out", hub_strategy="end")
+    trainer.train()
+    trainer.push_to_hub()
+    main = hub.repos["user/tiny-causal"]["main"]
+    assert main["tokenizer_config.json"] == theirs and "model.safetensors" in main
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == TOKENIZER_CONFIG
 
 
 # --------------------------------------------------------------------------------------- the recipe
