@@ -129,8 +129,10 @@ def main(argv=None):
     parser.add_argument("--private", action="store_true", help="create the repo private (ignored if it exists)")
     parser.add_argument("--token", default=None, help="default: HF_TOKEN, else the token `hf auth login` stored")
     parser.add_argument("--revision", default=None, help="branch to commit to (created from main if missing)")
-    parser.add_argument("--commit-message", default=None)
-    parser.add_argument("--create-pr", action="store_true", help="open a pull request against main instead")
+    # `hf upload`'s dashed spellings, and push_to_hub()'s keywords as the HfArgumentParser recipes accept them
+    parser.add_argument("--commit-message", "--commit_message", dest="commit_message", default=None)
+    parser.add_argument("--create-pr", "--create_pr", dest="create_pr", action="store_true",
+                        help="open a pull request against main instead")
     args = parser.parse_args(argv)
 
     try:

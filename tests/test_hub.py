@@ -499,23 +499,28 @@ def test_push_as_a_pull_request(hub, trained):
 # --------------------------------------------------------------------------------------- a trainer's push
 
 
-def _push_trainer(sft_base, out, **overrides):
+def _push_trainer(sft_base, out, peft_config=None, **overrides):
     args = _args(out, max_steps=4, save_strategy="steps", save_steps=2, push_to_hub=True,
                  hub_model_id="user/tiny-causal", hub_token=TOKEN, **overrides)
-    return CausalSFTTrainer(str(sft_base), args=args, train_dataset=_prompt_completion())
+    return CausalSFTTrainer(str(sft_base), args=args, train_dataset=_prompt_completion(), peft_config=peft_config)
 
 
 def _uploadable(folder: Path) -> dict[str, bytes]:
     return {k: v for k, v in _files(folder).items() if not k.startswith("checkpoint-")}
 
 
-@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
-def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, strategy):
+@pytest.mark.parametrize("strategy, lora", [("every_save", False), ("checkpoint", True)])
+def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, strategy, lora):
     """`push_to_hub=True`: every push during training (the Trainer's copies only config and weights) and the one
-    at the end upload a whole adapter folder (remote code, card, tokenizer pointer), and `output_dir` never gets
-    the base's tokenizer files; with hub_strategy="checkpoint" the checkpoint pushed beside it keeps its code."""
+    at the end upload a whole adapter folder (remote code, card, tokenizer pointer, backbone LoRA), and `output_dir`
+    never gets the base's tokenizer files; with hub_strategy="checkpoint" the checkpoint pushed beside it keeps its
+    code."""
+    import peft
+
     out = tmp_path / "out"
-    trainer = _push_trainer(sft_base, out, hub_strategy=strategy)
+    peft_config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]) if lora \
+        else None
+    trainer = _push_trainer(sft_base, out, peft_config=peft_config, hub_strategy=strategy)
     trainer.train()
     trainer._finish_current_push()
     main = hub.repos["user/tiny-causal"]["main"]
@@ -531,6 +536,11 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
     loaded = CausalQwenForCausalLM.from_pretrained(pushed)
     saved = load_safetensors((out / f"checkpoint-{step}" / "model.safetensors").read_bytes())
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in saved.items())
+    lora_file = "lora/adapter_model.safetensors"
+    assert (lora_file in main) == lora
+    if lora:
+        assert main[lora_file] == (out / f"checkpoint-{step}" / lora_file).read_bytes()
+        assert getattr(loaded.model, "_hf_peft_config_loaded", False)
     assert json.loads(main["tokenizer_config.json"]) == TOKENIZER_CONFIG and "tokenization_causalqwen.py" in main
 
     commit = trainer.push_to_hub(dataset_name="tiny-pairs")
@@ -583,6 +593,15 @@ def test_recipe_uploads_the_adapter_files_as_they_are(hub, trained, tmp_path, ca
     assert hub.commits[0]["summary"] == "recipe"
     out, err = capsys.readouterr()
     assert f"pushed {run} to {commit.commit_url}" in out and "checkpoint-10/optimizer.pt" in err
+
+
+def test_recipe_takes_push_to_hubs_keyword_spellings(hub, trained, tmp_path):
+    """`--commit_message` and `--create_pr` as well as `hf upload`'s dashed spellings, as the other recipes take both."""
+    trained.save_pretrained(tmp_path / "run")
+    commit = _load_recipe().main([str(tmp_path / "run"), "user/from-recipe", "--token", TOKEN, "--commit_message",
+                                  "as keywords", "--create_pr"])
+    assert commit.pr_revision == "refs/pr/1" and hub.commits[-1]["summary"] == "as keywords"
+    assert "model.safetensors" in hub.repos["user/from-recipe"]["refs/pr/1"]
 
 
 def test_recipe_refuses_what_is_not_an_adapter(hub, tied_base, trained, tmp_path, capsys):
