@@ -4,12 +4,15 @@ Installed package only: the adapter folder's remote code carries no upload code,
 `push_to_hub` asks for this package (adapter_io.py). `recipes/push_to_hub.py` uses the same functions for a folder.
 """
 
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import RevisionNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapter_io import LORA_FOLDER
 from .model_card import CARD_NAME, retarget_model_card
@@ -58,18 +61,15 @@ STALE_FILE_PATTERNS = [f"{LORA_FOLDER}/*", *(f"{name}.py" for name in REMOTE_COD
 
 
 def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, revision=None, commit_message=None,
-                          create_pr: bool = False, ignore_patterns: list[str] | None = None,
-                          run_as_future: bool = False):
-    """Create the repo if needed and upload the adapter folder `folder` in one commit; its card is retargeted to
-    `repo_id` in place (the snippet loads the repo), nothing else in it is changed.
+                          create_pr: bool = False):
+    """Create the repo if needed and upload `folder` (a disposable copy: its card is retargeted) in one commit.
 
     The same commit deletes what an earlier push left that this adapter does not have: a `lora/` folder (the loader
     would apply a stale backbone LoRA to these heads) and the remote-code modules of earlier versions
     (`STALE_FILE_PATTERNS`). Other files in the repo (a tokenizer, results, code of the owner's) are kept: a
     `tokenizer_config.json` of the repo's own is not replaced by the adapter's (which only points AutoTokenizer at
-    the base's tokenizer); an earlier push's pointer goes when this folder has none. `ignore_patterns` are files of
-    `folder` not to upload (a trainer's `checkpoint-*`). Returns huggingface_hub's `CommitInfo`, or a `Future` of it
-    with `run_as_future`. Run `check_push` first.
+    the base's tokenizer); an earlier push's pointer goes when this folder has none. Returns huggingface_hub's
+    `CommitInfo`. Run `check_push` first.
     """
     folder = Path(folder)
     api = HfApi(token=token)
@@ -79,7 +79,7 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
         card.write_text(retarget_model_card(card.read_text(encoding="utf-8"), repo_id), encoding="utf-8")
     if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    pointer, delete, ignore = folder / TOKENIZER_CONFIG_NAME, list(STALE_FILE_PATTERNS), list(ignore_patterns or [])
+    pointer, delete, ignore = folder / TOKENIZER_CONFIG_NAME, list(STALE_FILE_PATTERNS), []
     remote = remote_tokenizer_config(api, repo_id, revision)
     if remote == "own" and is_adapter_tokenizer_config(pointer):
         ignore.append(TOKENIZER_CONFIG_NAME)  # the repo's tokenizer stays the one AutoTokenizer reads
@@ -93,8 +93,55 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
         create_pr=create_pr,
         ignore_patterns=ignore or None,
         delete_patterns=delete,  # files this folder uploads are overwritten, never deleted
-        run_as_future=run_as_future,
     )
+
+
+SNAPSHOT_PREFIX = "_hub_push."  # a Trainer's upload of output_dir skips `_*`
+
+
+def link_files(folder: Path, files, into: Path) -> None:
+    """Lay `files` (paths relative to `folder`) out in `into`: hard links where the filesystem allows (a later save
+    swaps new files in under the names, never into these), copies elsewhere and for the card, which an upload
+    rewrites."""
+    for name in files:
+        target = into / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if name == CARD_NAME:
+            shutil.copyfile(folder / name, target)
+            continue
+        try:
+            os.link(folder / name, target)
+        except OSError:
+            shutil.copyfile(folder / name, target)
+
+
+def snapshot_for_upload(folder) -> Path:
+    """What a Trainer uploads of its `output_dir` (everything but `checkpoint-*`, `_*` and hidden folders), laid out
+    by `link_files` in a new `_hub_push.XXXXXXXX` folder inside it. A background upload reads the snapshot, while
+    training goes on saving checkpoints into the folder: huggingface_hub lists a folder it uploads whole, and a
+    folder a save creates or rotation deletes meanwhile fails that listing."""
+    folder = Path(folder)
+    snapshot = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=folder))
+    try:
+        files = []
+        for item in sorted(folder.iterdir()):
+            if item.name.startswith(("_", f"{PREFIX_CHECKPOINT_DIR}-")) or item.name.startswith(".") and item.is_dir():
+                continue  # as the Trainer's upload (and a save's hidden staging folders)
+            paths = sorted(p for p in item.rglob("*") if p.is_file()) if item.is_dir() else [item]
+            files += [p.relative_to(folder).as_posix() for p in paths]
+        link_files(folder, files, snapshot)
+        return snapshot
+    except BaseException:
+        shutil.rmtree(snapshot, ignore_errors=True)
+        raise
+
+
+def upload_snapshot(snapshot: Path, repo_id: str, **kwargs):
+    """`upload_adapter_folder` of a `snapshot_for_upload`, which it removes once the upload ends, however it ends."""
+    try:
+        return upload_adapter_folder(snapshot, repo_id, **kwargs)
+    finally:
+        shutil.rmtree(snapshot, ignore_errors=True)
 
 
 def remote_tokenizer_config(api: HfApi, repo_id: str, revision: str | None) -> str:
@@ -122,4 +169,5 @@ def push_adapter(model, repo_id: str, *, private=None, token=None, revision=None
                                      commit_message=commit_message, create_pr=create_pr)
 
 
-__all__ = ["REMOTE_CODE_MODULES", "check_push", "remote_tokenizer_config", "upload_adapter_folder", "push_adapter"]
+__all__ = ["REMOTE_CODE_MODULES", "check_push", "link_files", "push_adapter", "remote_tokenizer_config",
+           "snapshot_for_upload", "upload_adapter_folder", "upload_snapshot"]

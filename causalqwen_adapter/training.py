@@ -260,9 +260,6 @@ class AdapterCheckpointMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    # what a Trainer's upload of output_dir leaves out, as the Trainer leaves them out
-    _hub_ignore_patterns = ["_*", f"{PREFIX_CHECKPOINT_DIR}-*"]
-
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
                     revision=None, private=None, **kwargs):
         """The Trainer's `push_to_hub` (also what `push_to_hub=True` runs when training ends): saves the adapter into
@@ -271,7 +268,9 @@ class AdapterCheckpointMixin:
         earlier push deleted; `checkpoint-*` and `_*` left out, as the Trainer leaves them. `kwargs` go to
         `create_model_card` (`dataset_name`, `tags`). Returns the `CommitInfo`, or its `Future` with
         `blocking=False`."""
-        from .hub import upload_adapter_folder  # sharing is the installed package's (hub.py)
+        from huggingface_hub import HfApi
+
+        from .hub import snapshot_for_upload, upload_snapshot  # sharing is the installed package's (hub.py)
 
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         kwargs.pop("model_name", None)  # TRL's card takes it; the adapter's card names the repo
@@ -285,11 +284,10 @@ class AdapterCheckpointMixin:
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         tags += [t for t in getattr(self.model, "model_tags", None) or [] if t not in tags]
         self.create_model_card(tags=tags or None, **kwargs)
-        return upload_adapter_folder(
-            self.args.output_dir, self.hub_model_id, token=token, private=private,
-            revision=revision if revision is not None else self.args.hub_revision, commit_message=commit_message,
-            ignore_patterns=self._hub_ignore_patterns, run_as_future=not blocking,
-        )
+        push = (upload_snapshot, snapshot_for_upload(self.args.output_dir), self.hub_model_id)
+        options = dict(token=token, private=private, commit_message=commit_message,
+                       revision=revision if revision is not None else self.args.hub_revision)
+        return push[0](*push[1:], **options) if blocking else HfApi(token=token).run_as_future(*push, **options)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """The push at each save of a run with `push_to_hub=True` (`hub_strategy` every_save, checkpoint or
@@ -300,7 +298,7 @@ class AdapterCheckpointMixin:
         itself goes to `last-checkpoint/` or `checkpoint-N/` of the repo as the Trainer sends it."""
         from huggingface_hub import HfApi
 
-        from .hub import upload_adapter_folder
+        from .hub import snapshot_for_upload, upload_snapshot
 
         args = self.args
         if not self.is_world_process_zero() or args.hub_strategy == HubStrategy.END:
@@ -313,12 +311,12 @@ class AdapterCheckpointMixin:
         torch.save(args, output_dir / TRAINING_ARGS_NAME)
         commit_message = (f"Training in progress, step {self.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
                           else f"Training in progress, epoch {int(self.state.epoch)}")
-        jobs = [upload_adapter_folder(output_dir, self.hub_model_id, token=args.hub_token, revision=args.hub_revision,
-                                      commit_message=commit_message, ignore_patterns=self._hub_ignore_patterns,
-                                      run_as_future=True)]
+        api = HfApi(token=args.hub_token)  # its background jobs run in order, each request off the training loop
+        jobs = [api.run_as_future(upload_snapshot, snapshot_for_upload(output_dir), self.hub_model_id,
+                                  token=args.hub_token, revision=args.hub_revision, commit_message=commit_message)]
         if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             path_in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
-            jobs.append(HfApi(token=args.hub_token).upload_folder(
+            jobs.append(api.upload_folder(
                 repo_id=self.hub_model_id, folder_path=checkpoint_folder, path_in_repo=path_in_repo,
                 commit_message=commit_message + ", checkpoint", revision=args.hub_revision, run_as_future=True,
             ))

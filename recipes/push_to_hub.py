@@ -11,9 +11,7 @@ passed, else HF_TOKEN, else the one `hf auth login` stored.
 
 import argparse
 import json
-import os
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +21,7 @@ from safetensors import safe_open
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
-from causalqwen_adapter.hub import check_push, upload_adapter_folder
+from causalqwen_adapter.hub import check_push, link_files, upload_adapter_folder
 from causalqwen_adapter.model_card import CARD_NAME, render_model_card
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
 
@@ -108,20 +106,6 @@ def _check_adapter_tensors(weights: Path, config: dict) -> None:
         )
 
 
-def stage(folder: Path, files: list[str], into: Path) -> None:
-    """Lay the adapter files out in `into` (hard links where possible; the card is copied, it gets rewritten)."""
-    for name in files:
-        target = into / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if name == CARD_NAME:
-            shutil.copyfile(folder / name, target)
-            continue
-        try:
-            os.link(folder / name, target)
-        except OSError:
-            shutil.copyfile(folder / name, target)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("adapter", type=Path, help="the adapter folder save_pretrained wrote")
@@ -147,7 +131,7 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp) / args.adapter.resolve().name
-        stage(args.adapter, files, staged)
+        link_files(args.adapter, files, staged)
         if CARD_NAME not in files:  # an adapter saved before cards existed: render one from the folder itself
             config = json.loads((args.adapter / "config.json").read_text())
             (staged / CARD_NAME).write_text(render_model_card(staged, config, model_id=args.repo_id), encoding="utf-8")

@@ -34,7 +34,7 @@ from safetensors.torch import load as load_safetensors
 import causalqwen_adapter.model_card as model_card
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import adapter_file_names
-from causalqwen_adapter.hub import REMOTE_CODE_MODULES, upload_adapter_folder
+from causalqwen_adapter.hub import REMOTE_CODE_MODULES, snapshot_for_upload, upload_adapter_folder
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG
 from causalqwen_adapter.trainer import CausalSFTTrainer
 
@@ -523,6 +523,8 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
     trainer = _push_trainer(sft_base, out, peft_config=peft_config, hub_strategy=strategy)
     trainer.train()
     trainer._finish_current_push()
+    for job in trainer.push_in_progress.jobs if trainer.push_in_progress else []:
+        job.result()  # a background push's error, raised
     main = hub.repos["user/tiny-causal"]["main"]
     in_training = [c for c in hub.commits if c["summary"].startswith("Training in progress")
                    and not c["summary"].endswith(", checkpoint")]
@@ -548,12 +550,35 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
     local = _uploadable(out)
     assert not {"tokenizer.json", "chat_template.jinja"} & set(local)  # never the base's tokenizer
     assert json.loads(local["tokenizer_config.json"]) == TOKENIZER_CONFIG
-    assert {k: v for k, v in main.items() if not k.startswith("last-checkpoint/")} == local
+    uploaded = {k: v for k, v in main.items() if not k.startswith("last-checkpoint/")}
+    assert set(uploaded) == set(local) and all(uploaded[k] == v for k, v in local.items() if k != "README.md")
     card = main["README.md"].decode()
+    assert card == model_card.retarget_model_card(local["README.md"].decode(), "user/tiny-causal")  # output_dir's as it was
     assert 'AutoModelForCausalLM.from_pretrained("user/tiny-causal", trust_remote_code=True)' in card
     assert "tiny-pairs" in card
+    assert not list(out.glob("_hub_push.*"))  # every snapshot removed once uploaded
     if strategy == "checkpoint":  # the main push's stale-file patterns never reach into the checkpoint
         assert "last-checkpoint/modeling_causalqwen.py" in main and "last-checkpoint/optimizer.pt" in main
+
+
+def test_a_snapshot_for_upload_holds_what_the_trainer_uploads_whatever_saves_do_next(tmp_path):
+    """The files a Trainer uploads of output_dir, frozen: a later save's swap, a rotated checkpoint or a staging
+    folder appearing do not reach the snapshot a background upload reads, and the card it rewrites is its own."""
+    out = tmp_path / "out"
+    files = {"config.json": b"{}", "model.safetensors": b"heads v1", "README.md": b"card", "lora/adapter.bin": b"l",
+             ".gitattributes": b"*.safetensors lfs", "training_args.bin": b"args"}
+    skipped = {"checkpoint-2/model.safetensors": b"old", "_notes": b"x", ".out.abcdefgh.tmp/model.safetensors": b"s"}
+    for name, data in {**files, **skipped}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    snapshot = snapshot_for_upload(out)
+    assert snapshot.parent == out and snapshot.name.startswith("_hub_push.")
+    (out / "model.new").write_bytes(b"heads v2")
+    os.replace(out / "model.new", out / "model.safetensors")  # the next save swaps files in under the names
+    shutil.rmtree(out / "checkpoint-2")  # rotation
+    (snapshot / "README.md").write_text("retargeted")
+    assert _files(snapshot) == {**files, "README.md": b"retargeted"}
+    assert (out / "README.md").read_bytes() == b"card" and (out / "model.safetensors").read_bytes() == b"heads v2"
 
 
 def test_trainer_push_to_hub_keeps_the_repos_own_tokenizer(hub, sft_base, tmp_path):
