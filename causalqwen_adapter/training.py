@@ -416,8 +416,6 @@ class AdapterCheckpointMixin:
             return
         if os.path.isdir(output_dir):
             check_not_foreign(Path(output_dir), (TRAINING_ARGS_NAME,))
-        if os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
-            self._finish_current_push()  # a background upload of output_dir may still be reading what this swaps
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         model.training_summary = self._training_summary()  # rendered into the adapter's README.md
         model.save_pretrained(output_dir, state_dict=state_dict)
