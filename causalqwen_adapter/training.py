@@ -268,8 +268,6 @@ class AdapterCheckpointMixin:
         earlier push deleted; `checkpoint-*` and `_*` left out, as the Trainer leaves them. `kwargs` go to
         `create_model_card` (`dataset_name`, `tags`). Returns the `CommitInfo`, or its `Future` with
         `blocking=False`."""
-        from huggingface_hub import HfApi
-
         from .hub import snapshot_for_upload, upload_snapshot  # sharing is the installed package's (hub.py)
 
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
@@ -287,7 +285,16 @@ class AdapterCheckpointMixin:
         push = (upload_snapshot, snapshot_for_upload(self.args.output_dir), self.hub_model_id)
         options = dict(token=token, private=private, commit_message=commit_message,
                        revision=revision if revision is not None else self.args.hub_revision)
-        return push[0](*push[1:], **options) if blocking else HfApi(token=token).run_as_future(*push, **options)
+        return push[0](*push[1:], **options) if blocking else self._hub_jobs(token).run_as_future(*push, **options)
+
+    def _hub_jobs(self, token):
+        """The run's `HfApi` for background pushes: one queue, so that its commits land in the order they were made,
+        every request of them off the training loop."""
+        from huggingface_hub import HfApi
+
+        if getattr(self, "_hub_api", None) is None or self._hub_api.token != token:
+            self._hub_api = HfApi(token=token)
+        return self._hub_api
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """The push at each save of a run with `push_to_hub=True` (`hub_strategy` every_save, checkpoint or
@@ -296,8 +303,6 @@ class AdapterCheckpointMixin:
         code and card (it could not be loaded) and the base's tokenizer files in `output_dir`. This installs the
         checkpoint's adapter files into `output_dir` (as a save does) and uploads it as `push_to_hub`; the checkpoint
         itself goes to `last-checkpoint/` or `checkpoint-N/` of the repo as the Trainer sends it."""
-        from huggingface_hub import HfApi
-
         from .hub import snapshot_for_upload, upload_snapshot
 
         args = self.args
@@ -311,7 +316,7 @@ class AdapterCheckpointMixin:
         torch.save(args, output_dir / TRAINING_ARGS_NAME)
         commit_message = (f"Training in progress, step {self.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
                           else f"Training in progress, epoch {int(self.state.epoch)}")
-        api = HfApi(token=args.hub_token)  # its background jobs run in order, each request off the training loop
+        api = self._hub_jobs(args.hub_token)
         jobs = [api.run_as_future(upload_snapshot, snapshot_for_upload(output_dir), self.hub_model_id,
                                   token=args.hub_token, revision=args.hub_revision, commit_message=commit_message)]
         if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):

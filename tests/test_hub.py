@@ -529,6 +529,9 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
     in_training = [c for c in hub.commits if c["summary"].startswith("Training in progress")
                    and not c["summary"].endswith(", checkpoint")]
     assert in_training and in_training[0]["summary"] == "Training in progress, step 2"
+    if strategy == "checkpoint":  # one queue: each save's commits land in the order they were made
+        assert [c["summary"] for c in hub.commits[:2]] == ["Training in progress, step 2",
+                                                           "Training in progress, step 2, checkpoint"]
     pushed = tmp_path / "pushed-in-training"  # what the repo held during training, as a folder
     for name, data in main.items():
         if not name.startswith("last-checkpoint/"):
