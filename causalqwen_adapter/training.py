@@ -263,8 +263,9 @@ class AdapterCheckpointMixin:
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
                     revision=None, private=None, **kwargs):
         """The Trainer's `push_to_hub` (also what `push_to_hub=True` runs when training ends): saves the adapter into
-        `output_dir` and uploads that folder as `model.push_to_hub` uploads an adapter (`hub.upload_adapter_folder`):
-        the card retargeted to `hub_model_id`, a tokenizer the repo holds kept, the stale LoRA and remote code of an
+        `output_dir`, waits for the pushes in flight (theirs are older files), and uploads a snapshot of the folder as
+        `model.push_to_hub` uploads an adapter (`hub.upload_adapter_folder`): the card retargeted to `hub_model_id`
+        (in the upload; `output_dir`'s stays), a tokenizer the repo holds kept, the stale LoRA and remote code of an
         earlier push deleted; `checkpoint-*` and `_*` left out, as the Trainer leaves them. `kwargs` go to
         `create_model_card` (`dataset_name`, `tags`). Returns the `CommitInfo`, or its `Future` with
         `blocking=False`."""
@@ -282,6 +283,7 @@ class AdapterCheckpointMixin:
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         tags += [t for t in getattr(self.model, "model_tags", None) or [] if t not in tags]
         self.create_model_card(tags=tags or None, **kwargs)
+        self._finish_current_push()  # a save's push landing after this one would put older heads back
         push = (upload_snapshot, snapshot_for_upload(self.args.output_dir), self.hub_model_id)
         options = dict(token=token, private=private, commit_message=commit_message,
                        revision=revision if revision is not None else self.args.hub_revision)

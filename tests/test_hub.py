@@ -500,8 +500,8 @@ def test_push_as_a_pull_request(hub, trained):
 
 
 def _push_trainer(sft_base, out, peft_config=None, **overrides):
-    args = _args(out, max_steps=4, save_strategy="steps", save_steps=2, push_to_hub=True,
-                 hub_model_id="user/tiny-causal", hub_token=TOKEN, **overrides)
+    args = _args(out, **{"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "push_to_hub": True,
+                         "hub_model_id": "user/tiny-causal", "hub_token": TOKEN, **overrides})
     return CausalSFTTrainer(str(sft_base), args=args, train_dataset=_prompt_completion(), peft_config=peft_config)
 
 
@@ -582,6 +582,32 @@ def test_a_snapshot_for_upload_holds_what_the_trainer_uploads_whatever_saves_do_
     (snapshot / "README.md").write_text("retargeted")
     assert _files(snapshot) == {**files, "README.md": b"retargeted"}
     assert (out / "README.md").read_bytes() == b"card" and (out / "model.safetensors").read_bytes() == b"heads v2"
+
+
+def test_trainer_push_to_hub_lands_after_the_pushes_in_flight(hub, sft_base, tmp_path, monkeypatch):
+    """push_to_hub while a save's push is still uploading (slowed here; training's end waits for them, a call from
+    a callback mid-training does not): the end's commit lands last, so the repo holds the final heads, not the older
+    ones of the push in flight."""
+    import time
+
+    import causalqwen_adapter.hub as hub_module
+
+    upload = hub_module.upload_adapter_folder
+
+    def slow_for_saves(folder, repo_id, **kwargs):
+        if kwargs.get("commit_message", "").startswith("Training in progress"):
+            time.sleep(1.5)
+        return upload(folder, repo_id, **kwargs)
+
+    monkeypatch.setattr(hub_module, "upload_adapter_folder", slow_for_saves)
+    out = tmp_path / "out"
+    trainer = _push_trainer(sft_base, out, max_steps=6, save_steps=3)
+    trainer.train()
+    trainer._push_from_checkpoint(str(out / "checkpoint-3"))  # older heads, in flight
+    trainer.push_to_hub()
+    trainer._finish_current_push()  # whatever was in flight has landed too
+    assert [c["summary"] for c in hub.commits][-2:] == ["Training in progress, step 6", "End of training"]
+    assert hub.repos["user/tiny-causal"]["main"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
 
 
 def test_trainer_push_to_hub_keeps_the_repos_own_tokenizer(hub, sft_base, tmp_path):
