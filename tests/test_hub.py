@@ -26,6 +26,7 @@ import huggingface_hub
 import huggingface_hub._upload_pipeline
 import pytest
 import torch
+import transformers.utils.hub
 import yaml
 from huggingface_hub import CommitInfo, constants
 from huggingface_hub.errors import HfHubHTTPError
@@ -291,6 +292,8 @@ def _serve(monkeypatch, xet: bool, **kwargs) -> FakeHub:
     # (an "lfs" answer would need Xet storage). Disabled → the legacy path with LFS batch + PUT.
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", not xet)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # TRL's trainers report usage to the endpoint
+    # the Trainer creates repos through transformers' shared HfApi, which keeps the endpoint it was first built with
+    monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
     return hub
 
 
