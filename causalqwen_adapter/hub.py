@@ -97,6 +97,7 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
 
 
 SNAPSHOT_PREFIX = "_hub_push."  # a Trainer's upload of output_dir skips `_*`
+_LIVE_SNAPSHOTS: set[Path] = set()  # this process's snapshots still being uploaded
 
 
 def link_files(folder: Path, files, into: Path) -> None:
@@ -119,9 +120,14 @@ def snapshot_for_upload(folder) -> Path:
     """What a Trainer uploads of its `output_dir` (everything but `checkpoint-*`, `_*` and hidden folders), laid out
     by `link_files` in a new `_hub_push.XXXXXXXX` folder inside it. A background upload reads the snapshot, while
     training goes on saving checkpoints into the folder: huggingface_hub lists a folder it uploads whole, and a
-    folder a save creates or rotation deletes meanwhile fails that listing."""
+    folder a save creates or rotation deletes meanwhile fails that listing. Snapshots a killed process left (none of
+    this process's uploads) are removed first."""
     folder = Path(folder)
-    snapshot = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=folder))
+    for stale in folder.glob(f"{SNAPSHOT_PREFIX}*"):
+        if stale.is_dir() and not stale.is_symlink() and stale.resolve() not in _LIVE_SNAPSHOTS:
+            shutil.rmtree(stale, ignore_errors=True)
+    snapshot = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=folder)).resolve()
+    _LIVE_SNAPSHOTS.add(snapshot)
     try:
         files = []
         for item in sorted(folder.iterdir()):
@@ -132,6 +138,7 @@ def snapshot_for_upload(folder) -> Path:
         link_files(folder, files, snapshot)
         return snapshot
     except BaseException:
+        _LIVE_SNAPSHOTS.discard(snapshot)
         shutil.rmtree(snapshot, ignore_errors=True)
         raise
 
@@ -142,6 +149,7 @@ def upload_snapshot(snapshot: Path, repo_id: str, **kwargs):
         return upload_adapter_folder(snapshot, repo_id, **kwargs)
     finally:
         shutil.rmtree(snapshot, ignore_errors=True)
+        _LIVE_SNAPSHOTS.discard(Path(snapshot).resolve())
 
 
 def remote_tokenizer_config(api: HfApi, repo_id: str, revision: str | None) -> str:

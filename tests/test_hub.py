@@ -585,6 +585,12 @@ def test_a_snapshot_for_upload_holds_what_the_trainer_uploads_whatever_saves_do_
     (snapshot / "README.md").write_text("retargeted")
     assert _files(snapshot) == {**files, "README.md": b"retargeted"}
     assert (out / "README.md").read_bytes() == b"card" and (out / "model.safetensors").read_bytes() == b"heads v2"
+    # a killed process's snapshot goes with the next one; one still uploading in this process stays
+    killed = out / "_hub_push.abcdefgh"
+    (killed / "config.json").parent.mkdir()
+    (killed / "config.json").write_bytes(b"{}")
+    second = snapshot_for_upload(out)
+    assert not killed.exists() and snapshot.is_dir() and second.is_dir()
 
 
 def test_trainer_push_to_hub_lands_after_the_pushes_in_flight(hub, sft_base, tmp_path, monkeypatch):
