@@ -312,25 +312,6 @@ def install_folder(staging: Path, target: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def install_adapter_copy(source: Path, target: Path) -> None:
-    """Copy the adapter files of the saved folder `source` (a trainer's checkpoint) into `target` as a save writes
-    them (`install_folder`): nothing else of `source` (optimizer state), and a tokenizer of the user's in `target`
-    kept (`keeps_tokenizer_config`)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    names = adapter_file_names() | ({TOKENIZER_CONFIG_NAME} if not keeps_tokenizer_config(target) else set())
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        for name in sorted(names):
-            item = source / name
-            if item.is_dir():
-                shutil.copytree(item, staging / name)
-            elif item.is_file():
-                shutil.copyfile(item, staging / name)
-        install_folder(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def base_reference(name: str, what: str) -> str:
     """How an adapter refers to its base: an existing folder by its absolute path (a relative one would resolve
     against whatever directory loads the adapter later), a Hub id as given. A path that exists nowhere is an error
@@ -466,9 +447,8 @@ __all__ = [
     "ADAPTER_HINT", "ADAPTER_WEIGHTS_NAME", "BASE_HINT", "BASE_PREFIXES", "MODEL_HINT", "HUB_KWARGS", "LORA_FOLDER",
     "SUPPORTED_BASES", "adapter_file_names", "base_config_dict", "base_is_tied", "base_reference", "causal_lm_parts",
     "check_base_matches", "check_config_overrides", "check_found", "check_keys", "check_logits_are_output_layer",
-    "check_not_foreign", "check_supported_base", "install_adapter_copy", "install_folder", "interrupted_swap",
-    "is_adapter_folder", "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown",
-    "stale_save_folders",
+    "check_not_foreign", "check_supported_base", "install_folder", "interrupted_swap", "is_adapter_folder",
+    "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown", "stale_save_folders",
 ]
 
 

@@ -14,6 +14,8 @@ import inspect
 import json
 import os
 import re
+import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -30,12 +32,14 @@ from .adapter_io import (
     BASE_PREFIXES,
     LORA_FOLDER,
     MODEL_HINT,
+    adapter_file_names,
     all_finite,
     check_found,
     check_not_foreign,
     check_supported_base,
-    install_adapter_copy,
+    install_folder,
     is_adapter_folder,
+    keeps_tokenizer_config,
 )
 from .configuration_causalqwen import (
     CONFIG_CHOICES,
@@ -50,6 +54,7 @@ from .configuration_causalqwen import (
 from .model_card import write_model_card
 from .modeling_causalqwen import CausalQwenForCausalLM
 from .sharding import distribute_like, is_partitioned, local_shard
+from .tokenization_causalqwen import TOKENIZER_CONFIG_NAME
 
 logger = logging.get_logger(__name__)
 
@@ -241,6 +246,25 @@ class HeadLearningRatesMixin:
         return optimizer
 
 
+def install_adapter_copy(source: Path, target: Path) -> None:
+    """Copy the adapter files of the saved folder `source` (a trainer's checkpoint) into `target` as a save writes
+    them (`adapter_io.install_folder`): nothing else of `source` (optimizer state), and a tokenizer of the user's in
+    `target` kept (`keeps_tokenizer_config`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    names = adapter_file_names() | ({TOKENIZER_CONFIG_NAME} if not keeps_tokenizer_config(target) else set())
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        for name in sorted(names):
+            item = source / name
+            if item.is_dir():
+                shutil.copytree(item, staging / name)
+            elif item.is_file():
+                shutil.copyfile(item, staging / name)
+        install_folder(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 class AdapterCheckpointMixin:
     """Checkpoints, `save_model`, resuming and the model card of a trainer whose model is a `CausalQwenForCausalLM`:
     adapter folders (heads only, docs/design.md, The adapter folder), never full weights and never TRL's generic card.
@@ -284,18 +308,20 @@ class AdapterCheckpointMixin:
         tags += [t for t in getattr(self.model, "model_tags", None) or [] if t not in tags]
         self.create_model_card(tags=tags or None, **kwargs)
         self._finish_current_push()  # a save's push landing after this one would put older heads back
-        push = (upload_snapshot, snapshot_for_upload(self.args.output_dir), self.hub_model_id)
+        snapshot = snapshot_for_upload(self.args.output_dir)
         options = dict(token=token, private=private, commit_message=commit_message,
                        revision=revision if revision is not None else self.args.hub_revision)
-        return push[0](*push[1:], **options) if blocking else self._hub_jobs(token).run_as_future(*push, **options)
+        if blocking:
+            return upload_snapshot(snapshot, self.hub_model_id, **options)
+        return self._hub_jobs().run_as_future(upload_snapshot, snapshot, self.hub_model_id, **options)
 
-    def _hub_jobs(self, token):
-        """The run's `HfApi` for background pushes: one queue, so that its commits land in the order they were made,
-        every request of them off the training loop."""
+    def _hub_jobs(self):
+        """The run's queue of background pushes (an `HfApi`'s; every job passes its token): its commits land in the
+        order they were made, every request of them off the training loop."""
         from huggingface_hub import HfApi
 
-        if getattr(self, "_hub_api", None) is None or self._hub_api.token != token:
-            self._hub_api = HfApi(token=token)
+        if getattr(self, "_hub_api", None) is None:
+            self._hub_api = HfApi()
         return self._hub_api
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
@@ -318,14 +344,15 @@ class AdapterCheckpointMixin:
         torch.save(args, output_dir / TRAINING_ARGS_NAME)
         commit_message = (f"Training in progress, step {self.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
                           else f"Training in progress, epoch {int(self.state.epoch)}")
-        api = self._hub_jobs(args.hub_token)
+        api = self._hub_jobs()
         jobs = [api.run_as_future(upload_snapshot, snapshot_for_upload(output_dir), self.hub_model_id,
                                   token=args.hub_token, revision=args.hub_revision, commit_message=commit_message)]
         if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             path_in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
             jobs.append(api.upload_folder(
                 repo_id=self.hub_model_id, folder_path=checkpoint_folder, path_in_repo=path_in_repo,
-                commit_message=commit_message + ", checkpoint", revision=args.hub_revision, run_as_future=True,
+                commit_message=commit_message + ", checkpoint", revision=args.hub_revision, token=args.hub_token,
+                run_as_future=True,
             ))
         if self.push_in_progress is None or self.push_in_progress.is_done():
             self.push_in_progress = PushInProgress(jobs)
