@@ -12,11 +12,13 @@ from pathlib import Path
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import RevisionNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
-from .adapter_io import LORA_FOLDER
+from .adapter_io import LORA_FOLDER, adapter_file_names, keeps_tokenizer_config
 from .model_card import CARD_NAME, retarget_model_card
 from .tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_COMMIT_MESSAGE = "Upload CausalQwen adapter"
 
@@ -98,6 +100,56 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
 
 SNAPSHOT_PREFIX = "_hub_push."  # a Trainer's upload of output_dir skips `_*`
 _LIVE_SNAPSHOTS: set[Path] = set()  # this process's snapshots still being uploaded
+# The files of a tokenizer saved by its owner into an adapter folder (`keeps_tokenizer_config`): AutoTokenizer reads
+# that tokenizer from the repo instead of the base's, so a push uploads them with the adapter.
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
+                        "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def _link_error(path: Path, folder: Path) -> ValueError:
+    return ValueError(
+        f"{path} is a symbolic link: a push uploads only the regular files a save wrote into {folder}, never what a "
+        "link points to (it could be anything on this machine). Replace the link with the file it stands for, or "
+        "remove it, and push again. Nothing was uploaded."
+    )
+
+
+def _files_under(folder: Path, item: Path, *, links: str) -> list[str]:
+    """The regular files at or under `item` (relative to `folder`), never following a link: one is refused
+    (`links="refuse"`, a ValueError) or left out with a warning (`links="skip"`)."""
+    found = []
+    for path in [item] if not item.is_dir() or item.is_symlink() else sorted(item.rglob("*")):
+        if path.is_symlink():  # rglob never descends through a linked folder; the link itself is listed here
+            if links == "refuse":
+                raise _link_error(path, folder)
+            logger.warning(f"{path} is a symbolic link: not uploaded (a push uploads only regular files)")
+        elif path.is_file():
+            found.append(path.relative_to(folder).as_posix())
+    return found
+
+
+def adapter_upload_files(folder) -> list[str]:
+    """What a push uploads of an adapter folder (relative paths): the files a save writes (`adapter_file_names`:
+    config, weights, generation config, card, remote code, `lora/`), the tokenizer pointer, and the tokenizer of the
+    user's own where the folder keeps one. Nothing else: a trainer's `training_args.bin` and logs, a hidden `.env`,
+    the user's other files stay local. A symbolic link among them is refused (ValueError) before anything is sent."""
+    folder = Path(folder)
+    names = adapter_file_names() | {TOKENIZER_CONFIG_NAME}
+    if keeps_tokenizer_config(folder):
+        names |= set(TOKENIZER_FILE_NAMES)
+    files = []
+    for name in sorted(names):
+        item = folder / name
+        if item.is_symlink() or item.exists():
+            files += _files_under(folder, item, links="refuse")
+    return files
+
+
+def checkpoint_upload_files(checkpoint) -> list[str]:
+    """What a push uploads of a Trainer checkpoint (`hub_strategy` checkpoint or all_checkpoints): its regular files,
+    a symbolic link left out (a save never writes one)."""
+    checkpoint = Path(checkpoint)
+    return _files_under(checkpoint, checkpoint, links="skip")
 
 
 def link_files(folder: Path, files, into: Path) -> None:
@@ -108,33 +160,29 @@ def link_files(folder: Path, files, into: Path) -> None:
         target = into / name
         target.parent.mkdir(parents=True, exist_ok=True)
         if name == CARD_NAME:
-            shutil.copyfile(folder / name, target)
+            shutil.copyfile(folder / name, target, follow_symlinks=False)
             continue
         try:
-            os.link(folder / name, target)
+            os.link(folder / name, target, follow_symlinks=False)
         except OSError:
-            shutil.copyfile(folder / name, target)
+            shutil.copyfile(folder / name, target, follow_symlinks=False)
 
 
-def snapshot_for_upload(folder) -> Path:
-    """What a Trainer uploads of its `output_dir` (everything but `checkpoint-*`, `_*` and hidden folders), laid out
-    by `link_files` in a new `_hub_push.XXXXXXXX` folder inside it. A background upload reads the snapshot, while
-    training goes on saving checkpoints into the folder: huggingface_hub lists a folder it uploads whole, and a
-    folder a save creates or rotation deletes meanwhile fails that listing. Snapshots a killed process left (none of
-    this process's uploads) are removed first."""
+def snapshot_for_upload(folder, files=None, *, into=None) -> Path:
+    """`files` of `folder` (default: `adapter_upload_files(folder)`), laid out by `link_files` in a new
+    `_hub_push.XXXXXXXX` folder inside `into` (default: `folder`). A background upload reads the snapshot while
+    training goes on saving into the folder: huggingface_hub lists a folder it uploads whole, and a folder a save
+    creates or rotation deletes meanwhile fails that listing (a rotated checkpoint's files live on in their hard
+    links). Snapshots a killed process left there (none of this process's uploads) are removed first."""
     folder = Path(folder)
-    for stale in folder.glob(f"{SNAPSHOT_PREFIX}*"):
+    into = Path(into) if into is not None else folder
+    files = adapter_upload_files(folder) if files is None else files
+    for stale in into.glob(f"{SNAPSHOT_PREFIX}*"):
         if stale.is_dir() and not stale.is_symlink() and stale.resolve() not in _LIVE_SNAPSHOTS:
             shutil.rmtree(stale, ignore_errors=True)
-    snapshot = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=folder)).resolve()
+    snapshot = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=into)).resolve()
     _LIVE_SNAPSHOTS.add(snapshot)
     try:
-        files = []
-        for item in sorted(folder.iterdir()):
-            if item.name.startswith(("_", f"{PREFIX_CHECKPOINT_DIR}-")) or item.name.startswith(".") and item.is_dir():
-                continue  # as the Trainer's upload (and a save's hidden staging folders)
-            paths = sorted(p for p in item.rglob("*") if p.is_file()) if item.is_dir() else [item]
-            files += [p.relative_to(folder).as_posix() for p in paths]
         link_files(folder, files, snapshot)
         return snapshot
     except BaseException:
@@ -143,10 +191,14 @@ def snapshot_for_upload(folder) -> Path:
         raise
 
 
-def upload_snapshot(snapshot: Path, repo_id: str, **kwargs):
-    """`upload_adapter_folder` of a `snapshot_for_upload`, which it removes once the upload ends, however it ends."""
+def upload_snapshot(snapshot: Path, repo_id: str, *, path_in_repo: str | None = None, **kwargs):
+    """`upload_adapter_folder` of a `snapshot_for_upload` (with `path_in_repo`, huggingface_hub's `upload_folder` of
+    a checkpoint's snapshot into that folder of the repo), which it removes once the upload ends, however it ends."""
     try:
-        return upload_adapter_folder(snapshot, repo_id, **kwargs)
+        if path_in_repo is None:
+            return upload_adapter_folder(snapshot, repo_id, **kwargs)
+        return HfApi(token=kwargs.pop("token")).upload_folder(repo_id=repo_id, folder_path=snapshot,
+                                                              path_in_repo=path_in_repo, **kwargs)
     finally:
         shutil.rmtree(snapshot, ignore_errors=True)
         _LIVE_SNAPSHOTS.discard(Path(snapshot).resolve())
@@ -177,5 +229,5 @@ def push_adapter(model, repo_id: str, *, private=None, token=None, revision=None
                                      commit_message=commit_message, create_pr=create_pr)
 
 
-__all__ = ["REMOTE_CODE_MODULES", "check_push", "link_files", "push_adapter", "remote_tokenizer_config",
-           "snapshot_for_upload", "upload_adapter_folder", "upload_snapshot"]
+__all__ = ["REMOTE_CODE_MODULES", "adapter_upload_files", "check_push", "checkpoint_upload_files", "link_files",
+           "push_adapter", "remote_tokenizer_config", "snapshot_for_upload", "upload_adapter_folder", "upload_snapshot"]

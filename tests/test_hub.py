@@ -35,7 +35,13 @@ from safetensors.torch import load as load_safetensors
 import causalqwen_adapter.model_card as model_card
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import adapter_file_names
-from causalqwen_adapter.hub import REMOTE_CODE_MODULES, snapshot_for_upload, upload_adapter_folder
+from causalqwen_adapter.hub import (
+    REMOTE_CODE_MODULES,
+    adapter_upload_files,
+    checkpoint_upload_files,
+    snapshot_for_upload,
+    upload_adapter_folder,
+)
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG
 from causalqwen_adapter.trainer import CausalSFTTrainer
 
@@ -509,7 +515,7 @@ def _push_trainer(sft_base, out, peft_config=None, **overrides):
 
 
 def _uploadable(folder: Path) -> dict[str, bytes]:
-    return {k: v for k, v in _files(folder).items() if not k.startswith("checkpoint-")}
+    return {name: (folder / name).read_bytes() for name in adapter_upload_files(folder)}
 
 
 @pytest.mark.parametrize("strategy, lora", [("every_save", False), ("checkpoint", True)])
@@ -554,7 +560,7 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
     commit = trainer.push_to_hub(dataset_name="tiny-pairs")
     assert hub.commits[-1]["summary"] == "End of training" and commit.oid == hub.commits[-1]["oid"]
     local = _uploadable(out)
-    assert not {"tokenizer.json", "chat_template.jinja"} & set(local)  # never the base's tokenizer
+    assert not {"tokenizer.json", "chat_template.jinja"} & set(_files(out))  # never the base's tokenizer
     assert json.loads(local["tokenizer_config.json"]) == TOKENIZER_CONFIG
     uploaded = {k: v for k, v in main.items() if not k.startswith("last-checkpoint/")}
     assert set(uploaded) == set(local) and all(uploaded[k] == v for k, v in local.items() if k != "README.md")
@@ -568,12 +574,13 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
 
 
 def test_a_snapshot_for_upload_holds_what_the_trainer_uploads_whatever_saves_do_next(tmp_path):
-    """The files a Trainer uploads of output_dir, frozen: a later save's swap, a rotated checkpoint or a staging
-    folder appearing do not reach the snapshot a background upload reads, and the card it rewrites is its own."""
+    """The adapter's files of output_dir, frozen: a later save's swap, a rotated checkpoint or a staging folder
+    appearing do not reach the snapshot a background upload reads, and the card it rewrites is its own. Nothing
+    but the adapter's files goes in: not the Trainer's training_args.bin, a hidden file, a checkpoint."""
     out = tmp_path / "out"
-    files = {"config.json": b"{}", "model.safetensors": b"heads v1", "README.md": b"card", "lora/adapter.bin": b"l",
-             ".gitattributes": b"*.safetensors lfs", "training_args.bin": b"args"}
-    skipped = {"checkpoint-2/model.safetensors": b"old", "_notes": b"x", ".out.abcdefgh.tmp/model.safetensors": b"s"}
+    files = {"config.json": b"{}", "model.safetensors": b"heads v1", "README.md": b"card", "lora/adapter.bin": b"l"}
+    skipped = {"checkpoint-2/model.safetensors": b"old", "_notes": b"x", ".out.abcdefgh.tmp/model.safetensors": b"s",
+               ".gitattributes": b"*.safetensors lfs", "training_args.bin": b"args", ".env": b"HF_TOKEN=hf_x"}
     for name, data in {**files, **skipped}.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(data)
@@ -835,3 +842,122 @@ def test_retarget_model_card_changes_only_the_names():
     out = model_card.retarget_model_card(text, "user/run-3")
     assert out == text.replace("# run-3", "# user/run-3").replace('"run-3", trust', '"user/run-3", trust')
     assert model_card.retarget_model_card("# a card of someone else\n", "user/x") == "# a card of someone else\n"
+
+
+# --------------------------------------------------------------------------------------- what a push never uploads
+
+
+def _uploaded_bytes(hub) -> dict[str, bytes]:
+    return {f"{repo}@{rev}/{name}": data for repo, revs in hub.repos.items() for rev, files in revs.items()
+            for name, data in files.items()}
+
+
+def _plant_secrets(out: Path, tmp_path: Path) -> bytes:
+    """What a user's output_dir may hold beside the adapter: links to a key and a private folder, a hidden .env, a
+    private data file. Returns the secret bytes none of which may reach the Hub."""
+    secret = b"-----BEGIN OPENSSH PRIVATE KEY----- not for the hub"
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "id_rsa").write_bytes(secret)
+    (private / "records.jsonl").write_bytes(secret)
+    (out / "notes.txt").symlink_to(private / "id_rsa")
+    (out / "data").symlink_to(private, target_is_directory=True)
+    (out / ".env").write_bytes(secret)
+    (out / "train-private.jsonl").write_bytes(secret)
+    return secret
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint", "all_checkpoints", "end"])
+def test_trainer_pushes_upload_the_adapter_and_nothing_else(hub, sft_base, tmp_path, strategy):
+    """Links in output_dir (to a key, to a private folder), hidden and private files and the Trainer's
+    training_args.bin (a pickle holding hub_token) never reach the Hub, at a save's push or the end's; the token is
+    in no uploaded byte, checkpoints included."""
+    out = tmp_path / "out"
+    trainer = _push_trainer(sft_base, out, hub_strategy=strategy)
+    trainer.train()
+    secret = _plant_secrets(out, tmp_path)
+    if strategy != "end":
+        trainer._push_from_checkpoint(str(out / "checkpoint-4"))
+        trainer._finish_current_push()
+    trainer.push_to_hub()
+    main = hub.repos["user/tiny-causal"]["main"]
+    top = {name for name in main if "/" not in name or name.startswith("lora/")}
+    assert top == set(adapter_upload_files(out)) and "training_args.bin" not in top
+    assert {"config.json", "model.safetensors", "README.md", "modeling_causalqwen.py"} <= top
+    for name, data in _uploaded_bytes(hub).items():
+        assert secret not in data and TOKEN.encode() not in data, name
+    if strategy in ("checkpoint", "all_checkpoints"):  # the checkpoint keeps what a resume needs, the token redacted
+        prefix = "last-checkpoint/" if strategy == "checkpoint" else "checkpoint-4/"
+        assert {prefix + n for n in ("optimizer.pt", "trainer_state.json", "training_args.bin")} <= set(main)
+        assert torch.load(out / "checkpoint-4" / "training_args.bin", weights_only=False).hub_token is None
+    assert trainer.args.hub_token == TOKEN  # the run's own arguments keep it
+    assert not list(out.glob("_hub_push.*"))
+
+
+@pytest.mark.parametrize("link", ["tokenizer_config.json", "lora"])
+def test_a_link_among_the_adapters_files_is_refused_before_any_request(hub, sft_base, tmp_path, link):
+    out = tmp_path / "out"
+    trainer = _push_trainer(sft_base, out, hub_strategy="end")
+    trainer.train()
+    trainer.save_model()
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "id_rsa").write_bytes(b"secret")
+    if link == "lora":
+        (out / "lora").symlink_to(private, target_is_directory=True)
+    else:
+        (out / link).unlink()
+        (out / link).symlink_to(private / "id_rsa")
+    commits = len(hub.commits)
+    with pytest.raises(ValueError, match="symbolic link.*Nothing was uploaded"):
+        snapshot_for_upload(out)
+    if link == "tokenizer_config.json":  # kept by the save as the user's own, refused by the push
+        with pytest.raises(ValueError, match="symbolic link.*Nothing was uploaded"):
+            trainer.push_to_hub()
+    assert len(hub.commits) == commits and not list(out.glob("_hub_push.*"))
+
+
+def test_a_checkpoints_links_are_left_out(tmp_path, caplog):
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"heads")
+    (checkpoint / "notes.txt").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_bytes(b"secret")
+    assert checkpoint_upload_files(checkpoint) == ["model.safetensors"]
+    assert "notes.txt is a symbolic link: not uploaded" in caplog.text
+
+
+def test_all_checkpoints_reach_the_hub_though_rotation_deletes_them_first(hub, sft_base, tmp_path, monkeypatch):
+    """hub_strategy="all_checkpoints", save_total_limit=1, hub_always_push: each checkpoint's upload is queued
+    behind slow ones and rotation deletes the folder before it runs; the snapshot taken at the save still holds it."""
+    import time
+
+    import causalqwen_adapter.hub as hub_module
+
+    upload = hub_module.upload_snapshot
+
+    def slow(snapshot, repo_id, **kwargs):
+        time.sleep(0.5)
+        return upload(snapshot, repo_id, **kwargs)
+
+    monkeypatch.setattr(hub_module, "upload_snapshot", slow)
+    out = tmp_path / "out"
+    trainer = _push_trainer(sft_base, out, max_steps=6, hub_strategy="all_checkpoints", save_total_limit=1,
+                            hub_always_push=True)
+    trainer.train()
+    assert not trainer._failed_pushes
+    main = hub.repos["user/tiny-causal"]["main"]
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-6"]
+    for step in (2, 4, 6):
+        assert f"checkpoint-{step}/model.safetensors" in main and f"checkpoint-{step}/optimizer.pt" in main
+
+
+def test_a_failed_background_push_warns_at_once_and_at_the_end_of_training(monkeypatch, no_token, sft_base, tmp_path,
+                                                                           caplog):
+    with _serve(monkeypatch, xet=False, fail_commit=True):
+        trainer = _push_trainer(sft_base, tmp_path / "out", hub_strategy="every_save")
+        trainer.train()
+    failures = trainer._failed_pushes
+    assert len(failures) == 2 and all("Training in progress" in f and "500" in f for f in failures)
+    assert caplog.text.count("pushing to the Hub failed") == 2
+    assert "2 of this run's pushes to the Hub failed" in caplog.text and "trainer.push_to_hub()" in caplog.text
