@@ -4,6 +4,7 @@ Installed package only: the adapter folder's remote code carries no upload code,
 `push_to_hub` asks for this package (adapter_io.py). `recipes/push_to_hub.py` uses the same functions for a folder.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -15,7 +16,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.utils import logging
 
 from .adapter_io import LORA_FOLDER, adapter_file_names, keeps_tokenizer_config
-from .model_card import CARD_NAME, retarget_model_card
+from .model_card import CARD_NAME, card_with_base, retarget_model_card
 from .tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
 
 logger = logging.get_logger(__name__)
@@ -62,8 +63,68 @@ REMOTE_CODE_MODULES = ("adapter_io", "cauchy", "configuration_causalqwen", "cpu_
 STALE_FILE_PATTERNS = [f"{LORA_FOLDER}/*", *(f"{name}.py" for name in REMOTE_CODE_MODULES)]
 
 
+BASE_FLAGS = {  # how each way of pushing takes the base's Hub id, for the refusal to name
+    "model": 'model.push_to_hub(repo_id, base_model_id="Qwen/Qwen2.5-0.5B-Instruct")',
+    "trainer": '--hub_base_model_id Qwen/Qwen2.5-0.5B-Instruct (CausalSFTConfig(hub_base_model_id=...))',
+    "cli": "causalqwen push ADAPTER_FOLDER REPO_ID --base_model_id Qwen/Qwen2.5-0.5B-Instruct",
+}
+
+
+def is_hub_id(name) -> bool:
+    """A Hub repo id and not a folder here: what another machine can load a base by."""
+    if not isinstance(name, str) or not name or os.path.exists(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_base_for_push(base_name: str | None, base_model_id: str | None, *, via: str = "model") -> str | None:
+    """The base id a push writes into the uploaded config and card: `base_model_id` when given (a Hub id), None to
+    keep the adapter's own (already a Hub id). An adapter naming a local folder is refused: nobody else can load it.
+    Raises ValueError, before anything is written or sent."""
+    if base_model_id is not None:
+        if not is_hub_id(base_model_id):
+            where = "a folder on this machine" if os.path.exists(str(base_model_id)) else "not a valid Hub repo id"
+            raise ValueError(f"base_model_id={base_model_id!r} is {where}: pass the Hub id of the base the adapter "
+                             "was trained on, e.g. 'Qwen/Qwen2.5-0.5B-Instruct'. Nothing was uploaded.")
+        return None if base_model_id == base_name else base_model_id
+    if is_hub_id(base_name):
+        return None
+    raise ValueError(
+        f"the adapter's base {base_name!r} is a folder on this machine: an adapter pushed as is names it, and nobody "
+        f"else can load it. Pass the Hub id of that base, which the pushed config.json and model card will name "
+        f"instead: {BASE_FLAGS[via]}. Nothing was uploaded."
+    )
+
+
+def point_at_hub_base(folder, base_model_id: str) -> None:
+    """In a folder about to be uploaded, name the base by its Hub id: `config.json`'s `base_model_name_or_path`
+    (the local folder's revision dropped) and the card's metadata, text and load note. The files are replaced, not
+    written into: a snapshot's files are hard links to `output_dir`'s, which keeps naming the local base."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    old = config.get("base_model_name_or_path") or ""
+    config["base_model_name_or_path"] = base_model_id
+    if not is_hub_id(old) and config.get("base_model_revision") is not None:
+        config["base_model_revision"] = None  # a local folder's has no meaning on the Hub
+    _replace_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    card = folder / CARD_NAME
+    if card.is_file():
+        _replace_text(card, card_with_base(card.read_text(encoding="utf-8"), old, base_model_id))
+
+
+def _replace_text(path: Path, text: str) -> None:
+    fresh = path.with_name(f".{path.name}.new")
+    fresh.write_text(text, encoding="utf-8")
+    os.replace(fresh, path)
+
+
 def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, revision=None, commit_message=None,
-                          create_pr: bool = False):
+                          create_pr: bool = False, base_model_id: str | None = None, via: str = "model"):
     """Create the repo if needed and upload `folder` (a disposable copy: its card is retargeted) in one commit.
 
     The same commit deletes what an earlier push left that this adapter does not have: a `lora/` folder (the loader
@@ -71,9 +132,14 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
     (`STALE_FILE_PATTERNS`). Other files in the repo (a tokenizer, results, code of the owner's) are kept: a
     `tokenizer_config.json` of the repo's own is not replaced by the adapter's (which only points AutoTokenizer at
     the base's tokenizer); an earlier push's pointer goes when this folder has none. Returns huggingface_hub's
-    `CommitInfo`. Run `check_push` first.
+    `CommitInfo`. Run `check_push` first. The base is named by its Hub id (`check_base_for_push`: `base_model_id`,
+    or the adapter's own; a local base is refused before any request).
     """
     folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    new_base = check_base_for_push(config.get("base_model_name_or_path"), base_model_id, via=via)
+    if new_base is not None:
+        point_at_hub_base(folder, new_base)
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id  # "name" → "user/name"
     card = folder / CARD_NAME
@@ -218,16 +284,17 @@ def remote_tokenizer_config(api: HfApi, repo_id: str, revision: str | None) -> s
 
 
 def push_adapter(model, repo_id: str, *, private=None, token=None, revision=None, commit_message=None,
-                 create_pr: bool = False):
+                 create_pr: bool = False, base_model_id: str | None = None):
     """`model.push_to_hub`: saves the adapter into a temporary folder and uploads that folder in one commit (see
     `CausalAdapterMixin.push_to_hub`)."""
     token = check_push(repo_id, token=token, revision=revision, create_pr=create_pr)
+    check_base_for_push(model.config.base_model_name_or_path, base_model_id)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / repo_id.split("/")[-1]  # the card names the folder; the upload retargets it
         model.save_pretrained(folder)
         return upload_adapter_folder(folder, repo_id, token=token, private=private, revision=revision,
-                                     commit_message=commit_message, create_pr=create_pr)
+                                     commit_message=commit_message, create_pr=create_pr, base_model_id=base_model_id)
 
 
-__all__ = ["REMOTE_CODE_MODULES", "adapter_upload_files", "check_push", "checkpoint_upload_files", "link_files",
-           "push_adapter", "remote_tokenizer_config", "snapshot_for_upload", "upload_adapter_folder", "upload_snapshot"]
+__all__ = ["REMOTE_CODE_MODULES", "adapter_upload_files", "check_base_for_push", "check_push", "checkpoint_upload_files", "is_hub_id",
+           "link_files", "point_at_hub_base", "push_adapter", "remote_tokenizer_config", "snapshot_for_upload", "upload_adapter_folder", "upload_snapshot"]

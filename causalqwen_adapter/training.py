@@ -117,6 +117,12 @@ class CausalHeadArguments:
         default=1.0,
         metadata={"help": "Learning rate of the learnable per-token thresholds C_k as a multiple of learning_rate."},
     )
+    hub_base_model_id: str | None = field(
+        default=None,
+        metadata={"help": "With push_to_hub: the Hub id of the base (e.g. Qwen/Qwen2.5-0.5B-Instruct), written into "
+                  "the pushed config.json and model card in place of a local base folder, which nobody else could "
+                  "load. Required when the base is a local folder; output_dir keeps naming the folder."},
+    )
 
     def __post_init__(self):
         # Up front, naming the field: a bad value would otherwise surface after the model is loaded (the config's own
@@ -295,6 +301,20 @@ class AdapterCheckpointMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """The Trainer's (at `__init__` with `push_to_hub=True`, or at the first push), after checking the base the
+        pushes will name (`hub.check_base_for_push`): a local base without `hub_base_model_id` is refused before a
+        repo is created or a step is trained."""
+        self._check_hub_base()
+        super().init_hf_repo(token=token, private=private)
+
+    def _check_hub_base(self) -> None:
+        from .hub import check_base_for_push
+
+        config = self.accelerator.unwrap_model(self.model).config
+        check_base_for_push(config.base_model_name_or_path, getattr(self.args, "hub_base_model_id", None),
+                            via="trainer")
+
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
                     revision=None, private=None, **kwargs):
         """The Trainer's `push_to_hub` (also what `push_to_hub=True` runs when training ends): saves the adapter into
@@ -312,6 +332,7 @@ class AdapterCheckpointMixin:
         token = token if token is not None else self.args.hub_token
         if self.hub_model_id is None:
             self.init_hf_repo(token=token, private=private)
+        self._check_hub_base()
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
@@ -321,8 +342,9 @@ class AdapterCheckpointMixin:
         self.create_model_card(tags=tags or None, **kwargs)
         self._finish_current_push()  # a save's push landing after this one would put older heads back
         snapshot = snapshot_for_upload(self.args.output_dir)  # the adapter's files only
-        options = dict(token=token, private=private, commit_message=commit_message,
-                       revision=revision if revision is not None else self.args.hub_revision)
+        options = dict(token=token, private=private, commit_message=commit_message, via="trainer",
+                       revision=revision if revision is not None else self.args.hub_revision,
+                       base_model_id=getattr(self.args, "hub_base_model_id", None))
         if blocking:
             return upload_snapshot(snapshot, self.hub_model_id, **options)
         return self._hub_jobs().run_as_future(self._reported_push, snapshot, self.hub_model_id, **options)
@@ -374,7 +396,8 @@ class AdapterCheckpointMixin:
         api = self._hub_jobs()
         # snapshots taken now, on the training loop: the files of this save, whatever later saves and rotation do
         jobs = [api.run_as_future(self._reported_push, snapshot_for_upload(output_dir), self.hub_model_id,
-                                  token=args.hub_token, revision=args.hub_revision, commit_message=commit_message)]
+                                  token=args.hub_token, revision=args.hub_revision, commit_message=commit_message,
+                                  base_model_id=getattr(args, "hub_base_model_id", None), via="trainer")]
         if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             checkpoint = Path(checkpoint_folder)
             path_in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else checkpoint.name

@@ -510,7 +510,8 @@ def test_push_as_a_pull_request(hub, trained):
 
 def _push_trainer(sft_base, out, peft_config=None, **overrides):
     args = _args(out, **{"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "push_to_hub": True,
-                         "hub_model_id": "user/tiny-causal", "hub_token": TOKEN, **overrides})
+                         "hub_model_id": "user/tiny-causal", "hub_token": TOKEN, "hub_base_model_id": BASE_ID,
+                         **overrides})
     return CausalSFTTrainer(str(sft_base), args=args, train_dataset=_prompt_completion(), peft_config=peft_config)
 
 
@@ -547,7 +548,9 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
             (pushed / name).parent.mkdir(parents=True, exist_ok=True)
             (pushed / name).write_bytes(data)
     step = int(in_training[-1]["summary"].rsplit(" ", 1)[1])
-    loaded = CausalQwenForCausalLM.from_pretrained(pushed)
+    assert json.loads(main["config.json"])["base_model_name_or_path"] == BASE_ID  # never the local folder
+    assert json.loads((out / "config.json").read_text())["base_model_name_or_path"] == str(sft_base)
+    loaded = CausalQwenForCausalLM.from_pretrained(pushed, base_model=sft_base)
     saved = load_safetensors((out / f"checkpoint-{step}" / "model.safetensors").read_bytes())
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in saved.items())
     lora_file = "lora/adapter_model.safetensors"
@@ -563,9 +566,16 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
     assert not {"tokenizer.json", "chat_template.jinja"} & set(_files(out))  # never the base's tokenizer
     assert json.loads(local["tokenizer_config.json"]) == TOKENIZER_CONFIG
     uploaded = {k: v for k, v in main.items() if not k.startswith("last-checkpoint/")}
-    assert set(uploaded) == set(local) and all(uploaded[k] == v for k, v in local.items() if k != "README.md")
+    assert set(uploaded) == set(local)
+    assert all(uploaded[k] == v for k, v in local.items() if k not in ("README.md", "config.json"))
+    local_config = json.loads(local["config.json"])  # the base named by its Hub id, nothing else changed
+    assert json.loads(uploaded["config.json"]) == {**local_config, "base_model_name_or_path": BASE_ID}
     card = main["README.md"].decode()
-    assert card == model_card.retarget_model_card(local["README.md"].decode(), "user/tiny-causal")  # output_dir's as it was
+    local_card = local["README.md"].decode()  # output_dir's as it was, retargeted and naming the base's Hub id
+    assert card == model_card.retarget_model_card(model_card.card_with_base(local_card, str(sft_base), BASE_ID),
+                                                  "user/tiny-causal")
+    assert model_card.LOCAL_BASE_NOTE in local_card and model_card.LOCAL_BASE_NOTE not in card
+    assert str(sft_base) not in card and _card(card)[0]["base_model"] == BASE_ID
     assert 'AutoModelForCausalLM.from_pretrained("user/tiny-causal", trust_remote_code=True)' in card
     assert "tiny-pairs" in card
     assert not list(out.glob("_hub_push.*"))  # every snapshot removed once uploaded
@@ -795,10 +805,27 @@ def test_card_of_fresh_heads_on_a_local_base(tied_base, tmp_path):
     assert "| OvR threshold | -0.6931 (fixed), relative: compared with log softmax(loc_S) |" in body and "| initial scale γ₀ / `b_noise` | 0.005 / 0.01 |" in body
     assert ("| training loss | OvR over each position's 16 most likely tokens and the target + 1.0 × the softmax "
             "cross-entropy of loc_S |") in body
-    assert "`logits` are `loc_S + log P_k`" in body
-    CausalQwenForCausalLM.from_base(base, ovr_distribution="normalize", gamma_init=0.5).save_pretrained(tmp_path / "n")
-    _, body = _card((tmp_path / "n" / "README.md").read_text())
-    assert "(`ovr_distribution=\"normalize\"`) the returned `logits` are `log P_k`" in body and "0.5 / 0.01" in body
+    # the default acceptance (accept_once), the vocabulary's size, what it is for and what it needs
+    assert "(`ovr_distribution=\"accept_once\"`)" in body and "replaced once by a fresh draw" in body
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    assert f"scores `S` over the {vocab}-entry vocabulary" in body
+    assert "## Intended use and limitations" in body and "they tie an ordinary softmax head" in body
+    assert "Requires `transformers>=5.20,<5.25`" in body and model_card.PROJECT_URL in body
+    assert model_card.LOCAL_BASE_NOTE in body
+    for choice, text in (("normalize", "(`ovr_distribution=\"normalize\"`) the returned `logits` are `log P_k`"),
+                         ("accept", "(`ovr_distribution=\"accept\"`) the returned `logits` are `loc_S + log P_k`")):
+        CausalQwenForCausalLM.from_base(base, ovr_distribution=choice, gamma_init=0.5).save_pretrained(tmp_path / choice)
+        _, body = _card((tmp_path / choice / "README.md").read_text())
+        assert text in body and "0.5 / 0.01" in body
+
+
+def test_a_local_data_file_is_never_card_metadata(trained, tmp_path):
+    """A training file's name (`data/train.jsonl` reads as a repo id) stays in the training record, out of the
+    `datasets:` metadata the Hub links to dataset repos."""
+    trained.training_summary = {**trained.training_summary, "datasets": ["data/train.jsonl", "someone/tiny-corpus"]}
+    trained.save_pretrained(tmp_path / "a")
+    meta, body = _card((tmp_path / "a" / "README.md").read_text())
+    assert meta["datasets"] == ["someone/tiny-corpus"] and "`data/train.jsonl`" in body
 
 
 @pytest.mark.parametrize("problem", ["no template", "no jinja2", "render error"])
@@ -955,9 +982,64 @@ def test_all_checkpoints_reach_the_hub_though_rotation_deletes_them_first(hub, s
 def test_a_failed_background_push_warns_at_once_and_at_the_end_of_training(monkeypatch, no_token, sft_base, tmp_path,
                                                                            caplog):
     with _serve(monkeypatch, xet=False, fail_commit=True):
-        trainer = _push_trainer(sft_base, tmp_path / "out", hub_strategy="every_save")
+        trainer = _push_trainer(sft_base, tmp_path / "out", hub_strategy="every_save", hub_always_push=True)
         trainer.train()
     failures = trainer._failed_pushes
     assert len(failures) == 2 and all("Training in progress" in f and "500" in f for f in failures)
     assert caplog.text.count("pushing to the Hub failed") == 2
     assert "2 of this run's pushes to the Hub failed" in caplog.text and "trainer.push_to_hub()" in caplog.text
+
+
+# --------------------------------------------------------------------------------------- the base a push names
+
+
+def test_a_local_base_is_never_pushed_as_is(hub, tied_base, tmp_path):
+    """An adapter on a local folder: model.push_to_hub refuses before any request, naming the argument; with
+    base_model_id the pushed config and card name the Hub id, the model keeps its own base."""
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    with pytest.raises(ValueError, match=r"is a folder on this machine.*base_model_id=.*Nothing was uploaded"):
+        model.push_to_hub("user/tiny-causal", token=TOKEN)
+    for bad in (str(tied_base), "not a repo id!"):
+        with pytest.raises(ValueError, match="base_model_id=.*Hub id of the base"):
+            model.push_to_hub("user/tiny-causal", token=TOKEN, base_model_id=bad)
+    assert hub.requests == []
+    model.push_to_hub("user/tiny-causal", token=TOKEN, base_model_id=BASE_ID)
+    main = hub.repos["user/tiny-causal"]["main"]
+    assert json.loads(main["config.json"])["base_model_name_or_path"] == BASE_ID
+    meta, body = _card(main["README.md"].decode())
+    assert meta["base_model"] == BASE_ID and meta["base_model_relation"] == "adapter"
+    assert str(tied_base) not in body and model_card.LOCAL_BASE_NOTE not in body
+    assert f"[{BASE_ID}](https://huggingface.co/{BASE_ID})" in body
+    assert model.config.base_model_name_or_path == str(tied_base)
+
+
+def test_a_trainer_on_a_local_base_refuses_push_to_hub_before_training(hub, sft_base, tmp_path):
+    with pytest.raises(ValueError, match="is a folder on this machine.*--hub_base_model_id"):
+        _push_trainer(sft_base, tmp_path / "out", hub_base_model_id=None)
+    assert hub.requests == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("version, outcome", [("4.57.1", "refused"), ("5.30.0", "warned"), ("5.23.0", "quiet")])
+def test_the_remote_code_names_the_transformers_range_it_runs_on(monkeypatch, version, outcome):
+    """The first remote module an Auto class imports checks the version before anything can fail on a missing name."""
+    import importlib.util
+    import warnings
+
+    import transformers
+
+    import causalqwen_adapter.configuration_causalqwen as configuration
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    spec = importlib.util.spec_from_file_location("causalqwen_adapter._version_probe", configuration.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if outcome == "refused":
+            with pytest.raises(ImportError, match=rf"needs transformers>=5.20,<5.25, and transformers {version}"):
+                spec.loader.exec_module(module)
+            return
+        spec.loader.exec_module(module)
+    said = [str(w.message) for w in caught if "transformers" in str(w.message)]
+    assert (said == []) == (outcome == "quiet")
+    if outcome == "warned":
+        assert "tested on transformers>=5.20,<5.25" in said[0]
