@@ -16,7 +16,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.utils import logging
 
 from .adapter_io import LORA_FOLDER, adapter_file_names, keeps_tokenizer_config
-from .model_card import CARD_NAME, card_with_base, retarget_model_card
+from .model_card import CARD_NAME, card_with_base, is_hub_id, retarget_model_card
 from .tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
 
 logger = logging.get_logger(__name__)
@@ -68,17 +68,6 @@ BASE_FLAGS = {  # how each way of pushing takes the base's Hub id, for the refus
     "trainer": '--hub_base_model_id Qwen/Qwen2.5-0.5B-Instruct (CausalSFTConfig(hub_base_model_id=...))',
     "cli": "causalqwen push ADAPTER_FOLDER REPO_ID --base_model_id Qwen/Qwen2.5-0.5B-Instruct",
 }
-
-
-def is_hub_id(name) -> bool:
-    """A Hub repo id and not a folder here: what another machine can load a base by."""
-    if not isinstance(name, str) or not name or os.path.exists(name):
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def check_base_for_push(base_name: str | None, base_model_id: str | None, *, via: str = "model") -> str | None:

@@ -111,10 +111,10 @@ def render_model_card(folder, config: dict, *, model_id: str, training_summary: 
     text_config = config.get("text_config") or {}
     base_name = config.get("base_model_name_or_path") or ""
     base_revision = config.get("base_model_revision")
-    base_model = base_name if _is_hub_id(base_name) else None
+    base_model = base_name if is_hub_id(base_name) else None
     training = _training_section(training_summary)
 
-    hub_datasets = [d for d in training["datasets"] if _is_hub_id(d) and not d.lower().endswith(_DATA_FILE_SUFFIXES)
+    hub_datasets = [d for d in training["datasets"] if is_hub_id(d) and not d.lower().endswith(_DATA_FILE_SUFFIXES)
                     ] if training else []
     base_card = _base_card_metadata(base_name, base_revision)
     card_data = ModelCardData(
@@ -196,9 +196,9 @@ def _target_name(folder: Path) -> str:
     return staged.group(1) if staged else folder.name
 
 
-def _is_hub_id(name: str) -> bool:
+def is_hub_id(name) -> bool:
     """A Hub repo id, not a local folder (the Hub rejects local paths in `base_model` and `datasets`)."""
-    if not name or os.path.exists(name):
+    if not isinstance(name, str) or not name or os.path.exists(name):
         return False
     try:
         validate_repo_id(name)
@@ -213,7 +213,7 @@ def _base_card_metadata(base_name: str, revision: str | None) -> dict:
         return {}
     if os.path.isdir(base_name):
         path = Path(base_name) / CARD_NAME
-    elif _is_hub_id(base_name):
+    elif is_hub_id(base_name):
         path = try_to_load_from_cache(base_name, CARD_NAME, revision=revision)
     else:
         return {}
@@ -233,7 +233,7 @@ def _card_loaded_with(model) -> str | None:
         return None
     if os.path.isfile(os.path.join(source, CARD_NAME)):
         return Path(source, CARD_NAME).read_text(encoding="utf-8")
-    if not _is_hub_id(source):
+    if not is_hub_id(source):
         return None
     try:  # the local cache first, then the Hub (honours HF_HUB_OFFLINE)
         path = try_to_load_from_cache(source, CARD_NAME)
