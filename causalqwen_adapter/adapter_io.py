@@ -12,6 +12,7 @@ import re
 import shutil
 import tempfile
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.dynamic_module_utils import get_relative_import_files
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .configuration_causalqwen import CausalQwenConfig, check_number
@@ -240,13 +241,61 @@ def load_backbone(config, base_model, base_model_revision, dtype, device_map, lo
     kwargs = dict(config=base_config, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs)
     if wants_lm_head:
         return (*causal_lm_parts(AutoModelForCausalLM.from_pretrained(name, **kwargs), name), name)
-    backbone, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
+    with output_layer_expected(base_config):
+        backbone, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
     if info["missing_keys"]:  # the checkpoint is not this backbone's: never run on freshly initialised weights
         raise ValueError(
             f"{name}: AutoModel built a {type(backbone).__name__} whose weights {sorted(info['missing_keys'])[:5]} "
             "are not in the checkpoint: pass a base whose backbone AutoModel loads (base_model=...)"
         )
     return backbone, None, name
+
+
+@contextmanager
+def output_layer_expected(base_config):
+    """While the backbone of a causal LM checkpoint loads through AutoModel: its output layer's tensors are left
+    unloaded on purpose (the heads copy or bind it), so transformers' load report does not list them as UNEXPECTED.
+    The backbone class's own ignore list, extended for this load only."""
+    backbone_class = MODEL_MAPPING[type(base_config)] if type(base_config) in MODEL_MAPPING else None
+    if backbone_class is None:
+        yield
+        return
+    before = backbone_class.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
+    backbone_class._keys_to_ignore_on_load_unexpected = [*(backbone_class._keys_to_ignore_on_load_unexpected or []),
+                                                         r"^lm_head\."]
+    try:
+        yield
+    finally:
+        if before is _UNSET:
+            del backbone_class._keys_to_ignore_on_load_unexpected
+        else:
+            backbone_class._keys_to_ignore_on_load_unexpected = before
+
+
+_UNSET = object()
+
+
+def read_output_layer(name: str, revision: str | None = None, **hub_kwargs) -> tuple | None:
+    """(weight, bias or None) of the base checkpoint `name`'s output layer (`lm_head`), read from its safetensors
+    alone (the sharded index followed), or None where the checkpoint stores none (a tied base) or is not safetensors."""
+    options = dict(revision=revision, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    index = cached_file(name, "model.safetensors.index.json", **options)
+    if index is not None:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = {weight_map.get(f"lm_head.{part}") for part in ("weight", "bias")} - {None}
+    else:
+        files = {ADAPTER_WEIGHTS_NAME}
+    tensors = {}
+    for file in files:
+        path = cached_file(name, file, **options)
+        if path is None:
+            return None
+        with safe_open(path, framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in ("lm_head.weight", "lm_head.bias") if k in f.keys()})
+    if "lm_head.weight" not in tensors:
+        return None
+    return tensors["lm_head.weight"], tensors.get("lm_head.bias")
 
 
 def load_backbone_lora(backbone, adapter: str, hub_kwargs: dict) -> None:
@@ -482,8 +531,16 @@ class CausalAdapterMixin:
             base_config_dict(base_name, "base", revision, **hub_kwargs)  # a missing folder or an adapter: refused
             base_config = AutoConfig.from_pretrained(base_name, revision=revision, **hub_kwargs)
             check_supported_base(base_config, base_name)
-            base = AutoModelForCausalLM.from_pretrained(base_name, config=base_config, revision=revision, dtype=dtype,
-                                                        device_map=device_map, **hub_kwargs)
+            base, info = AutoModelForCausalLM.from_pretrained(base_name, config=base_config, revision=revision,
+                                                              dtype=dtype, device_map=device_map,
+                                                              output_loading_info=True, **hub_kwargs)
+            if info["missing_keys"]:  # e.g. a saved backbone alone: its output layer would be random, so would W_A
+                raise ValueError(
+                    f"{base_name}: the checkpoint lacks weights the {type(base).__name__} needs, "
+                    f"{sorted(info['missing_keys'])[:5]} (freshly initialised, not the base's): the heads copy the "
+                    "base's output layer, so pass the causal LM checkpoint itself (one that holds its lm_head, or "
+                    "ties it to the embedding)"
+                )
         elif isinstance(base, PreTrainedModel):
             base_name = base_reference(base.config.name_or_path, "base")
         else:

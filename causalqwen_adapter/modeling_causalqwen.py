@@ -20,7 +20,7 @@ from transformers import AutoModel, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils import logging
 
-from .adapter_io import CausalAdapterMixin, base_is_tied
+from .adapter_io import CausalAdapterMixin, base_is_tied, read_output_layer
 from .cauchy import (
     INFERENCE_MODES,
     ovr_decision_scores,
@@ -307,6 +307,26 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
     # ------------------------------------------------------------------ checks
 
     @torch.no_grad()
+    def _base_output_layer(self, device) -> tuple:
+        """(weight, bias) of the base's output layer: the one `from_base` kept, else (an untied base the caller
+        released) read back from the base checkpoint's file onto `device`."""
+        lm_head = getattr(self, "_base_lm_head", None)
+        if isinstance(lm_head, weakref.ref):
+            lm_head = lm_head()
+        if lm_head is not None:
+            return lm_head.weight, lm_head.bias
+        name = self.config.base_model_name_or_path
+        try:
+            found = read_output_layer(name, self.config.base_model_revision) if name else None
+        except OSError:  # the folder gone, the Hub out of reach
+            found = None
+        if found is None:
+            raise ValueError(
+                f"no base output layer to compare against: the model was not built by from_base, and no lm_head "
+                f"tensor could be read from its base {name!r}: pass base_model=<the base causal LM>"
+            )
+        return tuple(t if t is None else t.to(device) for t in found)
+
     def verify_initialization(self, input_ids, attention_mask=None, base_model=None) -> dict[str, float]:
         """How far the fresh CausalQwen is from its base (docs/design.md, Action network: the invariant).
 
@@ -320,16 +340,9 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
             base_out = base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
             z_base, base_logits = base_out.hidden_states[-1], base_out.logits
         else:
-            lm_head = getattr(self, "_base_lm_head", None)
-            if isinstance(lm_head, weakref.ref):
-                lm_head = lm_head()
-            if lm_head is None:
-                raise ValueError(
-                    "no base output layer to compare against (the model was not built by from_base, or its untied "
-                    "base was released): pass base_model=<the base causal LM>"
-                )
+            weight, bias = self._base_output_layer(z.device)
             z_base = z
-            base_logits = lm_head(z.to(lm_head.weight.dtype))
+            base_logits = F.linear(z.to(weight), weight, None if bias is None else bias.to(weight))
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         z, z_base, base_logits, probs = z[mask].float(), z_base[mask].float(), base_logits[mask].float(), probs[mask]
         loc_U, scale_U, loc_S = loc_U[mask].float(), scale_U[mask].float(), loc_S[mask].float()

@@ -277,7 +277,8 @@ def test_verify_initialization_reports_a_faithful_copy(tiny_base, input_ids):
 
 def test_from_base_keeps_no_second_copy_of_an_untied_output_layer(tmp_path, input_ids):
     """An untied base's lm_head beside a "full" W_A copy is only referenced weakly: once the base is released it
-    is freed, and verify_initialization asks for the base instead of keeping V×H alive."""
+    is freed, and verify_initialization reads the output layer back from the base's checkpoint (the README's first
+    lines on an untied base: from_base by name, then verify) instead of keeping V×H alive."""
     folder = save_tiny_qwen2(tmp_path / "untied", tie_word_embeddings=False)
     base = Qwen2ForCausalLM.from_pretrained(folder)
     lm_head = weakref.ref(base.lm_head)
@@ -285,13 +286,52 @@ def test_from_base_keeps_no_second_copy_of_an_untied_output_layer(tmp_path, inpu
     del base
     gc.collect()
     assert lm_head() is None
+    reference = Qwen2ForCausalLM.from_pretrained(folder)  # the base's own logits, loaded apart
+    report = model.verify_initialization(input_ids)
+    assert report == model.verify_initialization(input_ids, base_model=reference) and report["logits_diff"] < 1e-6
+    by_name = CausalQwenForCausalLM.from_base(str(folder))
+    gc.collect()
+    assert by_name.verify_initialization(input_ids)["logits_diff"] < 1e-6
+    with torch.no_grad():  # the comparison is real: heads moved off the base's layer are reported
+        by_name.action.weight.add_(1.0)
+    assert by_name.verify_initialization(input_ids)["logits_diff"] > 0.1
+    # a base whose checkpoint is gone: the caller is asked for it
+    import shutil
+
+    moved = CausalQwenForCausalLM.from_base(str(shutil.copytree(folder, tmp_path / "moved")))
+    shutil.rmtree(tmp_path / "moved")
     with pytest.raises(ValueError, match="pass base_model=<the base causal LM>"):
-        model.verify_initialization(input_ids)
-    report = model.verify_initialization(input_ids, base_model=Qwen2ForCausalLM.from_pretrained(folder))
-    assert report["logits_diff"] < 1e-6
+        moved.verify_initialization(input_ids)
     # a tied base (or W_A bound to the base's layer) costs nothing extra: the reference stays
     tied = CausalQwenForCausalLM.from_base(save_tiny_qwen2(tmp_path / "tied"))
     assert tied.verify_initialization(input_ids)["logits_diff"] < 1e-6
+
+
+def test_an_untied_base_loads_without_a_report_of_its_output_layer(tmp_path, caplog):
+    """The backbone of an untied checkpoint loads through AutoModel; its lm_head is left on purpose and transformers'
+    load report does not call it UNEXPECTED; other tensors of a checkpoint that is not the backbone's still do."""
+    import logging
+
+    folder = save_tiny_qwen2(tmp_path / "untied", tie_word_embeddings=False)
+    CausalQwenForCausalLM.from_base(str(folder)).save_pretrained(tmp_path / "adapter")
+    with caplog.at_level(logging.WARNING):
+        CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
+    assert "UNEXPECTED" not in caplog.text and "lm_head" not in caplog.text
+    from transformers import Qwen2Model
+    assert "_keys_to_ignore_on_load_unexpected" not in Qwen2Model.__dict__  # the class as it was
+
+
+def test_from_base_refuses_a_checkpoint_without_its_output_layer(tmp_path):
+    """An untied config whose checkpoint holds no lm_head (a saved backbone, as embedding models ship): the output
+    layer would be random, and W_A a copy of it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_tiny_qwen2(tmp_path / "untied", tie_word_embeddings=False)
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("lm_head.")}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks weights.*lm_head\.weight.*the causal LM checkpoint itself"):
+        CausalQwenForCausalLM.from_base(str(folder))
 
 
 def test_compatible_greedy_generation_equals_base(tiny_base, input_ids):
