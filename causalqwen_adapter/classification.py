@@ -1,6 +1,6 @@
 """Classification through the language model: a label set scored at the end of each prompt.
 
-Labelled text is `prompt`/`completion` rows whose completion is the label (what `recipes/sft_ovr.py` trains on). A
+Labelled text is `prompt`/`completion` rows whose completion is the label (what `causalqwen train` trains on). A
 label is scored by its first token at the prompt's last position, where training put that token's target, so every
 label of a set must have a first token of its own. From the final hidden state `z` of that position:
 

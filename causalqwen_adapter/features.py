@@ -285,7 +285,7 @@ def load_features(path) -> Dataset:
             )
         raise FileNotFoundError(
             f"{path} holds no {FEATURES_CONFIG_NAME}: it is not a feature store written by extract_features "
-            "(recipes/extract_features.py)"
+            "(causalqwen extract-features)"
         )
     shards = features_info(path).get("shards")
     if shards is None:

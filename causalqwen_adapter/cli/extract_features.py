@@ -16,15 +16,15 @@ The teacher runs on `--device` (default `auto`: CUDA if available, else MPS, els
 process runs the teacher on its share of the sequences, on its own device, and the first writes the one store, in
 corpus order:
 
-    accelerate launch --num_processes 4 recipes/extract_features.py ...     # GPUs
-    torchrun --nproc_per_node 2 recipes/extract_features.py ...             # CPU processes (gloo)
+    accelerate launch --num_processes 4 -m causalqwen_adapter.cli extract-features ...     # GPUs
+    torchrun --nproc_per_node 2 -m causalqwen_adapter.cli extract-features ...             # CPU processes (gloo)
 """
 
 from dataclasses import dataclass, field
 
 from accelerate import PartialState
 
-from causalqwen_adapter.data import load_text_dataset  # the data sources of the SFT recipe
+from causalqwen_adapter.data import load_text_dataset  # the data sources of `causalqwen train`
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.features import extract_features
 

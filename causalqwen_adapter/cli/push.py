@@ -42,7 +42,7 @@ def adapter_files(folder: Path) -> list[str]:
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != CausalQwenConfig.model_type:
         raise ValueError(
-            f"{folder} holds a {config.get('model_type')!r} checkpoint, not a CausalQwen adapter: this recipe uploads "
+            f"{folder} holds a {config.get('model_type')!r} checkpoint, not a CausalQwen adapter: causalqwen push uploads "
             "adapters only (an adapter references its base, it never carries it)"
         )
     if (folder / "adapter_config.json").exists():
@@ -86,7 +86,7 @@ def adapter_files(folder: Path) -> list[str]:
                         if p.is_file() or p.is_symlink())
     links = [name for name in ["lora", *files] if (folder / name).is_symlink()]
     if links:  # a link can point anywhere on this machine: only the folder's own files are uploaded
-        raise ValueError(f"{folder}: {links} are symbolic links; the recipe uploads only regular files inside the "
+        raise ValueError(f"{folder}: {links} are symbolic links; causalqwen push uploads only regular files inside the "
                          "folder. Replace them with the files themselves")
     return files
 

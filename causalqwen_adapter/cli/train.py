@@ -11,9 +11,10 @@ numbers become <NUM> tokens with their values (docs/design.md, Numbers).
         --per_device_train_batch_size 4 --gradient_accumulation_steps 4 \
         --num_train_epochs 1 --output_dir my-causal-adapter
 
-    # the same on two GPUs (or `--cpu` for two CPU processes); sharded with FSDP2 or DeepSpeed ZeRO-3
-    accelerate launch --num_processes 2 recipes/sft_ovr.py <same arguments>
-    accelerate launch --config_file recipes/configs/fsdp2.yaml recipes/sft_ovr.py <same arguments>
+    # the same on two GPUs (or `--cpu` for two CPU processes); sharded with FSDP2 or DeepSpeed ZeRO-3 (the
+    # configurations are the clone's recipes/configs/; `recipes/sft_ovr.py` may replace `-m causalqwen_adapter.cli train`)
+    accelerate launch --num_processes 2 -m causalqwen_adapter.cli train <same arguments>
+    accelerate launch --config_file recipes/configs/fsdp2.yaml -m causalqwen_adapter.cli train <same arguments>
 
     # LoRA on the backbone too (saved in my-causal-adapter/lora/)
     causalqwen train ... --use_peft --lora_r 16 --lora_target_modules q_proj v_proj
