@@ -8,7 +8,7 @@ DEMO_BASE := build/demo-base
 # real checkpoints of other architectures (tests/test_real_architectures.py), each built by `--base <folder name>`
 REAL_BASES := build/smollm2-135m build/gemma3-270m build/qwen2.5-coder-1.5b
 
-.PHONY: test lint demo test-real test-gpu bench clean
+.PHONY: test lint test-install demo test-real test-gpu bench clean
 
 # torch first: the CPU build pip finds on these machines. A bare `torch` requirement would pull CUDA.
 $(STAMP): pyproject.toml
@@ -28,6 +28,19 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check causalqwen_adapter recipes bench tests
+
+# A stranger's install: the wheel, built here, into a fresh venv (torch first, the CPU build), then
+# tests/install/quickstart.py run from a folder outside the clone with that venv's python and console script
+INSTALL_VENV := build/install-venv
+test-install:
+	rm -rf build/dist $(INSTALL_VENV)
+	$(PYTHON) -m venv $(INSTALL_VENV)
+	$(INSTALL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(INSTALL_VENV)/bin/python -m pip wheel -q --no-deps -w build/dist .
+	$(INSTALL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(INSTALL_VENV)/bin/python -m pip install -q "$$(ls build/dist/causalqwen_adapter-*.whl)[train]"
+	tmp="$$(mktemp -d)" && cp tests/install/quickstart.py "$$tmp" && cd "$$tmp" && \
+		env -u PYTHONPATH $(CURDIR)/$(INSTALL_VENV)/bin/python quickstart.py
 
 $(DEMO_BASE)/config.json: | $(DEMO_STAMP)
 	$(PY) recipes/prepare_demo_base.py $(DEMO_BASE)

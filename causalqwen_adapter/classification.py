@@ -1,6 +1,6 @@
 """Classification through the language model: a label set scored at the end of each prompt.
 
-Labelled text is `prompt`/`completion` rows whose completion is the label (what `recipes/sft_ovr.py` trains on). A
+Labelled text is `prompt`/`completion` rows whose completion is the label (what `causalqwen train` trains on). A
 label is scored by its first token at the prompt's last position, where training put that token's target, so every
 label of a set must have a first token of its own. From the final hidden state `z` of that position:
 
@@ -94,12 +94,18 @@ def tokenize_prompts(tokenizer, rows, labels: LabelSet) -> tuple[list[list[int]]
 
 
 @torch.no_grad()
-def prompt_hidden_states(backbone, prompts: list[list[int]], batch_size: int = 16, device=None) -> torch.Tensor:
+def prompt_hidden_states(backbone, prompts: list[list[int]], batch_size: int = 16, device=None, *,
+                         progress: bool = False, desc: str | None = None) -> torch.Tensor:
     """The final hidden state `z` [N, H] at the last token of each prompt (right-padded batches: the padding comes
-    after the position read, so it does not reach it)."""
+    after the position read, so it does not reach it). `progress` shows a bar over the batches."""
     device = device or next(backbone.parameters()).device
     out = []
-    for start in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=desc or "scoring", unit="batch")  # a range has a len: the bar has a total
+    for start in starts:
         chunk = prompts[start : start + batch_size]
         width = max(len(p) for p in chunk)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)

@@ -1,4 +1,4 @@
-"""Text datasets as the recipes read them: a `datasets` name or a local file, in any format TRL's SFT reads.
+"""Text datasets as the subcommands read them: a `datasets` name or a local file, in any format TRL's SFT reads.
 
 Formats (TRL's): `text` (language modeling), `prompt` + `completion` (scored on the completion only) and chat
 `messages`; conversational rows go through the tokenizer's chat template (`trl.data_utils.maybe_apply_chat_template`).

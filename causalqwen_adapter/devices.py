@@ -67,7 +67,7 @@ def resolve_device(spec: str | torch.device | None = AUTO) -> torch.device:
 
 
 def add_device_argument(parser) -> None:
-    """The recipes' `--device` flag on an argparse parser."""
+    """The subcommands' `--device` flag on an argparse parser."""
     parser.add_argument("--device", default=AUTO, help=DEVICE_HELP)
 
 

@@ -258,12 +258,12 @@ def score_hidden_states(model, z, targets, modes, *, causal_temperature=None, ch
 
 
 def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, causal_temperature=None,
-             progress: bool = False, desc: str | None = None):
+             progress: bool = False, desc: str | None = None, total: int | None = None):
     """Metrics of `model` over `batches` (dicts as in `score_positions`): {mode: {metric: value}} plus, under the
     key `"accumulators"`, the `EvaluationAccumulator` of each mode (for reliability diagrams).
 
     A plain causal LM is scored once, as `softmax`; a CausalQwen model in every mode of `modes`. The batches' tensors
-    are moved to the model's device.
+    are moved to the model's device. `progress` shows a bar (of `total` batches, when given: a generator has no len).
     """
     if causal_temperature is not None:  # checked before any batch is scored, even where no mode reads it
         check_number("causal_temperature", causal_temperature, minimum=0)
@@ -276,7 +276,7 @@ def evaluate(model, batches, modes=("compatible", "standard", "causal"), *, caus
     if progress:
         from tqdm.auto import tqdm
 
-        batches = tqdm(batches, desc=desc or "evaluating")
+        batches = tqdm(batches, desc=desc or "evaluating", total=total, unit="batch")
     device = next(model.parameters()).device
     for batch in batches:  # the batches go where the model is
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -329,7 +329,7 @@ def reliability_diagram(accumulators: dict[str, dict[str, EvaluationAccumulator]
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:
-        raise ImportError("the reliability diagram needs matplotlib: pip install matplotlib") from err
+        raise ImportError("the reliability diagram needs matplotlib: pip install matplotlib (the [plots] extra)") from err
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
     for ax, attr, title in ((axes[0], "top1", "top-1 confidence (q = P/ΣP)"), (axes[1], "top10", "top-10 p_k (OvR)")):
         ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)

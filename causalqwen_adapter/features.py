@@ -62,6 +62,7 @@ def extract_features(
     revision: str | None = None,
     overwrite: bool = False,
     device: str | torch.device | None = None,
+    progress: bool = False,
 ) -> Dataset:
     """Run the frozen teacher over `dataset` and write its features to `output_dir`; returns the stored dataset.
 
@@ -77,6 +78,7 @@ def extract_features(
         device: where the teacher runs (`devices.resolve_device`: "auto", "cpu", "cuda", "cuda:1", ...; under a
             launcher a bare type is each process's own device). None: a teacher object already off the CPU stays
             where it is, otherwise "auto" (the accelerator when there is one). A teacher object is moved there.
+        progress: show a progress bar of the teacher pass (the first process's share of the sequences).
 
     One row per real (non-padding) token, in corpus order: `hidden_state` [H], `topk_ids` [K] (the teacher's top-1
     first), `topk_probs` [K]. The folder appears complete or not at all.
@@ -124,7 +126,14 @@ def extract_features(
         staging = Path(_broadcast(str(staging) if staging else None))
         lengths, error = [], None
         try:  # this process's rows; its sequence lengths let the first process put every row back in corpus order
-            _write_rows(teacher, sequences, batch_size, top_k, features, staging / f"rows-{rank}.arrow", lengths)
+            total = _share(dataset, rank, world)
+            bar = _progress_bar(total) if progress and rank == 0 else None
+            try:
+                _write_rows(teacher, sequences, batch_size, top_k, features, staging / f"rows-{rank}.arrow", lengths,
+                            bar)
+            finally:
+                if bar is not None:
+                    bar.close()
         except Exception as exc:  # reported to every process, so that none waits for rows that will not come
             error = exc
         results = _gather((None if error is None else f"{type(error).__name__}: {error}", lengths))
@@ -166,9 +175,24 @@ def extract_features(
     return load_features(target)
 
 
-def _write_rows(teacher, sequences, batch_size, top_k, features, arrow_file: Path, lengths: list) -> None:
+def _share(dataset, rank: int, world: int) -> int | None:
+    """How many sequences process `rank` of `world` reads (round robin), when the dataset's length is known."""
+    try:
+        n = len(dataset)
+    except TypeError:  # an IterableDataset
+        return None
+    return len(range(rank, n, world))
+
+
+def _progress_bar(total: int | None):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="teacher pass", unit="seq")
+
+
+def _write_rows(teacher, sequences, batch_size, top_k, features, arrow_file: Path, lengths: list, bar=None) -> None:
     """The teacher's rows of `sequences` into one Arrow file; `lengths` receives each sequence's token count (0 for
-    an empty one), in order."""
+    an empty one), in order; `bar`, a tqdm bar, advances by one per sequence the teacher has scored."""
     store_dtype = getattr(torch, features["hidden_state"].feature.dtype)
 
     def counted():
@@ -191,6 +215,10 @@ def _write_rows(teacher, sequences, batch_size, top_k, features, arrow_file: Pat
                 "topk_ids": ids.to(torch.int32).numpy(),
                 "topk_probs": probs.numpy(),
             })
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:  # the empty sequences, which the teacher skips
+            bar.update(len(lengths) - bar.n)
         writer.finalize()
 
 
@@ -257,7 +285,7 @@ def load_features(path) -> Dataset:
             )
         raise FileNotFoundError(
             f"{path} holds no {FEATURES_CONFIG_NAME}: it is not a feature store written by extract_features "
-            "(recipes/extract_features.py)"
+            "(causalqwen extract-features)"
         )
     shards = features_info(path).get("shards")
     if shards is None:

@@ -16,10 +16,9 @@ Scenarios:
   heads and logged losses of both, and checkpoint-2's files, to <work>/resume.pt;
 - `best`: `load_best_model_at_end`, the first of two checkpoints the best; rank 0 writes the gathered heads after
   training and the best checkpoint's path to <work>/best.pt;
-- `recipe`: `recipes/sft_ovr.py`'s `main` to its last line (train, card, save, digest, barrier, `trainer.end()`).
+- `recipe`: `causalqwen train`'s `run` (causalqwen_adapter/cli/train.py) to its last line (train, card, save, digest, barrier, `trainer.end()`).
 """
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -200,11 +199,10 @@ def best(base: str, work: Path, device_args: dict) -> None:
 
 
 def recipe(base: str, work: Path, device_args: dict) -> None:
-    spec = importlib.util.spec_from_file_location("sft_ovr_recipe", REPO_ROOT / "recipes" / "sft_ovr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from causalqwen_adapter.cli import train as module
+
     flags = [f"--{k}={v}" for k, v in device_args.items()] or ["--use_cpu", "true"]
-    module.main(*module.make_parser().parse_args_and_config(args=[
+    module.run(*module.make_parser().parse_args_and_config(args=[
         "--model_name_or_path", base, "--dataset_name", str(work / "data.jsonl"), "--output_dir", str(work / "out"),
         "--max_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "none", "--bf16", "false",
         "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false", *flags,

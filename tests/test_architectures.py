@@ -3,7 +3,6 @@ Mistral (sliding window), Qwen3, Gemma 3 text (sliding-window and global layers:
 random checkpoints; and the bases the heads refuse (an encoder, an encoder-decoder, a multimodal model, logits that
 are not the output layer's)."""
 
-import importlib.util
 import json
 import textwrap
 
@@ -34,7 +33,7 @@ from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
 from causalqwen_adapter.features import extract_features
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
-from conftest import PAIRS, REPO_ROOT, tiny_tokenizer
+from conftest import PAIRS, tiny_tokenizer
 
 VOCAB = 160
 LAYOUT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -291,9 +290,8 @@ def test_numbers_need_a_free_row_outside_qwen2(bases):
 def test_the_numeric_recipe_refuses_a_base_whose_tokenizer_fills_its_vocabulary(tmp_path):
     """SmolLM2's case: 49,152 tokens for 49,152 rows, no row to give <NUM>. Refused before anything is written."""
     full = _save_base(tmp_path / "full-vocab", LlamaConfig(**{**LAYOUT, "vocab_size": len(tiny_tokenizer())}))
-    spec = importlib.util.spec_from_file_location("sft_ovr_recipe", REPO_ROOT / "recipes" / "sft_ovr.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    from causalqwen_adapter.cli import train as recipe
+
     data = tmp_path / "numbers.jsonl"
     data.write_text(json.dumps({"text": "the cat sat on 3 mats"}) + "\n")
     out = tmp_path / "out"
@@ -304,7 +302,7 @@ def test_the_numeric_recipe_refuses_a_base_whose_tokenizer_fills_its_vocabulary(
     rows = len(tiny_tokenizer())
     with pytest.raises(ValueError, match=f"tokenizer has {rows} tokens for its {rows}-row embedding, so no row is free. "
                                          "Pass --num_token_id"):
-        recipe.main(*parsed)
+        recipe.run(*parsed)
     assert not out.exists()
 
 

@@ -1,9 +1,8 @@
-"""Classification through the LM (causalqwen_adapter.classification, recipes/classify.py) against naive references."""
+"""Classification through the LM (causalqwen_adapter.classification, causalqwen_adapter/cli/classify.py) against naive references."""
 
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,12 +23,10 @@ from causalqwen_adapter.classification import (
     rejection_scores,
     tokenize_prompts,
 )
+from causalqwen_adapter.cli import classify
 
-from conftest import REPO_ROOT, decision_scores_float64
+from conftest import decision_scores_float64
 from test_evaluation import _naive_ece
-
-sys.path.insert(0, str(REPO_ROOT / "recipes"))
-import classify  # noqa: E402
 
 LABELS = [" blue", " mat", " park", " friends"]
 ROWS = [  # prompts of the tiny tokenizer's words, labels among LABELS
@@ -229,8 +226,8 @@ def test_classify_recipe_writes_what_it_measured(sft_base, tokenizer_dir, tmp_pa
     test_file = _write(tmp_path / "test.jsonl", ROWS)
     validation_file = _write(tmp_path / "validation.jsonl", ROWS[::-1][:7])
     out = tmp_path / "out"
-    results = classify.main(classify.ClassifyArguments(
-        model=str(tmp_path / "adapter"), test_file=test_file, validation_file=validation_file, output_dir=str(out),
+    results = classify.run(classify.ClassifyArguments(
+        model_name_or_path=str(tmp_path / "adapter"), dataset_name=test_file, validation_dataset_name=validation_file, output_dir=str(out),
         dtype="float32", device="cpu", tokenizer=str(tokenizer_dir), coverage=0.8))
     assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(results))
     assert (out / "metrics.md").read_text().count("\n") == 4  # header, rule, ovr, softmax
@@ -267,7 +264,7 @@ def test_classify_recipe_writes_what_it_measured(sft_base, tokenizer_dir, tmp_pa
             assert metrics["none_accepted"] == pytest.approx(sum(r[1].max().item() <= 0.5 for r in test_rows) / len(test_rows))
 
     # a base: the softmax rule only
-    results = classify.main(classify.ClassifyArguments(model=str(sft_base), test_file=test_file, output_dir=str(out),
+    results = classify.run(classify.ClassifyArguments(model_name_or_path=str(sft_base), dataset_name=test_file, output_dir=str(out),
                                                        dtype="float32", device="cpu", tokenizer=str(tokenizer_dir), plots=False))
     assert list(results["rules"]) == ["softmax"] and "coverage" not in results["rules"]["softmax"]
 
@@ -275,9 +272,9 @@ def test_classify_recipe_writes_what_it_measured(sft_base, tokenizer_dir, tmp_pa
 def test_classify_recipe_refuses_bad_label_sets(sft_base, tokenizer_dir, tmp_path):
     test_file = _write(tmp_path / "test.jsonl", [("the sky is", " the mat"), ("a dog", " the park")])
     with pytest.raises(ValueError, match="share their first token"):
-        classify.main(classify.ClassifyArguments(model=str(sft_base), test_file=test_file, output_dir=str(tmp_path),
+        classify.run(classify.ClassifyArguments(model_name_or_path=str(sft_base), dataset_name=test_file, output_dir=str(tmp_path),
                                                  dtype="float32", device="cpu", tokenizer=str(tokenizer_dir)))
     one_class = _write(tmp_path / "one.jsonl", [("the sky is", " blue"), ("a dog", " blue")])
     with pytest.raises(ValueError, match="one class"):
-        classify.main(classify.ClassifyArguments(model=str(sft_base), test_file=one_class, output_dir=str(tmp_path),
+        classify.run(classify.ClassifyArguments(model_name_or_path=str(sft_base), dataset_name=one_class, output_dir=str(tmp_path),
                                                  dtype="float32", device="cpu", tokenizer=str(tokenizer_dir)))

@@ -20,7 +20,7 @@ from causalqwen_adapter.evaluation import EvaluationAccumulator
 from causalqwen_adapter.features import extract_features
 from causalqwen_adapter.training import calibrate_threshold_on_features
 
-from conftest import PAIRS, REPO_ROOT, TINY_VOCAB, decision_scores_float64
+from conftest import PAIRS, TINY_VOCAB, decision_scores_float64
 
 DISTRIBUTIONS = ["accept", "accept_once", "normalize"]
 
@@ -290,10 +290,8 @@ def test_resolve_device_under_a_launcher_is_the_local_device(monkeypatch):
 
 
 def _load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe", REPO_ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module of the subcommand `name` (causalqwen_adapter/cli/)."""
+    return importlib.import_module(f"causalqwen_adapter.cli.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -333,9 +331,9 @@ def test_evaluate_recipe_on_the_device(sft_base, sft_adapter, device, tmp_path):
     data.write_text("".join(json.dumps({"text": p + c}) + "\n" for p, c in PAIRS))
 
     def run(where, out):
-        return recipe.main(recipe.EvaluationArguments(
-            models=[str(sft_base), str(sft_adapter)], dataset_name=str(data), output_dir=str(out), dtype="float32",
-            modes=["compatible", "standard"], device=where))
+        return recipe.run(recipe.EvaluationArguments(
+            model_name_or_path=[str(sft_base), str(sft_adapter)], dataset_name=str(data), output_dir=str(out),
+            dtype="float32", inference_mode=["compatible", "standard"], device=where))
 
     results = run(str(device), tmp_path / "device")
     reference = results if device.type == "cpu" else run("cpu", tmp_path / "cpu")

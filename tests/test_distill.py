@@ -6,6 +6,7 @@ on each sequence alone, and a hand-written SGD step.
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -367,21 +368,23 @@ def test_a_teacher_named_relatively_is_the_same_base(tiny_teacher, tmp_path, mon
 # --------------------------------------------------------------------------------------- recipes
 
 
-def test_recipes_extract_then_distill(sft_base, tmp_path):
+def test_cli_extract_then_distill(sft_base, tmp_path):
+    """`causalqwen extract-features` then `causalqwen distill`, as `python -m causalqwen_adapter.cli` runs them."""
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": p + c}) + "\n" for p, c in PAIRS))
-    env_python = sys.executable
+    cli = [sys.executable, "-m", "causalqwen_adapter.cli"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}  # this checkout's package, from any folder
     subprocess.run(
-        [env_python, str(REPO_ROOT / "recipes" / "extract_features.py"), "--model_name_or_path", str(sft_base),
+        [*cli, "extract-features", "--model_name_or_path", str(sft_base),
          "--dataset_name", str(data), "--output_dir", str(tmp_path / "feats"), "--top_k", "4", "--dtype", "float32"],
-        check=True, cwd=tmp_path,
+        check=True, cwd=tmp_path, env=env,
     )
     assert features_info(tmp_path / "feats")["top_k"] == 4
     subprocess.run(
-        [env_python, str(REPO_ROOT / "recipes" / "distill_heads.py"), "--model_name_or_path", str(sft_base),
-         "--features", str(tmp_path / "feats"), "--output_dir", str(tmp_path / "adapter"), "--max_steps", "3",
+        [*cli, "distill", "--model_name_or_path", str(sft_base),
+         "--dataset_name", str(tmp_path / "feats"), "--output_dir", str(tmp_path / "adapter"), "--max_steps", "3",
          "--action_weight", "tied", "--use_cpu", "--report_to", "none", "--save_strategy", "no"],
-        check=True, cwd=tmp_path,
+        check=True, cwd=tmp_path, env=env,
     )
     model = CausalQwenForCausalLM.from_pretrained(tmp_path / "adapter")
     assert model.config.action_weight == "tied"

@@ -189,21 +189,19 @@ def test_reliability_diagram_is_a_png(tied_base, input_ids, tmp_path):
 
 
 def test_evaluate_recipe_scores_bases_and_adapters(sft_base, tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("evaluate_recipe", Path(__file__).parents[1] / "recipes" / "evaluate.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    from causalqwen_adapter.cli import evaluate as recipe
+
     adapter = tmp_path / "adapter"
     CausalQwenForCausalLM.from_base(sft_base).save_pretrained(adapter)
     data = tmp_path / "held.jsonl"
     data.write_text("".join(json.dumps({"text": p + c}) + "\n" for p, c in PAIRS))
 
     def run(out, **overrides):
-        return recipe.main(recipe.EvaluationArguments(models=[str(sft_base), str(adapter)], dataset_name=str(data),
-                                                      output_dir=str(out), dtype="float32", **overrides))
+        return recipe.run(recipe.EvaluationArguments(model_name_or_path=[str(sft_base), str(adapter)],
+                                                     dataset_name=str(data), output_dir=str(out), dtype="float32",
+                                                     **overrides))
 
     results = run(tmp_path / "eval")
     base, heads = results[str(sft_base)], results[str(adapter)]

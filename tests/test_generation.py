@@ -1,6 +1,7 @@
 """generate() in every inference mode (docs/design.md, Inference modes): exactness, the cache, sampling noise, options."""
 
 import gc
+import os
 import subprocess
 import sys
 import warnings
@@ -330,7 +331,8 @@ def test_generate_recipe_streams_the_greedy_answer(sft_base, tmp_path, spelling)
                                 skip_special_tokens=True)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "generate.py"
     no_chat, mode, max_new_tokens = spelling
+    env = {**os.environ, "PYTHONPATH": str(recipe.parents[1])}  # the recipe beside this checkout's package
     proc = subprocess.run([sys.executable, str(recipe), str(tmp_path / "adapter"), "--prompt", prompt, no_chat,
-                           mode, "compatible", max_new_tokens, "5"], capture_output=True, text=True)
+                           mode, "compatible", max_new_tokens, "5"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == expected.strip()

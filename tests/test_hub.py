@@ -1,4 +1,4 @@
-"""push_to_hub, recipes/push_to_hub.py and the model card, against a fake Hub served on 127.0.0.1.
+"""push_to_hub, `causalqwen push` (causalqwen_adapter/cli/push.py) and the model card, against a fake Hub served on 127.0.0.1.
 
 FakeHub implements the routes huggingface_hub 2.4 calls for create_repo, create_branch and upload_folder,
 on both of its upload paths: the pipelined one (hf_xet installed, the default) and the legacy one
@@ -357,10 +357,9 @@ def _card(text: str) -> tuple[dict, str]:
 
 
 def _load_recipe():
-    spec = importlib.util.spec_from_file_location("push_to_hub_recipe", REPO_ROOT / "recipes" / "push_to_hub.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from causalqwen_adapter.cli import push
+
+    return push
 
 
 def _assert_is_the_adapter_folder(uploaded: dict, local: Path, repo_id: str) -> None:

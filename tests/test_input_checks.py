@@ -25,10 +25,8 @@ NUM = 5  # the <NUM> id of the tiny numeric models
 
 
 def _recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe_checks", REPO_ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module of the subcommand `name` (causalqwen_adapter/cli/)."""
+    return importlib.import_module(f"causalqwen_adapter.cli.{name}")
 
 
 def _held_out(tmp_path) -> Path:
@@ -38,8 +36,8 @@ def _held_out(tmp_path) -> Path:
 
 
 def _evaluation_arguments(recipe, models, data, out, **overrides):
-    return recipe.EvaluationArguments(models=[str(m) for m in models], dataset_name=str(data), output_dir=str(out),
-                                      dtype="float32", **overrides)
+    return recipe.EvaluationArguments(model_name_or_path=[str(m) for m in models], dataset_name=str(data),
+                                      output_dir=str(out), dtype="float32", **overrides)
 
 
 # --------------------------------------------------------------------------------------- silent non-finite results
@@ -57,7 +55,7 @@ def test_evaluation_refuses_a_temperature_that_is_not_finite_and_non_negative(sf
                                  causal_temperature=temperature))
     recipe = _recipe("evaluate")
     with pytest.raises(ValueError, match=message):
-        recipe.main(_evaluation_arguments(recipe, [sft_base], _held_out(tmp_path), tmp_path / "eval",
+        recipe.run(_evaluation_arguments(recipe, [sft_base], _held_out(tmp_path), tmp_path / "eval",
                                           causal_temperature=temperature))
     assert not (tmp_path / "eval").exists()  # no metrics written
 
@@ -188,10 +186,10 @@ def test_a_missing_adapter_folder_is_named(sft_base, tmp_path, capsys):
         CausalQwenForCausalLM.from_pretrained(missing)
     with pytest.raises(SystemExit) as exit_info:
         _recipe("generate").main([str(missing), "--prompt", "hello", "--device", "cpu"])
-    assert exit_info.value.code == 2 and f"adapter '{missing}' was not found" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--model_name_or_path '{missing}' was not found" in capsys.readouterr().err
     recipe = _recipe("evaluate")
-    with pytest.raises(FileNotFoundError, match=f"model '{missing}' was not found: no folder"):
-        recipe.main(_evaluation_arguments(recipe, [sft_base, missing], _held_out(tmp_path), tmp_path / "eval"))
+    with pytest.raises(FileNotFoundError, match=f"--model_name_or_path '{missing}' was not found: no folder"):
+        recipe.run(_evaluation_arguments(recipe, [sft_base, missing], _held_out(tmp_path), tmp_path / "eval"))
 
 
 def test_wrong_types_name_the_field_the_value_and_what_is_expected(tied_base, input_ids):
@@ -234,15 +232,15 @@ def test_empty_data_files_are_named_by_every_recipe(sft_base, tmp_path):
         load_text_dataset(str(empty))
     recipe = _recipe("evaluate")
     with pytest.raises(ValueError, match=message):
-        recipe.main(_evaluation_arguments(recipe, [sft_base], empty, tmp_path / "eval"))
-    sft = _recipe("sft_ovr")
+        recipe.run(_evaluation_arguments(recipe, [sft_base], empty, tmp_path / "eval"))
+    sft = _recipe("train")
     with pytest.raises(ValueError, match=message):
-        sft.main(ScriptArguments(dataset_name=str(empty)),
+        sft.run(ScriptArguments(dataset_name=str(empty)),
                  CausalSFTConfig(str(tmp_path / "out"), report_to="none", use_cpu=True),
                  ModelConfig(model_name_or_path=str(sft_base)))
     extract = _recipe("extract_features")
     with pytest.raises(ValueError, match=message):
-        extract.main(extract.ExtractArguments(model_name_or_path=str(sft_base), dataset_name=str(empty),
+        extract.run(extract.ExtractArguments(model_name_or_path=str(sft_base), dataset_name=str(empty),
                                               output_dir=str(tmp_path / "features"), device="cpu"))
     assert not (tmp_path / "eval").exists() and not (tmp_path / "features").exists()
 
@@ -250,13 +248,13 @@ def test_empty_data_files_are_named_by_every_recipe(sft_base, tmp_path):
 def test_evaluate_recipe_refuses_a_zero_batch_size_and_ids_beyond_the_vocabulary(sft_base, tmp_path):
     recipe = _recipe("evaluate")
     data = _held_out(tmp_path)
-    with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got 0"):
-        recipe.main(_evaluation_arguments(recipe, [sft_base], data, tmp_path / "eval", batch_size=0))
+    with pytest.raises(ValueError, match=r"per_device_eval_batch_size must be a positive integer, got 0"):
+        recipe.run(_evaluation_arguments(recipe, [sft_base], data, tmp_path / "eval", per_device_eval_batch_size=0))
     tokenized = tmp_path / "ids.jsonl"
     tokenized.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n" + json.dumps({"input_ids": [5, 900, 7]}) + "\n")
     with pytest.raises(ValueError, match=r"input_ids of row 1 holds token id 900 at position 1, outside the model's "
                                          r"vocabulary \[0, 128\)"):
-        recipe.main(_evaluation_arguments(recipe, [sft_base], tokenized, tmp_path / "eval"))
+        recipe.run(_evaluation_arguments(recipe, [sft_base], tokenized, tmp_path / "eval"))
     assert not (tmp_path / "eval").exists()
 
 
@@ -313,7 +311,7 @@ def test_push_refuses_an_auto_map_outside_the_folder_before_any_network_call(tie
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"]["AutoModel"] = reference
     (folder / "config.json").write_text(json.dumps(config))
-    recipe = _recipe("push_to_hub")
+    recipe = _recipe("push")
     monkeypatch.setattr(recipe, "upload_adapter_folder", lambda *a, **k: pytest.fail("uploaded"))
     with pytest.raises(SystemExit) as exit_info:
         recipe.main([str(folder), "user/tiny", "--token", "hf_test"])

@@ -5,7 +5,6 @@ References: the formulas of docs/design.md, Numeric mode, written out in float64
 teacher-forced forward pass for the generated values.
 """
 
-import importlib.util
 import json
 import math
 import re
@@ -386,9 +385,8 @@ def test_trainer_refuses_numeric_heads_without_values_or_with_packing(sft_base, 
 
 
 def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
-    spec = importlib.util.spec_from_file_location("sft_ovr_recipe", REPO_ROOT / "recipes" / "sft_ovr.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    from causalqwen_adapter.cli import train as recipe
+
     data = tmp_path / "numbers.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the cat sat on 3 mats", "two plus two is 4",
                                                                      "a dog ran 12 times"]))
@@ -397,7 +395,7 @@ def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
         "--numeric", "--max_steps", "1", "--per_device_train_batch_size", "3", "--report_to", "none",
         "--use_cpu", "true", "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
     ])
-    trainer = recipe.main(*parsed)
+    trainer = recipe.run(*parsed)
     num_id = trainer.model.config.num_token_id
     assert num_id == len(AutoTokenizer.from_pretrained(sft_base))  # the next free id
     assert sorted(v for row in trainer.train_dataset["numeric_values"] for v in row if v) == [3.0, 4.0, 12.0]
@@ -409,7 +407,7 @@ def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
         str(tmp_path / "again"), "--numeric", "--max_steps", "1", "--per_device_train_batch_size", "3",
         "--report_to", "none", "--use_cpu", "true", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
     ])
-    again = recipe.main(*parsed)
+    again = recipe.run(*parsed)
     assert again.model.config.num_token_id == num_id
     assert again.train_dataset["input_ids"] == trainer.train_dataset["input_ids"]
 
@@ -422,9 +420,10 @@ def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
         model.action.bias[num_id] = 40.0  # every generated token is <NUM>
         model.numeric.bias.fill_(42.0)
     model.save_pretrained(tmp_path / "adapter")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "recipes" / "generate.py"), str(tmp_path / "adapter"),
+    cli = [sys.executable, "-m", "causalqwen_adapter.cli", "generate"]  # run in the checkout: its package
+    proc = subprocess.run([*cli, str(tmp_path / "adapter"),
                            "--prompt", "the cat sat on 3", "--no-chat", "--mode", "compatible", "--max-new-tokens", "2"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     add_num_token(tokenizer, num_id)
     encoded = encode_with_numbers(tokenizer, "the cat sat on 3", num_id)
@@ -435,9 +434,10 @@ def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
     assert proc.stdout.strip() == "".join(f"{v:g}" for v in values.tolist())
     assert all(abs(v - 42.0) < 5 for v in values.tolist())
     # with --interval: a line per generated number, its Cauchy interval on the range given
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "recipes" / "generate.py"), str(tmp_path / "adapter"),
-                           "--prompt", "the cat sat on 3", "--no-chat", "--mode", "compatible", "--max-new-tokens", "2",
-                           "--interval", "0.9", "--value-range", "0", "45"], capture_output=True, text=True)
+    proc = subprocess.run([*cli, "--model_name_or_path", str(tmp_path / "adapter"),
+                           "--prompt", "the cat sat on 3", "--no_chat", "--inference_mode", "compatible",
+                           "--max_new_tokens", "2", "--interval", "0.9", "--value_range", "0", "45"],
+                          capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lower, upper = cauchy_interval(values, out.numeric_scales[0, n:], 0.9, support=(0.0, 45.0))
     assert proc.stdout.strip().splitlines() == ["".join(f"{v:g}" for v in values.tolist())] + [
@@ -453,9 +453,8 @@ def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
     (["--interval", "0.9", "--value-range", "4", "-4"], "LOW < HIGH, got 4 -4"),
 ])
 def test_generate_recipe_refuses_bad_interval_options(sft_base, tmp_path, capsys, monkeypatch, extra, message):
-    spec = importlib.util.spec_from_file_location("generate_recipe_intervals", REPO_ROOT / "recipes" / "generate.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    from causalqwen_adapter.cli import generate as recipe
+
     CausalQwenForCausalLM.from_base(str(sft_base)).save_pretrained(tmp_path / "plain")
     loaded = []  # every refusal comes before the model loads
     monkeypatch.setattr(recipe.CausalQwenForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))

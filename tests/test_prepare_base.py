@@ -1,21 +1,15 @@
-"""recipes/prepare_demo_base.py refuses, before any download or conversion, what it must not build from or write into."""
+"""`causalqwen prepare-base` (causalqwen_adapter/cli/prepare_base.py) refuses, before any download or conversion, what it must not build from or write into."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
-
-from conftest import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("prepare_base_recipe", REPO_ROOT / "recipes" / "prepare_demo_base.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from causalqwen_adapter.cli import prepare_base
+
+    return prepare_base
 
 
 def test_an_unknown_base_is_named_with_the_choices(recipe, tmp_path):

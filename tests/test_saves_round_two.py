@@ -1,7 +1,6 @@
 """Nothing overwritten, nothing lost: a user's files beside a save, a file where a folder should be, heads that are not
 finite, checkpoints a killed run left half written, and what a save killed mid-swap leaves beside the folder."""
 
-import importlib.util
 import json
 import logging
 import math
@@ -94,14 +93,13 @@ def test_feature_extraction_refuses_a_file_at_output_dir(sft_base, tmp_path):
         extract_features(str(sft_base), data, target, top_k=2, overwrite=True)
     assert target.read_text() == "not a folder\n" and _hidden(tmp_path) == []
 
-    spec = importlib.util.spec_from_file_location("extract_recipe", REPO_ROOT / "recipes" / "extract_features.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    from causalqwen_adapter.cli import extract_features as recipe
+
     (tmp_path / "data.jsonl").write_text(json.dumps({"text": "the cat sat on the mat"}) + "\n")
     args = recipe.ExtractArguments(model_name_or_path=str(sft_base), dataset_name=str(tmp_path / "data.jsonl"),
                                    output_dir=str(target), top_k=2, overwrite=True, device="cpu")
     with pytest.raises(FileExistsError, match="is a file, not a folder"):
-        recipe.main(args)
+        recipe.run(args)
     assert target.read_text() == "not a folder\n" and _hidden(tmp_path) == []
 
 

@@ -1,10 +1,9 @@
-"""CausalSFTTrainer and recipes/sft_ovr.py on a tiny random Qwen2 with a tiny word-level tokenizer.
+"""CausalSFTTrainer and `causalqwen train` (causalqwen_adapter/cli/train.py, recipes/sft_ovr.py) on a tiny random Qwen2 with a tiny word-level tokenizer.
 
 The references are plain: the model's own forward with `labels` (the naive, materialised OvR loss), one big batch
 for gradient accumulation, an uninterrupted run for resuming, a single process for DDP.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -372,10 +371,9 @@ def test_backbone_lora_trains_saves_in_lora_folder_and_resumes(sft_base, tmp_pat
 
 
 def _load_recipe():
-    spec = importlib.util.spec_from_file_location("sft_ovr_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from causalqwen_adapter.cli import train
+
+    return train
 
 
 def _write_data(folder: Path) -> dict[str, Path]:
@@ -399,7 +397,7 @@ def test_recipe_trains_on_each_dataset_format(sft_base, tmp_path, data_format):
         "--max_steps", "1", "--per_device_train_batch_size", "2", "--report_to", "none", "--bf16", "false",
         "--use_cpu", "true", "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
     ])
-    trainer = recipe.main(*parsed)
+    trainer = recipe.run(*parsed)
 
     example = trainer.train_dataset[0]
     labels, ids = example["labels"], example["input_ids"]
@@ -431,7 +429,7 @@ def test_recipe_takes_trls_model_flags(sft_base, tmp_path):
     common = ["--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--max_steps", "1",
               "--per_device_train_batch_size", "2", "--report_to", "none", "--use_cpu", "true",
               "--disable_tqdm", "true", "--dataloader_pin_memory", "false"]
-    trainer = recipe.main(*recipe.make_parser().parse_args_and_config(args=[
+    trainer = recipe.run(*recipe.make_parser().parse_args_and_config(args=[
         *common, "--output_dir", str(tmp_path / "lora"), "--use_peft", "--lora_r", "4",
         "--lora_target_modules", "q_proj", "v_proj"]))
     trained = {n for n, p in trainer.model.model.named_parameters() if p.requires_grad}
@@ -440,12 +438,12 @@ def test_recipe_takes_trls_model_flags(sft_base, tmp_path):
 
     out = tmp_path / "quantized"
     with pytest.raises(ValueError, match="load_in_4bit/--load_in_8bit are not supported"):
-        recipe.main(*recipe.make_parser().parse_args_and_config(args=[*common, "--output_dir", str(out),
+        recipe.run(*recipe.make_parser().parse_args_and_config(args=[*common, "--output_dir", str(out),
                                                                       "--load_in_4bit"]))
     assert not out.exists()
     # Liger would find nothing to patch in a CausalQwen model and only log it: refused, before anything is loaded
     with pytest.raises(ValueError, match="use_liger_kernel is not supported"):
-        recipe.main(*recipe.make_parser().parse_args_and_config(args=[*common, "--output_dir", str(out),
+        recipe.run(*recipe.make_parser().parse_args_and_config(args=[*common, "--output_dir", str(out),
                                                                       "--use_liger_kernel", "true"]))
     assert not out.exists()
 
@@ -459,7 +457,7 @@ def test_recipe_under_accelerate_launch_two_processes(sft_base, tmp_path):
         "--logging_steps", "1", "--disable_tqdm", "true", "--dataloader_pin_memory", "false", "--learning_rate", "1e-2",
     ]
     out = tmp_path / "ddp"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     launch = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
@@ -480,7 +478,7 @@ def test_recipe_under_accelerate_launch_two_processes(sft_base, tmp_path):
     assert set(digests) == {"0", "1"} and digests["0"] == digests["1"], stdout[-2000:]
 
     recipe = _load_recipe()
-    reference = recipe.main(*recipe.make_parser().parse_args_and_config(
+    reference = recipe.run(*recipe.make_parser().parse_args_and_config(
         args=[*common, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "single")]
     ))
     saved = load_file(out / "model.safetensors")
@@ -638,7 +636,7 @@ def test_readme_training_command_runs_as_written(sft_base, tmp_path, device):
     recipe = _load_recipe()
     data = _write_data(tmp_path / "data")["text"]
     flags = ["--use_cpu", "true"] if device.type == "cpu" and torch.cuda.is_available() else []
-    trainer = recipe.main(*recipe.make_parser().parse_args_and_config(args=[
+    trainer = recipe.run(*recipe.make_parser().parse_args_and_config(args=[
         "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
         "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "160", "--report_to", "none",
         *flags,

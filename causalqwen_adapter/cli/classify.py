@@ -1,0 +1,176 @@
+r"""`causalqwen classify`: classify with a trained adapter (or a base), scoring a label set at the end of each prompt.
+
+The data are `prompt`/`completion` rows whose completion is the label (its leading space included), the format
+`causalqwen train` trains on, in a local .jsonl/.json/.parquet/.csv file or a `datasets` name:
+
+    causalqwen train --model_name_or_path build/demo-base --dataset_name train.jsonl --output_dir out/cls ...
+    causalqwen classify --model_name_or_path out/cls \
+        --dataset_name test.jsonl --validation_dataset_name validation.jsonl \
+        --output_dir out/cls-eval
+
+Each label is scored by its first token at the prompt's last position (labels must differ in their first token).
+An adapter is scored by two rules: `ovr` (argmax of the OvR probabilities P_k, confidence max P_k) and `softmax` (its
+compatible mode: the label logits loc_S renormalised over the label set); a base by `softmax`. Per rule: accuracy,
+macro-F1, ECE, and abstention: a confidence threshold chosen on `--validation_dataset_name` (rows of known labels
+only) to keep `--coverage` of them, then the test coverage and accuracy on the kept rows. Writes `metrics.json`,
+`metrics.md`, `reliability.png` and `accuracy_coverage.png` (needs matplotlib; `--no_plots` skips them) to
+`--output_dir`. The library is `causalqwen_adapter.classification`.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from causalqwen_adapter.classification import (
+    abstention_threshold,
+    classification_metrics,
+    label_scores,
+    label_set,
+    prompt_hidden_states,
+    reliability_bins,
+    tokenize_prompts,
+)
+from causalqwen_adapter.data import load_text_dataset
+from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
+from causalqwen_adapter.evaluation import _format, load_model
+
+from .parsing import CliHfArgumentParser, install_hint, missing_modules
+
+ALIASES = {"--model": "--model_name_or_path", "--test_file": "--dataset_name",
+           "--validation_file": "--validation_dataset_name", "--mode": "--inference_mode",
+           "--batch_size": "--per_device_eval_batch_size"}
+
+TABLE_COLUMNS = ["accuracy", "macro_f1", "ece", "coverage", "selective_accuracy", "threshold", "none_accepted",
+                 "num_rows"]
+
+
+@dataclass
+class ClassifyArguments:
+    model_name_or_path: str = field(metadata={"help": "A CausalQwen adapter or a base causal LM (folder or Hub id)."})
+    dataset_name: str = field(metadata={"help": "prompt/completion rows to classify: a .jsonl/.json/.parquet/.csv file "
+                                        "or a `datasets` name."})
+    output_dir: str = field(metadata={"help": "Where metrics.json, metrics.md and the plots are written."})
+    validation_dataset_name: str | None = field(
+        default=None, metadata={"help": "prompt/completion rows of known labels on which the abstention threshold is "
+                                "chosen; without it no abstention is reported."})
+    labels: list[str] | None = field(
+        default=None, metadata={"help": "The label set (completion strings, leading spaces included). Default: every "
+                                "completion of the validation and test files."})
+    tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer folder or Hub id (default: the base's)."})
+    coverage: float = field(default=0.95, metadata={"help": "Fraction of validation rows the threshold keeps."})
+    inference_mode: str = field(default="standard", metadata={"help": "Mode of the OvR probabilities.",
+                                                              "choices": ["standard", "causal"]})
+    per_device_eval_batch_size: int = field(default=16, metadata={"help": "Prompts per forward pass."})
+    dtype: str = field(default="bfloat16", metadata={"help": "Dtype the model loads in.",
+                                                     "choices": ["bfloat16", "float32", "auto"]})
+    device: str = field(default=AUTO, metadata={"help": DEVICE_HELP})
+    plots: bool = field(default=True, metadata={"help": "Write reliability.png and accuracy_coverage.png."})
+
+
+def read_rows(path: str) -> list[dict]:
+    dataset = load_text_dataset(path)["train"]
+    missing = {"prompt", "completion"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(f"{path} has columns {dataset.column_names}: classification needs `prompt` and `completion` "
+                         "(the label) columns")
+    return [{"prompt": r["prompt"], "completion": r["completion"]} for r in dataset]
+
+
+def markdown(results: dict) -> str:
+    lines = ["| model | rule | " + " | ".join(TABLE_COLUMNS) + " |", "|---|---|" + "---:|" * len(TABLE_COLUMNS)]
+    for rule, metrics in results["rules"].items():
+        cells = [_format(metrics.get(c)) for c in TABLE_COLUMNS]
+        lines.append(f"| {results['model']} | {rule} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plots(curves: dict, results: dict, output_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
+    for rule, (confidence, accuracy, _) in curves.items():
+        ax.plot(confidence, accuracy, marker="o", markersize=3, label=f"{rule} (ECE {results['rules'][rule]['ece']:.3f})")
+    ax.set(title="reliability", xlabel="confidence", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output_dir / "reliability.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for rule, metrics in results["rules"].items():
+        curve = metrics["accuracy_coverage"]
+        ax.plot(curve["coverage"], curve["accuracy"], marker="o", markersize=3, label=f"{rule} (area {curve['area']:.3f})")
+    ax.set(title="accuracy–coverage", xlabel="coverage (most confident first)", ylabel="accuracy", xlim=(0, 1))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output_dir / "accuracy_coverage.png", dpi=120)
+    plt.close(fig)
+
+
+def run(args: ClassifyArguments) -> dict:
+    if args.plots and missing_modules(["matplotlib"]):  # before the scoring, not after
+        raise ImportError(f"the plots are drawn with matplotlib, not installed here: {install_hint('plots')}; or pass "
+                          "--no_plots")
+    device = resolve_device(args.device)
+    test = read_rows(args.dataset_name)
+    validation = read_rows(args.validation_dataset_name) if args.validation_dataset_name else []
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, base_name = load_model(args.model_name_or_path, dtype)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or base_name)
+    names = args.labels or sorted({r["completion"] for r in validation + test})
+    labels = label_set(tokenizer, names, model.config.get_text_config().vocab_size)
+    backbone = model.model
+
+    def score(rows, desc):
+        prompts, targets = tokenize_prompts(tokenizer, rows, labels)
+        z = prompt_hidden_states(backbone, prompts, args.per_device_eval_batch_size, device, progress=True, desc=desc)
+        return label_scores(model, z, labels, inference_mode=args.inference_mode), torch.tensor(targets)
+
+    test_scores, test_targets = score(test, "scoring the test rows")
+    val_scores = score(validation, "scoring the validation rows")[0] if validation else None
+    results = {"model": Path(args.model_name_or_path).name or args.model_name_or_path, "labels": labels.labels, "coverage_target": args.coverage,
+               "rules": {}}
+    curves = {}
+    for rule in test_scores.rules():
+        pred, confidence = test_scores.decide(rule)
+        threshold = None
+        if val_scores is not None:
+            threshold = abstention_threshold(val_scores.decide(rule)[1], args.coverage)
+        metrics = classification_metrics(pred, test_targets, confidence, threshold)
+        if rule == "ovr":  # each label accepted on its own: rows where none is (P_k ≤ ½ for every label)
+            metrics["none_accepted"] = (test_scores.log_P.max(-1).values <= -math.log(2)).double().mean().item()
+        results["rules"][rule] = metrics
+        curves[rule] = reliability_bins(confidence, (pred == test_targets).double())
+
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown(results)
+    (output_dir / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
+    (output_dir / "metrics.md").write_text(table + "\n")
+    if args.plots:
+        plots(curves, results, output_dir)
+    print(table)
+    return results
+
+
+def make_parser(prog: str | None = None) -> CliHfArgumentParser:
+    return CliHfArgumentParser(
+        ClassifyArguments, aliases=ALIASES, prog=prog, description=__doc__,
+        usage="%(prog)s --model_name_or_path MODEL --dataset_name DATA --output_dir DIR [options]")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
+    return run(*make_parser(prog).parse(argv))
+
+
+if __name__ == "__main__":
+    main()
