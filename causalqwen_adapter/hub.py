@@ -1,7 +1,7 @@
 """Sharing an adapter on the Hugging Face Hub: the checks before a push and the upload itself.
 
 Installed package only: the adapter folder's remote code carries no upload code, and a remote-code model's
-`push_to_hub` asks for this package (adapter_io.py). `recipes/push_to_hub.py` uses the same functions for a folder.
+`push_to_hub` asks for this package (adapter_io.py). `causalqwen push` (cli/push.py) uses the same functions for a folder.
 """
 
 import json
@@ -66,7 +66,8 @@ STALE_FILE_PATTERNS = [f"{LORA_FOLDER}/*", *(f"{name}.py" for name in REMOTE_COD
 BASE_FLAGS = {  # how each way of pushing takes the base's Hub id, for the refusal to name
     "model": 'model.push_to_hub(repo_id, base_model_id="Qwen/Qwen2.5-0.5B-Instruct")',
     "trainer": '--hub_base_model_id Qwen/Qwen2.5-0.5B-Instruct (CausalSFTConfig(hub_base_model_id=...))',
-    "cli": "causalqwen push ADAPTER_FOLDER REPO_ID --base_model_id Qwen/Qwen2.5-0.5B-Instruct",
+    "cli": "causalqwen push --model_name_or_path ADAPTER_FOLDER --hub_model_id REPO_ID --base_model_id "
+           "Qwen/Qwen2.5-0.5B-Instruct",
 }
 
 

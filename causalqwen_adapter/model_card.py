@@ -2,7 +2,7 @@
 
 The card is rendered from one Jinja template, `model_card/adapter_card.md.j2` at the top of the project
 (`adapter_card.md.j2` next to this file is a link to it, shipped as package data), with huggingface_hub's
-`ModelCard`. `save_pretrained` writes it; `push_to_hub` and `recipes/push_to_hub.py` upload the folder through the
+`ModelCard`. `save_pretrained` writes it; `push_to_hub` and `causalqwen push` upload the folder through the
 installed package's `hub.py`, which is never remote code.
 
 Shipped as remote code next to modeling_causalqwen.py (transformers copies relatively imported files), so:
@@ -82,8 +82,8 @@ def write_model_card(model, folder, model_id: str | None = None) -> Path | None:
             return None
         text = retarget_model_card(text, model_id)
         logger.warning(
-            f"{err}; kept the model card of {model.name_or_path} (install causalqwen-adapter with jinja2 to render a "
-            "fresh one)"
+            f"{err}; kept the model card of {model.name_or_path} (save with the causalqwen-adapter package and jinja2 "
+            "installed to render a fresh one)"
         )
     except Exception as err:  # a card is documentation: never fail the save for it
         logger.warning(f"adapter saved without a model card, rendering it failed: {err!r}")

@@ -1042,3 +1042,20 @@ def test_the_remote_code_names_the_transformers_range_it_runs_on(monkeypatch, ve
     assert (said == []) == (outcome == "quiet")
     if outcome == "warned":
         assert "tested on transformers>=5.20,<5.25" in said[0]
+
+
+def test_causalqwen_push_names_the_base_by_its_hub_id_or_refuses(hub, tied_base, tmp_path, capsys):
+    folder = tmp_path / "adapter"
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(folder)
+    push = _load_recipe()
+    with pytest.raises(SystemExit):
+        push.main(["--model_name_or_path", str(folder), "--hub_model_id", "user/tiny-causal", "--hub_token", TOKEN])
+    said = capsys.readouterr().err
+    assert "is a folder on this machine" in said and "--base_model_id" in said and "Nothing was uploaded" in said
+    assert hub.requests == []
+    push.main(["--model_name_or_path", str(folder), "--hub_model_id", "user/tiny-causal", "--hub_token", TOKEN,
+               "--base_model_id", BASE_ID])
+    main = hub.repos["user/tiny-causal"]["main"]
+    assert json.loads(main["config.json"])["base_model_name_or_path"] == BASE_ID
+    assert _card(main["README.md"].decode())[0]["base_model"] == BASE_ID and str(tied_base) not in main["README.md"].decode()
+    assert json.loads((folder / "config.json").read_text())["base_model_name_or_path"] == str(tied_base)  # as it was

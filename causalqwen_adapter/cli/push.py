@@ -1,7 +1,7 @@
 r"""`causalqwen push`: upload a saved CausalQwen adapter folder to the Hugging Face Hub.
 
     causalqwen push --model_name_or_path runs/my-adapter --hub_model_id your-username/my-causal-adapter \
-        [--hub_private_repo] [--create_pr]
+        --base_model_id Qwen/Qwen2.5-0.5B-Instruct [--hub_private_repo] [--create_pr]
 
 The folder is uploaded as it is, after checking that it is an adapter folder (docs/design.md, The adapter folder):
 nothing is loaded, so no base model is downloaded or held in memory, the tensors go up byte for byte, and the model
@@ -22,14 +22,15 @@ from safetensors import safe_open
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
-from causalqwen_adapter.hub import check_push, link_files, upload_adapter_folder
+from causalqwen_adapter.hub import check_base_for_push, check_push, link_files, upload_adapter_folder
 from causalqwen_adapter.model_card import CARD_NAME, render_model_card
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
 
 from .parsing import CliArgumentParser
 
 # the old spellings (`hf upload`'s and the first recipe's), read as TrainingArguments' hub_* names
-ALIASES = {"--token": "--hub_token", "--private": "--hub_private_repo", "--revision": "--hub_revision"}
+ALIASES = {"--token": "--hub_token", "--private": "--hub_private_repo", "--revision": "--hub_revision",
+           "--hub_base_model_id": "--base_model_id"}
 
 WEIGHTS = "model.safetensors"
 OPTIONAL = ("generation_config.json", CARD_NAME)
@@ -122,6 +123,9 @@ def make_parser(prog: str | None = None) -> CliArgumentParser:
                         help="the adapter folder save_pretrained (or the trainer) wrote (required)")
     parser.add_argument("--hub_model_id", default=None,
                         help="'namespace/name', or 'name' for your own namespace (required)")
+    parser.add_argument("--base_model_id", default=None,
+                        help="the Hub id of the adapter's base (e.g. Qwen/Qwen2.5-0.5B-Instruct), written into the "
+                        "pushed config.json and card; required when the adapter names a local base folder")
     parser.add_argument("--hub_private_repo", action="store_true", help="create the repo private (ignored if it exists)")
     parser.add_argument("--hub_token", default=None, help="default: HF_TOKEN, else the token `hf auth login` stored")
     parser.add_argument("--hub_revision", default=None, help="branch to commit to (created from main if missing)")
@@ -156,6 +160,8 @@ def run(args: argparse.Namespace):
         token = check_push(args.hub_model_id, token=args.hub_token, revision=args.hub_revision,
                            create_pr=args.create_pr)
         files = adapter_files(folder)
+        config = json.loads((folder / "config.json").read_text())
+        check_base_for_push(config.get("base_model_name_or_path"), args.base_model_id, via="cli")
     except ValueError as err:  # as argparse reports a bad argument
         sys.stderr.write(f"{args.prog}: error: {err}\n")
         raise SystemExit(2) from None
@@ -168,12 +174,11 @@ def run(args: argparse.Namespace):
         staged = Path(tmp) / folder.resolve().name
         link_files(folder, files, staged)
         if CARD_NAME not in files:  # an adapter saved before cards existed: render one from the folder itself
-            config = json.loads((folder / "config.json").read_text())
             card = render_model_card(staged, config, model_id=args.hub_model_id)
             (staged / CARD_NAME).write_text(card, encoding="utf-8")
         commit = upload_adapter_folder(staged, args.hub_model_id, token=token, private=args.hub_private_repo or None,
                                        revision=args.hub_revision, commit_message=args.commit_message,
-                                       create_pr=args.create_pr)
+                                       create_pr=args.create_pr, base_model_id=args.base_model_id, via="cli")
     print(f"pushed {folder} to {commit.pr_url or commit.commit_url}")
     return commit
 
