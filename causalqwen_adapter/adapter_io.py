@@ -743,6 +743,8 @@ class CausalAdapterMixin:
         hub_kwargs = {k: v for k, v in hub_kwargs.items() if v is not None}
         if "torch_dtype" in kwargs:
             dtype = kwargs.pop("torch_dtype")
+        if not os.path.isdir(adapter):  # a Hub id not found or out of reach (HF_HUB_OFFLINE): transformers' answer
+            cached_file(adapter, "config.json", **hub_kwargs)
         if not isinstance(config, cls.config_class):
             if cached_file(adapter, "config.json", _raise_exceptions_for_missing_entries=False, **hub_kwargs) is None:
                 aside = interrupted_swap(Path(adapter)) if os.path.isdir(adapter) else None

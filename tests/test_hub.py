@@ -1059,3 +1059,15 @@ def test_causalqwen_push_names_the_base_by_its_hub_id_or_refuses(hub, tied_base,
     assert json.loads(main["config.json"])["base_model_name_or_path"] == BASE_ID
     assert _card(main["README.md"].decode())[0]["base_model"] == BASE_ID and str(tied_base) not in main["README.md"].decode()
     assert json.loads((folder / "config.json").read_text())["base_model_name_or_path"] == str(tied_base)  # as it was
+
+
+def test_an_adapter_id_the_hub_does_not_have_gets_transformers_answer(hub, monkeypatch):
+    """A mistyped Hub id: transformers' own message (not "an interrupted save"), and offline the offline one."""
+    with pytest.raises(OSError) as raised:
+        CausalQwenForCausalLM.from_pretrained("user/no-such-adapter")
+    assert "interrupted" not in str(raised.value) and "user/no-such-adapter" in str(raised.value)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    requests = len(hub.requests)
+    with pytest.raises(OSError, match="offline|couldn't connect|cached files"):
+        CausalQwenForCausalLM.from_pretrained("user/no-such-adapter")
+    assert len(hub.requests) == requests  # not a single request offline
