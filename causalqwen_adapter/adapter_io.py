@@ -38,6 +38,7 @@ from .tokenization_causalqwen import TOKENIZER_CONFIG, TOKENIZER_CONFIG_NAME, is
 
 ADAPTER_WEIGHTS_NAME = "model.safetensors"
 LORA_FOLDER = "lora"
+LORA_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's, inside lora/
 BASE_PREFIXES = ("model.", "lm_head.")  # base tensors: never in an adapter
 # Hub/loading kwargs transformers' Auto classes hand to `from_pretrained`; they address the adapter repo.
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
@@ -301,16 +302,28 @@ def read_output_layer(name: str, revision: str | None = None, **hub_kwargs) -> t
 def load_backbone_lora(backbone, adapter: str, hub_kwargs: dict) -> None:
     """Re-apply the backbone LoRA an adapter carries in lora/ (transformers' PEFT integration)."""
     files = [cached_file(adapter, f"{LORA_FOLDER}/{name}", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-             for name in ("adapter_config.json", "adapter_model.safetensors")]
+             for name in ("adapter_config.json", LORA_WEIGHTS_NAME)]
     if files[0] is None:
         return
     if files[1] is None:
-        raise OSError(f"{adapter}/{LORA_FOLDER} has an adapter_config.json but no adapter_model.safetensors")
+        raise OSError(f"{adapter}/{LORA_FOLDER} has an adapter_config.json but no {LORA_WEIGHTS_NAME}: the backbone "
+                      "LoRA cannot be applied. Save the adapter again (or remove lora/ to load the heads alone)")
+    bad = non_finite_tensors(files[1])
+    if bad:
+        raise ValueError(f"{adapter}/{LORA_FOLDER}/{LORA_WEIGHTS_NAME}: {bad[:5]} hold NaN or infinite values, so the "
+                         "model would output NaN. Save a healthy adapter again (or remove lora/ to load the heads "
+                         "alone)")
     try:
         import peft  # noqa: F401
     except ImportError as err:
         raise ImportError(f"{adapter} trains the backbone with LoRA (its {LORA_FOLDER}/ folder): pip install peft") from err
     backbone.load_adapter(str(Path(files[0]).parent))
+
+
+def non_finite_tensors(path) -> list[str]:
+    """The names of the tensors of a safetensors file that hold NaN or ±inf (read one at a time)."""
+    with safe_open(str(path), framework="pt") as f:
+        return sorted(k for k in f.keys() if not all_finite(f.get_tensor(k)))
 
 
 def load_generation_config(adapter, hub_kwargs, backbone):
@@ -494,10 +507,11 @@ def check_not_foreign(target: Path, other_names: tuple[str, ...] = ()) -> None:
 
 __all__ = [
     "ADAPTER_HINT", "ADAPTER_WEIGHTS_NAME", "BASE_HINT", "BASE_PREFIXES", "MODEL_HINT", "HUB_KWARGS", "LORA_FOLDER",
-    "SUPPORTED_BASES", "adapter_file_names", "base_config_dict", "base_is_tied", "base_reference", "causal_lm_parts",
+    "LORA_WEIGHTS_NAME", "SUPPORTED_BASES", "adapter_file_names", "base_config_dict", "base_is_tied", "base_reference", "causal_lm_parts",
     "check_base_matches", "check_config_overrides", "check_found", "check_keys", "check_logits_are_output_layer",
     "check_not_foreign", "check_supported_base", "install_folder", "interrupted_swap", "is_adapter_folder",
-    "load_backbone", "load_backbone_lora", "load_generation_config", "reject_unknown", "stale_save_folders",
+    "load_backbone", "load_backbone_lora", "load_generation_config", "non_finite_tensors", "output_layer_expected",
+    "read_output_layer", "reject_unknown", "stale_save_folders",
 ]
 
 
@@ -693,6 +707,11 @@ class CausalAdapterMixin:
             # LoRA on the backbone, in PEFT's format under lora/ (never at the root: transformers
             # would then take the whole folder for a PEFT adapter).
             self.model.save_pretrained(folder / LORA_FOLDER)
+            bad = non_finite_tensors(folder / LORA_FOLDER / LORA_WEIGHTS_NAME)
+            if bad:  # checked before anything is swapped in: a good lora/ in the target stays
+                raise ValueError(f"the backbone LoRA tensors {bad[:5]} hold NaN or infinite values: the adapter was not "
+                                 "saved (it would load and output NaN). Training diverged; lower learning_rate or "
+                                 "resume from an earlier checkpoint")
         write_model_card(self, folder)  # never fails the save; a trainer records its run in self.training_summary
         # config.json is the commit marker: written last, swapped in last.
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")

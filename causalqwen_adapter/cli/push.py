@@ -22,6 +22,7 @@ from safetensors import safe_open
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
+from causalqwen_adapter.adapter_io import LORA_FOLDER, LORA_WEIGHTS_NAME, non_finite_tensors
 from causalqwen_adapter.hub import check_base_for_push, check_push, link_files, upload_adapter_folder
 from causalqwen_adapter.model_card import CARD_NAME, render_model_card
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
@@ -82,6 +83,8 @@ def adapter_files(folder: Path) -> list[str]:
     files += [name for name in OPTIONAL if (folder / name).is_file()]
     if is_adapter_tokenizer_config(folder / TOKENIZER_CONFIG_NAME):  # the pointer to the base's tokenizer, not a user's
         files.append(TOKENIZER_CONFIG_NAME)
+    if (folder / LORA_FOLDER).is_dir() and not (folder / LORA_FOLDER).is_symlink():
+        _check_lora(folder / LORA_FOLDER)
     if (folder / "lora").is_dir():
         files += sorted(p.relative_to(folder).as_posix() for p in (folder / "lora").rglob("*")
                         if p.is_file() or p.is_symlink())
@@ -90,6 +93,21 @@ def adapter_files(folder: Path) -> list[str]:
         raise ValueError(f"{folder}: {links} are symbolic links; causalqwen push uploads only regular files inside the "
                          "folder. Replace them with the files themselves")
     return files
+
+
+def _check_lora(lora: Path) -> None:
+    """A backbone LoRA the loader can apply: PEFT's config and weights both there, every tensor finite."""
+    missing = [name for name in ("adapter_config.json", LORA_WEIGHTS_NAME) if not (lora / name).is_file()]
+    if missing:
+        raise ValueError(f"{lora} lacks {missing}: the pushed repo could not be loaded (the loader applies lora/ "
+                         "whenever it has an adapter_config.json). Save the adapter again, or remove lora/")
+    try:
+        bad = non_finite_tensors(lora / LORA_WEIGHTS_NAME)
+    except Exception as err:  # truncated, corrupt header
+        raise ValueError(f"{lora / LORA_WEIGHTS_NAME} cannot be read ({err}): save the adapter again") from err
+    if bad:
+        raise ValueError(f"{lora / LORA_WEIGHTS_NAME}: {bad[:5]} hold NaN or infinite values; save a healthy adapter "
+                         "before sharing it")
 
 
 def _check_adapter_tensors(weights: Path, config: dict) -> None:
