@@ -320,6 +320,32 @@ def load_backbone_lora(backbone, adapter: str, hub_kwargs: dict) -> None:
     backbone.load_adapter(str(Path(files[0]).parent))
 
 
+def check_weights_header(weights_file: str, config, model_class) -> None:
+    """The adapter file can be read and its header holds the tensors, with the shapes, that `config` describes:
+    checked on shapes alone (a model on the meta device, the file's header), so a config.json that does not belong
+    to the weights (a causal_size of 2**34) is refused before gigabytes are allocated or the base is loaded."""
+    if not os.access(weights_file, os.R_OK):
+        raise PermissionError(
+            f"cannot read adapter weights {weights_file}: permission denied (mode {os.stat(weights_file).st_mode & 0o777:o}, "
+            f"owner uid {os.stat(weights_file).st_uid}). Ask its owner to make it readable (chmod a+r), or load a copy."
+        )
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise OSError(f"cannot read adapter weights {weights_file}: {err}. The file is corrupt; save the adapter "
+                      "again.") from err
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in model_class(config)._adapter_tensors().items()}
+    check_keys(set(found), set(expected), weights_file)
+    wrong = {k: (found[k], expected[k]) for k in expected if found[k] != expected[k]}
+    if wrong:
+        key, (have, want) = next(iter(sorted(wrong.items())))
+        raise ValueError(f"{weights_file}: {key} has shape {have} but config.json expects {want} (causal_size "
+                         f"{config.causal_size}, vocabulary {config.text_config.vocab_size}): the adapter and its "
+                         "config.json do not belong together. Save the adapter again.")
+
+
 def non_finite_tensors(path) -> list[str]:
     """The names of the tensors of a safetensors file that hold NaN or ±inf (read one at a time)."""
     with safe_open(str(path), framework="pt") as f:
@@ -508,7 +534,7 @@ def check_not_foreign(target: Path, other_names: tuple[str, ...] = ()) -> None:
 __all__ = [
     "ADAPTER_HINT", "ADAPTER_WEIGHTS_NAME", "BASE_HINT", "BASE_PREFIXES", "MODEL_HINT", "HUB_KWARGS", "LORA_FOLDER",
     "LORA_WEIGHTS_NAME", "SUPPORTED_BASES", "adapter_file_names", "base_config_dict", "base_is_tied", "base_reference", "causal_lm_parts",
-    "check_base_matches", "check_config_overrides", "check_found", "check_keys", "check_logits_are_output_layer",
+    "check_base_matches", "check_config_overrides", "check_weights_header", "check_found", "check_keys", "check_logits_are_output_layer",
     "check_not_foreign", "check_supported_base", "install_folder", "interrupted_swap", "is_adapter_folder",
     "load_backbone", "load_backbone_lora", "load_generation_config", "non_finite_tensors", "output_layer_expected",
     "read_output_layer", "reject_unknown", "stale_save_folders",
@@ -791,6 +817,7 @@ class CausalAdapterMixin:
                 "(was the save interrupted?). Save it again with save_pretrained."
             )
 
+        check_weights_header(weights_file, config, cls)  # before the base loads or a head is allocated
         base_hub_kwargs = {k: v for k, v in hub_kwargs.items() if k not in ("revision", "subfolder")}
         backbone, lm_head, base_name = load_backbone(
             config, base_model, base_model_revision, dtype, device_map, {**base_hub_kwargs, **kwargs}

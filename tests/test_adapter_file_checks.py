@@ -1,4 +1,5 @@
-"""A backbone LoRA (lora/) is checked like the heads: never saved, loaded or pushed holding NaN, never pushed half."""
+"""What an adapter folder holds is checked before it is used: a backbone LoRA (lora/) never saved, loaded or pushed
+holding NaN or half; weights whose header does not fit config.json, or that cannot be read, refused by name."""
 
 import shutil
 
@@ -65,3 +66,33 @@ def test_a_lora_without_weights_is_refused_at_load_and_push(with_lora):
         adapter_files(folder)
     shutil.rmtree(folder / "lora")
     assert "config.json" in adapter_files(folder)  # without lora/ at all it is a plain adapter
+
+
+@pytest.mark.parametrize("causal_size", [2**34, 8])
+def test_a_config_that_does_not_fit_the_weights_is_refused_from_the_header(tied_base, tmp_path, monkeypatch, causal_size):
+    """causal_size edited in config.json: refused from the file's header, before the base loads or a head is built."""
+    import json
+
+    import causalqwen_adapter.adapter_io as adapter_io
+
+    folder = tmp_path / "adapter"
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["causal_size"] = causal_size
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(adapter_io, "load_backbone", lambda *a, **k: pytest.fail("the base was loaded"))
+    with pytest.raises(ValueError, match=rf"config.json expects .*causal_size {causal_size}.*do not belong together"):
+        CausalQwenForCausalLM.from_pretrained(folder)
+
+
+def test_an_unreadable_adapter_file_says_so(tied_base, tmp_path, monkeypatch):
+    """A file of mode 0600 owned by another user (os.access answers as for that user; the tests run as root)."""
+    import os
+
+    folder = tmp_path / "adapter"
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(folder)
+    weights = str(folder / "model.safetensors")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == weights else access(path, mode))
+    with pytest.raises(PermissionError, match="permission denied .*chmod a\\+r"):
+        CausalQwenForCausalLM.from_pretrained(folder)
