@@ -96,3 +96,13 @@ def test_an_unreadable_adapter_file_says_so(tied_base, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == weights else access(path, mode))
     with pytest.raises(PermissionError, match="permission denied .*chmod a\\+r"):
         CausalQwenForCausalLM.from_pretrained(folder)
+
+
+def test_push_of_a_folder_a_save_was_killed_in_names_where_the_old_files_are(tied_base, tmp_path):
+    from conftest import kill_save_mid_swap
+
+    folder = tmp_path / "old"
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(folder)
+    kill_save_mid_swap(tied_base, folder)
+    with pytest.raises(ValueError, match=r"interrupted while swapping.*\.old\.[a-z0-9_]{8}\.old.*move them back"):
+        adapter_files(folder)

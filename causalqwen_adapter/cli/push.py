@@ -22,7 +22,7 @@ from safetensors import safe_open
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
-from causalqwen_adapter.adapter_io import LORA_FOLDER, LORA_WEIGHTS_NAME, non_finite_tensors
+from causalqwen_adapter.adapter_io import LORA_FOLDER, LORA_WEIGHTS_NAME, interrupted_swap, non_finite_tensors
 from causalqwen_adapter.hub import check_base_for_push, check_push, link_files, upload_adapter_folder
 from causalqwen_adapter.model_card import CARD_NAME, render_model_card
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
@@ -40,6 +40,11 @@ OPTIONAL = ("generation_config.json", CARD_NAME)
 def adapter_files(folder: Path) -> list[str]:
     """The files of the adapter in `folder`, relative to it; raises ValueError when it is not a complete adapter."""
     if not (folder / "config.json").is_file():
+        aside = interrupted_swap(folder) if folder.is_dir() else None
+        if aside is not None:  # as the loader says it
+            raise ValueError(f"{folder} has no config.json: a save into it was interrupted while swapping its files. "
+                             f"The previous adapter's config.json and the files already replaced are in {aside}: move "
+                             f"them back into {folder} to restore that adapter, or save the adapter again")
         raise ValueError(f"{folder} has no config.json: it is not an adapter folder (write one with save_pretrained)")
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != CausalQwenConfig.model_type:
