@@ -1,6 +1,6 @@
 """Adapter I/O (docs/design.md, The adapter folder): attaching fresh heads to a base, saving, uploading and loading an
-adapter, as `CausalAdapterMixin`; finding and loading the base, checking an adapter against its config, and installing
-a saved folder atomically, as the functions it calls.
+adapter, as `CausalAdapterMixin`. The functions it calls live in `base_loading.py` (the base) and
+`adapter_folder.py` (the folder on disk); their names are re-exported here.
 
 Shipped as remote code: imports only the standard library, torch, transformers, safetensors and huggingface_hub.
 """
@@ -8,536 +8,75 @@ Shipped as remote code: imports only the standard library, torch, transformers, 
 import inspect
 import json
 import os
-import re
 import shutil
 import tempfile
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch import nn
 from transformers import (
     AutoConfig,
-    AutoModel,
     AutoModelForCausalLM,
-    GenerationConfig,
-    PreTrainedConfig,
     PreTrainedModel,
 )
 from transformers.dynamic_module_utils import get_relative_import_files
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
-from transformers.utils import GENERATION_CONFIG_NAME, cached_file
-
-from .configuration_causalqwen import CausalQwenConfig, check_number
-from .model_card import CARD_NAME, write_model_card
-from .sharding import gathered, gathered_tensors, is_partitioned, whole_shape
-from .tokenization_causalqwen import TOKENIZER_CONFIG, TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
-
-ADAPTER_WEIGHTS_NAME = "model.safetensors"
-LORA_FOLDER = "lora"
-LORA_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's, inside lora/
-BASE_PREFIXES = ("model.", "lm_head.")  # base tensors: never in an adapter
-# Hub/loading kwargs transformers' Auto classes hand to `from_pretrained`; they address the adapter repo.
-HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
-
-
-def check_config_overrides(overrides: dict) -> None:
-    fields = set(CausalQwenConfig.__dataclass_fields__) - {"text_config", "base_model_name_or_path", "base_model_revision"}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise TypeError(f"unknown CausalQwenConfig field(s) {unknown}; valid fields: {sorted(fields)}")
-
-
-def reject_unknown(kwargs: dict, allowed: tuple, where: str) -> None:
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
-
-
-SUPPORTED_BASES = ("decoder-only causal LMs that transformers' AutoModelForCausalLM loads, with an output layer that "
-                   "is one [vocab × hidden] linear map of the final hidden state (Qwen2, Qwen3, Llama, Mistral, "
-                   "Gemma 3 text, Phi-3, ...)")
-# Config fields of bases whose logits are not lm_head(z), and the value at which they are: the heads start from a copy
-# of the output layer, so loc_S would not be the base's logits.
-LOGIT_TRANSFORMS = {
-    "final_logit_softcapping": (None, "soft-caps its logits, cap·tanh(logits/cap)"),  # Gemma 2, VaultGemma
-    "logits_soft_cap": (None, "soft-caps its logits, cap·tanh(logits/cap)"),  # RecurrentGemma
-    "logit_scale": (1.0, "multiplies its logits by it"),  # Cohere
-    "logits_scaling": (1.0, "scales its logits (or final hidden state) by it"),  # Granite, MiniCPM3, HyperCLOVA X
-    "lm_head_multiplier": (1.0, "multiplies its logits by it"),  # Falcon-H1
-    "output_multiplier": (1.0, "multiplies its logits by it"),
-}
-# Model types whose transformers forward never reads the field (MPT's config keeps `logit_scale` from its original
-# code; transformers' MptForCausalLM returns lm_head(z) whatever it holds). check_logits_are_output_layer still runs.
-LOGIT_TRANSFORMS_UNUSED = {"logit_scale": ("mpt",)}
-
-
-def check_supported_base(base_config, name) -> None:
-    """Refuse, from its config alone, a base the heads cannot start from exactly: not a decoder-only causal LM, or
-    logits that are not its output layer applied to its final hidden state."""
-    model_type = getattr(base_config, "model_type", None) or type(base_config).__name__
-    architectures = ", ".join(getattr(base_config, "architectures", None) or [])
-    what = f"{name} is a {model_type!r} checkpoint" + (f" ({architectures})" if architectures else "")
-    if getattr(base_config, "is_encoder_decoder", False):
-        raise ValueError(f"{what}, an encoder-decoder model: CausalQwen heads attach to {SUPPORTED_BASES}")
-    # A composite model's text lives in a sub-config (text_config, decoder, ...); a sub-config of another kind (MPT's
-    # attn_config) is part of a plain decoder's configuration.
-    if getattr(base_config, "sub_configs", None) and base_config.get_text_config(decoder=True) is not base_config:
-        raise ValueError(
-            f"{what}, a composite model (vision-language or other multimodal, with sub-configs "
-            f"{sorted(base_config.sub_configs)}): CausalQwen heads attach to {SUPPORTED_BASES}. Pass a text-only "
-            "checkpoint of its language model"
-        )
-    # Encoder families (BERT, RoBERTa, ...) declare is_decoder and default it to False; decoder-only LMs do not.
-    if getattr(base_config, "is_decoder", None) is False:
-        raise ValueError(f"{what}, an encoder (bidirectional attention): CausalQwen heads attach to {SUPPORTED_BASES}")
-    if type(base_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"{what}, which AutoModelForCausalLM does not load: CausalQwen heads attach to {SUPPORTED_BASES}")
-    for field, (neutral, effect) in LOGIT_TRANSFORMS.items():
-        value = getattr(base_config, field, None)
-        if model_type in LOGIT_TRANSFORMS_UNUSED.get(field, ()):
-            continue
-        if value is not None and value != neutral:
-            raise ValueError(
-                f"{what} has {field}={value}: its forward {effect}, so its logits are not its output layer applied to "
-                f"the final hidden state and fresh heads could not start at the base's logits (loc_S = W_A z). "
-                f"CausalQwen heads attach to {SUPPORTED_BASES}"
-            )
-
-
-def base_is_tied(base_config) -> bool:
-    """Whether the base's output layer is its input embedding."""
-    return bool(getattr(base_config, "tie_word_embeddings", False))
-
-
-def causal_lm_parts(base, name) -> tuple[nn.Module, nn.Linear]:
-    """(backbone, output layer) of a loaded causal LM: the module at its `base_model_prefix` (whose last hidden state
-    is z) and the [V × H] linear layer its logits come from, W_A's initial value."""
-    if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"{name}: expected a transformers causal LM (a *ForCausalLM), got {type(base).__name__}")
-    check_supported_base(base.config, name)
-    backbone, lm_head = base.base_model, base.get_output_embeddings()
-    if backbone is base or lm_head is None:
-        raise TypeError(
-            f"{name} is a {type(base).__name__}, a model without a language-model output layer: pass the base's causal "
-            "LM (AutoModelForCausalLM.from_pretrained, a *ForCausalLM), or its folder or Hub id"
-        )
-    shape = (base.config.vocab_size, base.config.hidden_size)
-    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
-    if not isinstance(lm_head, nn.Linear) or not isinstance(weight, torch.Tensor) or whole_shape(weight) != shape:
-        raise ValueError(
-            f"{name} ({type(base).__name__}): its output layer is a {type(lm_head).__name__} with weight "
-            f"{None if weight is None else whole_shape(weight)}, not one [vocab × hidden] = {list(shape)} linear map: "
-            f"W_A cannot copy it. CausalQwen heads attach to {SUPPORTED_BASES}"
-        )
-    if bias is not None and whole_shape(bias) != shape[:1]:
-        raise ValueError(f"{name}: its output layer's bias has shape {whole_shape(bias)}, not [{shape[0]}]")
-    return backbone, lm_head
-
-
-@torch.no_grad()
-def check_logits_are_output_layer(base, backbone, lm_head, name) -> None:
-    """Run the base once on a few tokens and check that its logits are its output layer applied to its backbone's
-    last hidden state: what the heads copy. Catches what no config field names (a scale, a cap or a norm after the
-    output layer in the base's forward). Skipped where the weights are not here (meta, a ZeRO-3 partition)."""
-    weight = lm_head.weight
-    if weight.device.type == "meta" or is_partitioned(weight):
-        return
-    seen = {}
-
-    def keep(module, args, output):
-        seen["z"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    embeddings = backbone.get_input_embeddings().weight
-    ids = torch.arange(min(4, base.config.vocab_size), device=embeddings.device)[None]
-    hook = backbone.register_forward_hook(keep)
-    try:
-        logits = base(input_ids=ids, use_cache=False).logits
-    finally:
-        hook.remove()
-    # What W_A copies: the layer's weight and bias as a plain linear map (not the module's own forward)
-    expected = torch.nn.functional.linear(seen["z"].to(weight), weight, lm_head.bias).float()
-    if not (torch.isfinite(expected).all() and torch.isfinite(logits).all()):
-        return  # a base whose weights are not finite: refused where its outputs are read (finite checks)
-    tolerance = 4 * torch.finfo(weight.dtype).eps * expected.abs().max().clamp_min(1.0)  # kernels may differ
-    if logits.shape != expected.shape or not torch.allclose(logits.float(), expected, rtol=0, atol=tolerance):
-        raise ValueError(
-            f"{name} ({type(base).__name__}): its logits are not its output layer applied to the final hidden state "
-            "(its forward transforms them: a cap, a scale, a norm), so fresh heads could not start at the base's "
-            f"logits. CausalQwen heads attach to {SUPPORTED_BASES}"
-        )
-
-
-def base_config_dict(name: str, what: str, revision=None, **hub_kwargs) -> dict:
-    """config.json of what is meant as a base, read without running any code (an adapter's `auto_map` would have
-    transformers ask whether to run the folder's code): a missing folder is named, and an adapter is refused."""
-    check_found(name, what, BASE_HINT)
-    config_dict, _ = PreTrainedConfig.get_config_dict(name, revision=revision, **hub_kwargs)
-    if config_dict.get("model_type") == CausalQwenConfig.model_type:
-        raise ValueError(
-            f"{what} {name!r} is a CausalQwen adapter, not a base: pass the base it attaches to (its config "
-            f"names {config_dict.get('base_model_name_or_path')!r}). To load the adapter itself, use "
-            f"CausalQwenForCausalLM.from_pretrained({name!r}) (or AutoModelForCausalLM.from_pretrained(..., "
-            "trust_remote_code=True))"
-        )
-    return config_dict
-
-
-def check_base_matches(config: CausalQwenConfig, base_config, base_name) -> None:
-    have, want = getattr(base_config, "model_type", None), config.text_config.model_type
-    if have != want:
-        raise ValueError(
-            f"base checkpoint {base_name} is a {have!r} model, the adapter was built on a {want!r} base: "
-            "pass the base the adapter was trained on (base_model=...)"
-        )
-    for field in ("hidden_size", "vocab_size"):
-        have, want = getattr(base_config, field), getattr(config.text_config, field)
-        if have != want:
-            raise ValueError(
-                f"base checkpoint {base_name} has {field} {have}, the adapter expects {want}: "
-                "pass the base the adapter was trained on (base_model=...)"
-            )
-
-
-def check_keys(found: set, expected: set, where) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{where} does not hold the adapter tensors this config describes: missing {missing}, unexpected "
-            f"{unexpected}. An adapter stores only head tensors; check learnable_threshold/causal_size in config.json."
-        )
-
-
-def load_backbone(config, base_model, base_model_revision, dtype, device_map, loader_kwargs):
-    """(decoder, lm_head or None, name) of the base. The lm_head is loaded only when the adapter uses
-    the base's own output weights ("tied"/"lora" action weights on an untied base)."""
-    wants_lm_head = config.action_weight != "full" and not base_is_tied(config.text_config)
-    if isinstance(base_model, PreTrainedModel):
-        name = base_model.config.name_or_path
-        if base_model.base_model is not base_model:  # a causal LM: its backbone, and its output layer when used
-            backbone, lm_head = causal_lm_parts(base_model, name)
-            return backbone, lm_head if wants_lm_head else None, name
-        if not wants_lm_head:  # already the backbone (AutoModel)
-            check_supported_base(base_model.config, name)
-            return base_model, None, name
-    if base_model is not None and not isinstance(base_model, (str, os.PathLike)):
-        raise TypeError(
-            f"base_model must be a Hub id, a folder or a loaded causal LM (a *ForCausalLM"
-            f"{'' if wants_lm_head else ', or its backbone'}), got {type(base_model).__name__}"
-        )
-    name = str(base_model) if base_model is not None else config.base_model_name_or_path
-    revision = base_model_revision if base_model is not None else config.base_model_revision
-    if not name:
-        raise ValueError("the adapter's config names no base (base_model_name_or_path is empty): pass base_model=...")
-    what = "base_model" if base_model is not None else "the adapter's base"
-    name = base_reference(name, what)
-    hub = {k: v for k, v in loader_kwargs.items() if k in HUB_KWARGS}
-    base_config_dict(name, what, revision, **hub)  # a missing folder or an adapter: refused before any code runs
-    base_config = AutoConfig.from_pretrained(name, revision=revision, **hub)
-    check_supported_base(base_config, name)
-    check_base_matches(config, base_config, name)
-    kwargs = dict(config=base_config, revision=revision, dtype=dtype, device_map=device_map, **loader_kwargs)
-    if wants_lm_head:
-        return (*causal_lm_parts(AutoModelForCausalLM.from_pretrained(name, **kwargs), name), name)
-    with output_layer_expected(base_config):
-        backbone, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
-    if info["missing_keys"]:  # the checkpoint is not this backbone's: never run on freshly initialised weights
-        raise ValueError(
-            f"{name}: AutoModel built a {type(backbone).__name__} whose weights {sorted(info['missing_keys'])[:5]} "
-            "are not in the checkpoint: pass a base whose backbone AutoModel loads (base_model=...)"
-        )
-    return backbone, None, name
-
-
-@contextmanager
-def output_layer_expected(base_config):
-    """While the backbone of a causal LM checkpoint loads through AutoModel: its output layer's tensors are left
-    unloaded on purpose (the heads copy or bind it), so transformers' load report does not list them as UNEXPECTED.
-    The backbone class's own ignore list, extended for this load only."""
-    backbone_class = MODEL_MAPPING[type(base_config)] if type(base_config) in MODEL_MAPPING else None
-    if backbone_class is None:
-        yield
-        return
-    before = backbone_class.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
-    backbone_class._keys_to_ignore_on_load_unexpected = [*(backbone_class._keys_to_ignore_on_load_unexpected or []),
-                                                         r"^lm_head\."]
-    try:
-        yield
-    finally:
-        if before is _UNSET:
-            del backbone_class._keys_to_ignore_on_load_unexpected
-        else:
-            backbone_class._keys_to_ignore_on_load_unexpected = before
-
-
-_UNSET = object()
-
-
-def read_output_layer(name: str, revision: str | None = None, **hub_kwargs) -> tuple | None:
-    """(weight, bias or None) of the base checkpoint `name`'s output layer (`lm_head`), read from its safetensors
-    alone (the sharded index followed), or None where the checkpoint stores none (a tied base) or is not safetensors."""
-    options = dict(revision=revision, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-    index = cached_file(name, "model.safetensors.index.json", **options)
-    if index is not None:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = {weight_map.get(f"lm_head.{part}") for part in ("weight", "bias")} - {None}
-    else:
-        files = {ADAPTER_WEIGHTS_NAME}
-    tensors = {}
-    for file in files:
-        path = cached_file(name, file, **options)
-        if path is None:
-            return None
-        with safe_open(path, framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in ("lm_head.weight", "lm_head.bias") if k in f.keys()})
-    if "lm_head.weight" not in tensors:
-        return None
-    return tensors["lm_head.weight"], tensors.get("lm_head.bias")
-
-
-def load_backbone_lora(backbone, adapter: str, hub_kwargs: dict) -> None:
-    """Re-apply the backbone LoRA an adapter carries in lora/ (transformers' PEFT integration)."""
-    files = [cached_file(adapter, f"{LORA_FOLDER}/{name}", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-             for name in ("adapter_config.json", LORA_WEIGHTS_NAME)]
-    if files[0] is None:
-        return
-    if files[1] is None:
-        raise OSError(f"{adapter}/{LORA_FOLDER} has an adapter_config.json but no {LORA_WEIGHTS_NAME}: the backbone "
-                      "LoRA cannot be applied. Save the adapter again (or remove lora/ to load the heads alone)")
-    bad = non_finite_tensors(files[1])
-    if bad:
-        raise ValueError(f"{adapter}/{LORA_FOLDER}/{LORA_WEIGHTS_NAME}: {bad[:5]} hold NaN or infinite values, so the "
-                         "model would output NaN. Save a healthy adapter again (or remove lora/ to load the heads "
-                         "alone)")
-    try:
-        import peft  # noqa: F401
-    except ImportError as err:
-        raise ImportError(f"{adapter} trains the backbone with LoRA (its {LORA_FOLDER}/ folder): pip install peft") from err
-    backbone.load_adapter(str(Path(files[0]).parent))
-
-
-def check_weights_header(weights_file: str, config, model_class) -> None:
-    """The adapter file can be read and its header holds the tensors, with the shapes, that `config` describes:
-    checked on shapes alone (a model on the meta device, the file's header), so a config.json that does not belong
-    to the weights (a causal_size of 2**34) is refused before gigabytes are allocated or the base is loaded."""
-    if not os.access(weights_file, os.R_OK):
-        raise PermissionError(
-            f"cannot read adapter weights {weights_file}: permission denied (mode {os.stat(weights_file).st_mode & 0o777:o}, "
-            f"owner uid {os.stat(weights_file).st_uid}). Ask its owner to make it readable (chmod a+r), or load a copy."
-        )
-    try:
-        with safe_open(weights_file, framework="pt") as f:
-            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as err:
-        raise OSError(f"cannot read adapter weights {weights_file}: {err}. The file is corrupt; save the adapter "
-                      "again.") from err
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in model_class(config)._adapter_tensors().items()}
-    check_keys(set(found), set(expected), weights_file)
-    wrong = {k: (found[k], expected[k]) for k in expected if found[k] != expected[k]}
-    if wrong:
-        key, (have, want) = next(iter(sorted(wrong.items())))
-        raise ValueError(f"{weights_file}: {key} has shape {have} but config.json expects {want} (causal_size "
-                         f"{config.causal_size}, vocabulary {config.text_config.vocab_size}): the adapter and its "
-                         "config.json do not belong together. Save the adapter again.")
-
-
-def non_finite_tensors(path) -> list[str]:
-    """The names of the tensors of a safetensors file that hold NaN or ±inf (read one at a time)."""
-    with safe_open(str(path), framework="pt") as f:
-        return sorted(k for k in f.keys() if not all_finite(f.get_tensor(k)))
-
-
-def load_generation_config(adapter, hub_kwargs, backbone):
-    for source in (adapter, backbone.config.name_or_path):
-        try:
-            return GenerationConfig.from_pretrained(source, **(hub_kwargs if source == adapter else {}))
-        except OSError:
-            continue
-    return GenerationConfig.from_model_config(backbone.config)
-
-
-def install_folder(staging: Path, target: Path) -> None:
-    """Move a fully written staging folder into place (see save_pretrained for the guarantees).
-
-    Into an existing folder, each file it replaces is first moved aside, `config.json` first (until the new one is
-    in, the folder refuses to load) and last back in; if a move fails, everything is moved back as it was.
-    """
-    give_plain_modes(staging)
-    if not target.exists():
-        os.rename(staging, target)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-    done: list[tuple[Path, Path | None]] = []  # (target entry, where its old version went)
-
-    def put_aside(dest: Path) -> None:
-        if dest.exists() or dest.is_symlink():
-            os.replace(dest, aside / dest.name)
-            done.append((dest, aside / dest.name))
-
-    try:
-        put_aside(target / "config.json")
-        if not (staging / LORA_FOLDER).exists():
-            put_aside(target / LORA_FOLDER)  # a stale backbone LoRA must not be re-applied to these heads
-        for item in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):  # config.json last
-            dest = target / item.name
-            if item.name != "config.json":
-                put_aside(dest)
-            done.append((dest, None))
-            os.replace(item, dest)
-    except BaseException:
-        for dest, old in reversed(done):  # undo: the new entries out, the old ones back
-            if old is None and (dest.exists() or dest.is_symlink()):
-                shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
-            elif old is not None:
-                os.replace(old, dest)
-        raise
-    finally:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-def base_reference(name: str, what: str) -> str:
-    """How an adapter refers to its base: an existing folder by its absolute path (a relative one would resolve
-    against whatever directory loads the adapter later), a Hub id as given. A path that exists nowhere is an error
-    here rather than a network lookup."""
-    if not name or os.path.isdir(name):
-        return os.path.abspath(name) if name else name
-    check_found(name, what, BASE_HINT)
-    return name
-
-
-# What to pass instead of a path that does not exist (`check_found`).
-BASE_HINT = "Pass an existing base folder or a Hub id (base_model=... when loading an adapter)"
-ADAPTER_HINT = "Pass the folder save_pretrained wrote, or the adapter's Hub id"
-MODEL_HINT = "Pass an existing base or CausalQwen adapter folder, or a Hub id"
-
-
-def check_found(name: str, what: str, hint: str) -> None:
-    """A name meant as a local path must be an existing folder: a Hub id is `name` or `org/name`, anything else
-    (`/abs`, `./rel`, `~/x`, `a/b/c`) is a path, which the Hub lookup would answer with "Repo id must be in the
-    form ..."."""
-    if os.path.isdir(name):
-        return
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.isabs(name):
-        raise FileNotFoundError(
-            f"{what} {name!r} was not found: no folder {os.path.abspath(os.path.expanduser(name))!r}. {hint}."
-        )
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def give_plain_modes(folder: Path) -> None:
-    """Give a folder we wrote through a staging copy, and everything in it, the modes a plain `mkdir` and `open()`
-    would have: `tempfile.mkdtemp` makes its folder 0700 and safetensors (0.8) writes its files 0600, which would hide
-    the weights of a folder that looks readable from every other user (a serving process, a container's user)."""
-    mask = _umask()
-    for path in (folder, *folder.rglob("*")):
-        if not path.is_symlink():
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
-
-
-def adapter_file_names() -> set[str]:
-    """The names a save writes at the top of an adapter folder (docs/design.md, The adapter folder), but for
-    `tokenizer_config.json`, which it writes only where no tokenizer of the user's is (`keeps_tokenizer_config`)."""
-    modeling = Path(__file__).with_name("modeling_causalqwen.py")
-    code = {Path(f).name for f in [modeling, *get_relative_import_files(modeling)]}
-    return {"config.json", ADAPTER_WEIGHTS_NAME, GENERATION_CONFIG_NAME, CARD_NAME, LORA_FOLDER, *code}
-
-
-def keeps_tokenizer_config(target: Path) -> bool:
-    """Whether `target` holds a `tokenizer_config.json` that an adapter save did not write (a tokenizer the user
-    saved there): the save leaves it, and AutoTokenizer reads that tokenizer instead of the base's."""
-    path = target / TOKENIZER_CONFIG_NAME
-    return (path.exists() or path.is_symlink()) and not is_adapter_tokenizer_config(path)
-
-
-def stale_save_folders(target: Path) -> list[Path]:
-    """The hidden folders saves into `target` create beside it, named as `tempfile.mkdtemp` names them:
-    `.NAME.XXXXXXXX.tmp` (a save's new files) and `.NAME.XXXXXXXX.old` (the files a swap moved out). A save removes
-    its own; any left were left by a process killed while saving."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.[a-z0-9_]{{8}}\.(tmp|old)")
-    if not target.parent.is_dir():
-        return []
-    return sorted((p for p in target.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()
-                   and not p.is_symlink()), key=lambda p: p.stat().st_mtime)
-
-
-def interrupted_swap(target: Path) -> Path | None:
-    """The hidden folder holding the previous adapter's `config.json` when a save into `target` was killed while
-    swapping files in (config.json goes aside first and comes back last), else None."""
-    if (target / "config.json").exists():
-        return None
-    asides = [p for p in stale_save_folders(target) if p.suffix == ".old" and _is_adapter_config(p / "config.json")]
-    return asides[-1] if asides else None
-
-
-def is_adapter_folder(target: Path) -> bool:
-    """Whether saves of ours wrote `target`: it holds a CausalQwen config.json, or a save into it was interrupted."""
-    return _is_adapter_config(target / "config.json") or interrupted_swap(target) is not None
-
-
-def _is_adapter_config(path: Path) -> bool:
-    return _model_type(path) == CausalQwenConfig.model_type
-
-
-def _model_type(path: Path) -> str | None:
-    try:
-        return json.loads(path.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return "unreadable"
-
-
-def check_not_foreign(target: Path, other_names: tuple[str, ...] = ()) -> None:
-    """Never write over a file that is not ours: a base checkpoint, a dataset, another model, a user's own files.
-
-    A folder saves of ours wrote (`is_adapter_folder`) is the adapter's: a save replaces its adapter files. In any
-    other folder a save only adds files: one of the names it writes (`adapter_file_names()` and `other_names`, the
-    trainer's `training_args.bin`) already there is refused, naming them.
-    """
-    config = target / "config.json"
-    if config.is_file() and (model_type := _model_type(config)) != CausalQwenConfig.model_type:
-        raise FileExistsError(
-            f"{target} holds a {model_type!r} checkpoint (its config.json), not a CausalQwen adapter: saving here "
-            "would replace its files. Save the adapter to a folder of its own."
-        )
-    weights = target / ADAPTER_WEIGHTS_NAME
-    if weights.is_file() and not config.is_file():
-        try:
-            with safe_open(weights, "pt") as f:
-                foreign = [k for k in f.keys() if k.startswith(BASE_PREFIXES)]
-        except Exception:  # unreadable: not ours to overwrite either
-            foreign = ["(unreadable)"]
-        if foreign:
-            raise FileExistsError(
-                f"{weights} holds model weights that are not an adapter's ({foreign[0]}, ...): saving here would "
-                "replace them. Save the adapter to a folder of its own."
-            )
-    if is_adapter_folder(target):
-        return
-    clash = sorted(n for n in adapter_file_names() | set(other_names) if (target / n).exists() or (target / n).is_symlink())
-    if clash:
-        raise FileExistsError(
-            f"{target} is not an adapter folder (it has no CausalQwen config.json) and holds {clash}: a save would "
-            "replace them, and they were not written by a save of this adapter. Move them out of the folder, or "
-            "save the adapter to a folder of its own."
-        )
-
+from transformers.utils import cached_file
+
+from .adapter_folder import (
+    ADAPTER_WEIGHTS_NAME,
+    BASE_PREFIXES,
+    LORA_FOLDER,
+    LORA_WEIGHTS_NAME,
+    adapter_file_names,
+    all_finite,
+    check_keys,
+    check_not_foreign,
+    check_weights_header,
+    give_plain_modes,
+    install_folder,
+    interrupted_swap,
+    is_adapter_folder,
+    keeps_tokenizer_config,
+    non_finite_tensors,
+    stale_save_folders,
+)
+from .base_loading import (
+    ADAPTER_HINT,
+    BASE_HINT,
+    HUB_KWARGS,
+    MODEL_HINT,
+    SUPPORTED_BASES,
+    base_config_dict,
+    base_is_tied,
+    base_reference,
+    causal_lm_parts,
+    check_base_matches,
+    check_config_overrides,
+    check_found,
+    check_logits_are_output_layer,
+    check_supported_base,
+    load_backbone,
+    load_backbone_lora,
+    load_generation_config,
+    output_layer_expected,
+    read_output_layer,
+    reject_unknown,
+)
+from .configuration_causalqwen import check_number
+from .model_card import write_model_card
+from .sharding import gathered, gathered_tensors
+from .tokenization_causalqwen import TOKENIZER_CONFIG, TOKENIZER_CONFIG_NAME
 
 __all__ = [
-    "ADAPTER_HINT", "ADAPTER_WEIGHTS_NAME", "BASE_HINT", "BASE_PREFIXES", "MODEL_HINT", "HUB_KWARGS", "LORA_FOLDER",
-    "LORA_WEIGHTS_NAME", "SUPPORTED_BASES", "adapter_file_names", "base_config_dict", "base_is_tied", "base_reference", "causal_lm_parts",
-    "check_base_matches", "check_config_overrides", "check_weights_header", "check_found", "check_keys", "check_logits_are_output_layer",
-    "check_not_foreign", "check_supported_base", "install_folder", "interrupted_swap", "is_adapter_folder",
-    "load_backbone", "load_backbone_lora", "load_generation_config", "non_finite_tensors", "output_layer_expected",
-    "read_output_layer", "reject_unknown", "stale_save_folders",
+    "ADAPTER_HINT", "ADAPTER_WEIGHTS_NAME", "BASE_HINT", "BASE_PREFIXES", "HUB_KWARGS", "LORA_FOLDER",
+    "LORA_WEIGHTS_NAME", "MODEL_HINT", "SUPPORTED_BASES", "CausalAdapterMixin", "adapter_file_names", "all_finite",
+    "base_config_dict", "base_is_tied", "base_reference", "causal_lm_parts", "check_base_matches",
+    "check_config_overrides", "check_found", "check_keys", "check_logits_are_output_layer", "check_not_foreign",
+    "check_supported_base", "check_weights_header", "give_plain_modes", "install_folder", "interrupted_swap",
+    "is_adapter_folder", "keeps_tokenizer_config", "load_backbone", "load_backbone_lora", "load_generation_config",
+    "non_finite_tensors", "output_layer_expected", "read_output_layer", "reject_unknown", "stale_save_folders",
 ]
 
 
@@ -862,19 +401,3 @@ class CausalAdapterMixin:
                     for k, v in tensors.items() if k.startswith(prefix)}
             if part and prefix not in BASE_PREFIXES:
                 module.load_state_dict(part, assign=True)
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or ±inf in a tensor, in one pass and no allocation: min and max propagate NaN, and an infinity is one
-    of them (`isfinite(...).all()` would build a boolean copy, 136 MiB for a bf16 W_A, and take 40× longer).
-
-    bfloat16 is first summed: NaN and ±inf propagate through a sum too (inf − inf is NaN), so a finite sum proves every
-    value finite, and it reads a bf16 tensor in 0.6× the time of min and max (whose per-element conversion costs more
-    than the read). A sum that is not finite (finite values can overflow it only near 3.4e38) is settled by min and
-    max."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return True
-    if tensor.dtype == torch.bfloat16 and torch.isfinite(tensor.sum()):
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))

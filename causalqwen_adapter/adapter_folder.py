@@ -1,0 +1,222 @@
+"""The adapter folder on disk (docs/design.md, The adapter folder): the names a save writes, the checks of what a
+folder holds (tensor names and shapes against its config, finite values, a folder that is not ours), and the atomic
+install of a saved folder.
+
+Shipped as remote code: imports only the standard library, torch, transformers, safetensors and huggingface_hub.
+"""
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.utils import GENERATION_CONFIG_NAME
+
+from .configuration_causalqwen import CausalQwenConfig
+from .model_card import CARD_NAME
+from .tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
+
+ADAPTER_WEIGHTS_NAME = "model.safetensors"
+LORA_FOLDER = "lora"
+LORA_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's, inside lora/
+BASE_PREFIXES = ("model.", "lm_head.")  # base tensors: never in an adapter
+
+
+def check_keys(found: set, expected: set, where) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{where} does not hold the adapter tensors this config describes: missing {missing}, unexpected "
+            f"{unexpected}. An adapter stores only head tensors; check learnable_threshold/causal_size in config.json."
+        )
+
+def check_weights_header(weights_file: str, config, model_class) -> None:
+    """The adapter file can be read and its header holds the tensors, with the shapes, that `config` describes:
+    checked on shapes alone (a model on the meta device, the file's header), so a config.json that does not belong
+    to the weights (a causal_size of 2**34) is refused before gigabytes are allocated or the base is loaded."""
+    if not os.access(weights_file, os.R_OK):
+        raise PermissionError(
+            f"cannot read adapter weights {weights_file}: permission denied (mode {os.stat(weights_file).st_mode & 0o777:o}, "
+            f"owner uid {os.stat(weights_file).st_uid}). Ask its owner to make it readable (chmod a+r), or load a copy."
+        )
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise OSError(f"cannot read adapter weights {weights_file}: {err}. The file is corrupt; save the adapter "
+                      "again.") from err
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in model_class(config)._adapter_tensors().items()}
+    check_keys(set(found), set(expected), weights_file)
+    wrong = {k: (found[k], expected[k]) for k in expected if found[k] != expected[k]}
+    if wrong:
+        key, (have, want) = next(iter(sorted(wrong.items())))
+        raise ValueError(f"{weights_file}: {key} has shape {have} but config.json expects {want} (causal_size "
+                         f"{config.causal_size}, vocabulary {config.text_config.vocab_size}): the adapter and its "
+                         "config.json do not belong together. Save the adapter again.")
+
+
+def non_finite_tensors(path) -> list[str]:
+    """The names of the tensors of a safetensors file that hold NaN or ±inf (read one at a time)."""
+    with safe_open(str(path), framework="pt") as f:
+        return sorted(k for k in f.keys() if not all_finite(f.get_tensor(k)))
+
+def install_folder(staging: Path, target: Path) -> None:
+    """Move a fully written staging folder into place (see save_pretrained for the guarantees).
+
+    Into an existing folder, each file it replaces is first moved aside, `config.json` first (until the new one is
+    in, the folder refuses to load) and last back in; if a move fails, everything is moved back as it was.
+    """
+    give_plain_modes(staging)
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+    done: list[tuple[Path, Path | None]] = []  # (target entry, where its old version went)
+
+    def put_aside(dest: Path) -> None:
+        if dest.exists() or dest.is_symlink():
+            os.replace(dest, aside / dest.name)
+            done.append((dest, aside / dest.name))
+
+    try:
+        put_aside(target / "config.json")
+        if not (staging / LORA_FOLDER).exists():
+            put_aside(target / LORA_FOLDER)  # a stale backbone LoRA must not be re-applied to these heads
+        for item in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):  # config.json last
+            dest = target / item.name
+            if item.name != "config.json":
+                put_aside(dest)
+            done.append((dest, None))
+            os.replace(item, dest)
+    except BaseException:
+        for dest, old in reversed(done):  # undo: the new entries out, the old ones back
+            if old is None and (dest.exists() or dest.is_symlink()):
+                shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
+            elif old is not None:
+                os.replace(old, dest)
+        raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def give_plain_modes(folder: Path) -> None:
+    """Give a folder we wrote through a staging copy, and everything in it, the modes a plain `mkdir` and `open()`
+    would have: `tempfile.mkdtemp` makes its folder 0700 and safetensors (0.8) writes its files 0600, which would hide
+    the weights of a folder that looks readable from every other user (a serving process, a container's user)."""
+    mask = _umask()
+    for path in (folder, *folder.rglob("*")):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def adapter_file_names() -> set[str]:
+    """The names a save writes at the top of an adapter folder (docs/design.md, The adapter folder), but for
+    `tokenizer_config.json`, which it writes only where no tokenizer of the user's is (`keeps_tokenizer_config`)."""
+    modeling = Path(__file__).with_name("modeling_causalqwen.py")
+    code = {Path(f).name for f in [modeling, *get_relative_import_files(modeling)]}
+    return {"config.json", ADAPTER_WEIGHTS_NAME, GENERATION_CONFIG_NAME, CARD_NAME, LORA_FOLDER, *code}
+
+
+def keeps_tokenizer_config(target: Path) -> bool:
+    """Whether `target` holds a `tokenizer_config.json` that an adapter save did not write (a tokenizer the user
+    saved there): the save leaves it, and AutoTokenizer reads that tokenizer instead of the base's."""
+    path = target / TOKENIZER_CONFIG_NAME
+    return (path.exists() or path.is_symlink()) and not is_adapter_tokenizer_config(path)
+
+
+def stale_save_folders(target: Path) -> list[Path]:
+    """The hidden folders saves into `target` create beside it, named as `tempfile.mkdtemp` names them:
+    `.NAME.XXXXXXXX.tmp` (a save's new files) and `.NAME.XXXXXXXX.old` (the files a swap moved out). A save removes
+    its own; any left were left by a process killed while saving."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.[a-z0-9_]{{8}}\.(tmp|old)")
+    if not target.parent.is_dir():
+        return []
+    return sorted((p for p in target.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()
+                   and not p.is_symlink()), key=lambda p: p.stat().st_mtime)
+
+
+def interrupted_swap(target: Path) -> Path | None:
+    """The hidden folder holding the previous adapter's `config.json` when a save into `target` was killed while
+    swapping files in (config.json goes aside first and comes back last), else None."""
+    if (target / "config.json").exists():
+        return None
+    asides = [p for p in stale_save_folders(target) if p.suffix == ".old" and _is_adapter_config(p / "config.json")]
+    return asides[-1] if asides else None
+
+
+def is_adapter_folder(target: Path) -> bool:
+    """Whether saves of ours wrote `target`: it holds a CausalQwen config.json, or a save into it was interrupted."""
+    return _is_adapter_config(target / "config.json") or interrupted_swap(target) is not None
+
+
+def _is_adapter_config(path: Path) -> bool:
+    return _model_type(path) == CausalQwenConfig.model_type
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "unreadable"
+
+
+def check_not_foreign(target: Path, other_names: tuple[str, ...] = ()) -> None:
+    """Never write over a file that is not ours: a base checkpoint, a dataset, another model, a user's own files.
+
+    A folder saves of ours wrote (`is_adapter_folder`) is the adapter's: a save replaces its adapter files. In any
+    other folder a save only adds files: one of the names it writes (`adapter_file_names()` and `other_names`, the
+    trainer's `training_args.bin`) already there is refused, naming them.
+    """
+    config = target / "config.json"
+    if config.is_file() and (model_type := _model_type(config)) != CausalQwenConfig.model_type:
+        raise FileExistsError(
+            f"{target} holds a {model_type!r} checkpoint (its config.json), not a CausalQwen adapter: saving here "
+            "would replace its files. Save the adapter to a folder of its own."
+        )
+    weights = target / ADAPTER_WEIGHTS_NAME
+    if weights.is_file() and not config.is_file():
+        try:
+            with safe_open(weights, "pt") as f:
+                foreign = [k for k in f.keys() if k.startswith(BASE_PREFIXES)]
+        except Exception:  # unreadable: not ours to overwrite either
+            foreign = ["(unreadable)"]
+        if foreign:
+            raise FileExistsError(
+                f"{weights} holds model weights that are not an adapter's ({foreign[0]}, ...): saving here would "
+                "replace them. Save the adapter to a folder of its own."
+            )
+    if is_adapter_folder(target):
+        return
+    clash = sorted(n for n in adapter_file_names() | set(other_names) if (target / n).exists() or (target / n).is_symlink())
+    if clash:
+        raise FileExistsError(
+            f"{target} is not an adapter folder (it has no CausalQwen config.json) and holds {clash}: a save would "
+            "replace them, and they were not written by a save of this adapter. Move them out of the folder, or "
+            "save the adapter to a folder of its own."
+        )
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or ±inf in a tensor, in one pass and no allocation: min and max propagate NaN, and an infinity is one
+    of them (`isfinite(...).all()` would build a boolean copy, 136 MiB for a bf16 W_A, and take 40× longer).
+
+    bfloat16 is first summed: NaN and ±inf propagate through a sum too (inf − inf is NaN), so a finite sum proves every
+    value finite, and it reads a bf16 tensor in 0.6× the time of min and max (whose per-element conversion costs more
+    than the read). A sum that is not finite (finite values can overflow it only near 3.4e38) is settled by min and
+    max."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    if tensor.dtype == torch.bfloat16 and torch.isfinite(tensor.sum()):
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
