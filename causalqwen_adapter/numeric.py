@@ -175,6 +175,34 @@ def numeric_statistics(values: Iterable[float] | torch.Tensor) -> tuple[float, f
     return median, max((q3 - q1) / 2, 1e-3 * max(1.0, abs(median)))
 
 
+def check_numeric_values_present(dataset, split: str = "train") -> None:
+    """Refuse, naming the example and the position, a `numeric_values` row that is missing (null) or holds a missing
+    or non-finite value: Arrow reads a JSON null as a missing value, which becomes NaN in the targets' statistics
+    and in the loss. Map-style `datasets.Dataset`s only (a streaming one is checked batch by batch by the
+    collator)."""
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset) or "numeric_values" not in dataset.column_names:
+        return
+    import pyarrow.compute as pc
+
+    rows = dataset.with_format("arrow").data.column("numeric_values")
+    flat = pc.list_flatten(rows)
+    bad = pc.fill_null(pc.invert(pc.is_finite(flat)), True) if len(flat) else flat
+    row = pc.index(pc.is_null(rows), True).as_py()
+    if row < 0 and len(flat) and pc.any(bad).as_py():
+        row = pc.list_parent_indices(rows)[pc.index(bad, True).as_py()].as_py()
+    if row < 0:
+        return
+    values = dataset[row]["numeric_values"]
+    if values is None:
+        raise ValueError(f"{split} example {row} has no numeric_values (null): give one value per token, 0 where the "
+                         f"token is not {NUM_TOKEN} (encode_with_numbers lines them up), or drop the example")
+    position = next(i for i, v in enumerate(values) if v is None or not math.isfinite(v))
+    raise ValueError(f"{split} example {row} has the numeric value {values[position]} at position {position}: every "
+                     f"value must be a finite number (a missing value reads as null); fix or drop the example")
+
+
 class NumericCollator:
     """Wraps a TRL collator: `numeric_values` follow `input_ids` through truncation, padding (0) and padding-free
     concatenation, so batch["numeric_values"] lines up with batch["input_ids"] position by position.
@@ -224,6 +252,6 @@ class NumericCollator:
 
 
 __all__ = [
-    "NUM_TOKEN", "NUMBER_PATTERN", "NumericCollator", "add_num_token", "decode_with_numbers", "encode_with_numbers",
-    "find_numbers", "format_number", "numeric_statistics",
+    "NUM_TOKEN", "NUMBER_PATTERN", "NumericCollator", "add_num_token", "check_numeric_values_present",
+    "decode_with_numbers", "encode_with_numbers", "find_numbers", "format_number", "numeric_statistics",
 ]

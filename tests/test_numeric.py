@@ -473,6 +473,35 @@ def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
     assert again.train_dataset["input_ids"] == trainer.train_dataset["input_ids"]
 
 
+
+def test_sft_recipe_with_numeric_heads_names_a_row_without_text(sft_base, tmp_path):
+    from causalqwen_adapter.cli import train as recipe
+
+    data = tmp_path / "numbers.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the cat sat on 3 mats", None, "a dog ran 12 times"]))
+    parsed = recipe.make_parser().parse_args_and_config(args=[
+        "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
+        "--numeric", "--max_steps", "1", "--report_to", "none", "--use_cpu", "true"])
+    with pytest.raises(ValueError, match=r"the train dataset's `text` in row 1 is None \(NoneType\), not text"):
+        recipe.run(*parsed)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([[0.0, 2.0], [0.0, None, 1.0]], r"train example 1 has the numeric value None at position 1: every value must be "
+                                     r"a finite number \(a missing value reads as null\)"),
+    ([[0.0, 2.0], None], r"train example 1 has no numeric_values \(null\)"),
+    ([[0.0, 2.0], [0.0], [math.nan, 0.0]], r"train example 2 has the numeric value nan at position 0"),
+    ([[0.0, 2.0], [math.inf]], r"train example 1 has the numeric value inf at position 0"),
+])
+def test_missing_numeric_values_are_named_by_example_and_position(rows, message):
+    from causalqwen_adapter.numeric import check_numeric_values_present
+
+    with pytest.raises(ValueError, match=message):
+        check_numeric_values_present(Dataset.from_dict({"input_ids": [[1] * len(r or [0]) for r in rows],
+                                                        "numeric_values": rows}))
+    check_numeric_values_present(Dataset.from_dict({"numeric_values": [[0.0, 2.5], [], [1e30]]}))  # all present
+
 def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(sft_base)
     num_id = len(tokenizer)
