@@ -149,7 +149,9 @@ class LabelScores:
 def label_scores(model, z: torch.Tensor, labels: LabelSet, *, inference_mode: str = "standard",
                  causal_temperature: float | None = None, chunk_size: int = 64) -> LabelScores:
     """`LabelScores` from final hidden states `z` [N, H]: a CausalQwen model's heads (in `inference_mode`, which
-    fuses the noise as docs/design.md, Action network says), or a causal LM's `lm_head`."""
+    fuses the noise as docs/design.md, Action network says), or a causal LM's `lm_head`. In `compatible` mode an
+    adapter is read through loc_S alone, as a base through its logits: no OvR probabilities (`log_P` None), the
+    `softmax` rule only."""
     ids = torch.tensor(labels.token_ids)
     heads = getattr(model, "causal_heads", None)
     if heads is not None:
@@ -160,13 +162,14 @@ def label_scores(model, z: torch.Tensor, labels: LabelSet, *, inference_mode: st
         zz = z[start : start + chunk_size].to(device)
         if heads is not None:
             _, _, loc_S, scale_S = heads(zz, inference_mode, temperature)
-            log_P.append(model.ovr_log_probs(loc_S, scale_S)[:, ids.to(device)].float().cpu())
+            if scale_S is not None:  # None in compatible mode, which scores with loc_S alone
+                log_P.append(model.ovr_log_probs(loc_S, scale_S)[:, ids.to(device)].float().cpu())
         else:
             loc_S = model.get_output_embeddings()(zz.to(model.get_output_embeddings().weight.dtype))
         loc_S = loc_S.float()
         loc.append(loc_S[:, ids.to(device)].cpu())
         log_z.append(torch.logsumexp(loc_S, -1).cpu())
-    return LabelScores(torch.cat(loc), torch.cat(log_z), torch.cat(log_P) if heads is not None else None)
+    return LabelScores(torch.cat(loc), torch.cat(log_z), torch.cat(log_P) if log_P else None)
 
 
 def rejection_scores(scores: LabelScores) -> dict[str, torch.Tensor]:

@@ -28,7 +28,19 @@ def load_text_dataset(name: str, config: str | None = None, streaming: bool = Fa
             # datasets would raise a bare StopIteration while guessing the columns
             raise ValueError(f"{name} is empty ({size} bytes): no rows to read. Give a file with one "
                              "example per line (.jsonl) or a table with a header")
-        return load_dataset(builder, data_files=str(path), streaming=streaming)
+        no_rows = (f"{name} holds no rows (a header alone, an empty list, blank lines): give it one example per line "
+                   "(.jsonl), a list of objects (.json) or rows under the header (.csv)")
+        if builder == "parquet":  # datasets fails on a parquet file of no rows with Arrow's "BatchSize must be > 0"
+            import pyarrow.parquet as pq
+
+            if pq.ParquetFile(path).metadata.num_rows == 0:
+                raise ValueError(no_rows)
+        try:
+            return load_dataset(builder, data_files=str(path), streaming=streaming)
+        except ValueError as err:
+            if "corresponds to no data" in str(err):  # datasets' words, which name neither the file nor the cause
+                raise ValueError(no_rows) from None
+            raise
     return load_dataset(name, name=config, streaming=streaming)
 
 

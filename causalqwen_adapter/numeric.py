@@ -18,8 +18,50 @@ from .heads import check_numeric_values
 logger = logging.get_logger(__name__)
 
 NUM_TOKEN = "<NUM>"
-# Decimal numbers with an optional sign, fraction and exponent: "42", "-3.5", ".5", "6.02e23".
-NUMBER_PATTERN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+# What encode_with_numbers reads as numbers (docs/numbers.md, Which text is a number). Scanned left to right, the
+# first alternative that matches at a position wins:
+# - kept as text (group `text`): ISO dates 2024-01-15, clock times 9:30 / 09:30:15, dotted runs of three parts or
+#   more (versions 1.2.3, addresses 192.168.0.1) and digit runs with a leading zero (007, 02139), whose spelling a
+#   value cannot give back;
+# - a number (group `number`): "42", "3.5", ".5", "6.02e23", standard thousands grouping "1,234,567.5" (groups of
+#   exactly three digits), with a sign only where it cannot be a hyphen or a dash: not after a letter, a digit, "_",
+#   ".", a closing bracket or "%", so "10-20" is 10 and 20, "COVID-19" is 19, "x=-5" and "(-5" are -5.
+NUMBER_PATTERN = re.compile(
+    r"(?P<text>\d{4}-\d{2}-\d{2}(?!\d)|\d{1,2}:\d{2}(?::\d{2})?(?![\d:])|\d+(?:\.\d+){2,}|0\d+)"
+    r"|(?P<number>(?:(?<![\w.)\]}%])[-+])?"
+    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d|,\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)(?:[eE][-+]?\d+)?)"
+)
+
+
+def find_numbers(text: str) -> list[tuple[int, int, float]]:
+    """(start, end, value) of each number `encode_with_numbers` reads in `text` (NUMBER_PATTERN): the spans it
+    replaces by `<NUM>`, the value each carries."""
+    found = []
+    for match in NUMBER_PATTERN.finditer(text):
+        if match.group("number") is None:
+            continue  # a date, a time, a version: stays text
+        value = float(match.group("number").replace(",", ""))
+        if not math.isfinite(value):  # "1e400" parses as inf, which would turn every score into NaN
+            raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float64: "
+                             "rewrite it (or scale the data) so every value is finite")
+        if abs(value) > torch.finfo(torch.float32).max:  # finite here, inf where φ(v) is computed
+            raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float32, "
+                             "the dtype <NUM> values are computed in: rewrite it (or scale the data)")
+        found.append((match.start(), match.end(), value))
+    return found
+
+
+def format_number(value: float, float32: bool = False) -> str:
+    """`value` in the shortest decimal that reads back as the same float64 (float32: the same float32), positional
+    from 1e-4 to 1e16 ("1234567.5", "2500", "0.5"), scientific beyond ("6.02e+23")."""
+    import numpy as np
+
+    x = np.float32(value) if float32 else np.float64(value)
+    if x == 0:
+        return "0"
+    if 1e-4 <= abs(x) < 1e16:
+        return np.format_float_positional(x, unique=True, trim="-")
+    return np.format_float_scientific(x, unique=True, trim="-")
 
 
 def default_num_token_id(tokenizer, vocab_size: int, name: str) -> int:
@@ -74,7 +116,8 @@ def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_
     """Tokenize `text` with every number replaced by one `<NUM>` token carrying its value.
 
     Returns `{"input_ids": [...], "numeric_values": [...]}` of equal length, values 0.0 off `<NUM>`. The text between
-    numbers is tokenized piece by piece (a number's surrounding spaces stay with the text).
+    numbers is tokenized piece by piece (a number's surrounding spaces stay with the text). Which text is a number:
+    NUMBER_PATTERN ("10-20" is 10 and 20, "1,000" is 1000, dates, times and versions stay text).
     """
     input_ids: list[int] = []
     values: list[float] = []
@@ -82,18 +125,11 @@ def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_
         input_ids += tokenizer.build_inputs_with_special_tokens([])
         values += [0.0] * len(input_ids)
     position = 0
-    for match in NUMBER_PATTERN.finditer(text):
-        piece = tokenizer(text[position : match.start()], add_special_tokens=False)["input_ids"]
-        value = float(match.group())
-        if not math.isfinite(value):  # "1e400" parses as inf, which would turn every score into NaN
-            raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float64: "
-                             "rewrite it (or scale the data) so every value is finite")
-        if abs(value) > torch.finfo(torch.float32).max:  # finite here, inf where φ(v) is computed
-            raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float32, "
-                             "the dtype <NUM> values are computed in: rewrite it (or scale the data)")
+    for start, end, value in find_numbers(text):
+        piece = tokenizer(text[position:start], add_special_tokens=False)["input_ids"]
         input_ids += [*piece, num_token_id]
         values += [0.0] * len(piece) + [value]
-        position = match.end()
+        position = end
     piece = tokenizer(text[position:], add_special_tokens=False)["input_ids"]
     input_ids += piece
     values += [0.0] * len(piece)
@@ -101,9 +137,15 @@ def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_
 
 
 def decode_with_numbers(tokenizer, input_ids: Sequence[int], numeric_values: Sequence[float], num_token_id: int,
-                        *, skip_special_tokens: bool = True, number_format: str = "{:g}") -> str:
-    """The text of `input_ids` with each `<NUM>` written as its value (e.g. from `generate(...).numeric_values`)."""
+                        *, skip_special_tokens: bool = True, number_format: str | None = None) -> str:
+    """The text of `input_ids` with each `<NUM>` written as its value (e.g. from `generate(...).numeric_values`).
+
+    By default a value is written in the shortest decimal that reads back as the same number, in the precision it
+    is held in (float32 for a float32 tensor such as generate's, float64 for Python floats): the numbers of
+    encoded text come back as written, up to spelling ("1,000" -> "1000", "3.50" -> "3.5", ".5" -> "0.5").
+    `number_format` (e.g. "{:.3g}") writes them another way."""
     ids = [int(i) for i in input_ids]
+    float32 = torch.is_tensor(numeric_values) and numeric_values.dtype != torch.float64
     values = [float(v) for v in numeric_values]
     if len(ids) != len(values):
         raise ValueError(f"{len(ids)} tokens but {len(values)} numeric values: pass one value per token")
@@ -111,7 +153,7 @@ def decode_with_numbers(tokenizer, input_ids: Sequence[int], numeric_values: Seq
     for i, token in enumerate(ids):
         if token == num_token_id:
             pieces.append(tokenizer.decode(ids[start:i], skip_special_tokens=skip_special_tokens))
-            pieces.append(number_format.format(values[i]))
+            pieces.append(format_number(values[i], float32) if number_format is None else number_format.format(values[i]))
             start = i + 1
     pieces.append(tokenizer.decode(ids[start:], skip_special_tokens=skip_special_tokens))
     return "".join(pieces)
@@ -131,6 +173,34 @@ def numeric_statistics(values: Iterable[float] | torch.Tensor) -> tuple[float, f
     median = values.quantile(0.5).item()
     q1, q3 = values.quantile(0.25).item(), values.quantile(0.75).item()
     return median, max((q3 - q1) / 2, 1e-3 * max(1.0, abs(median)))
+
+
+def check_numeric_values_present(dataset, split: str = "train") -> None:
+    """Refuse, naming the example and the position, a `numeric_values` row that is missing (null) or holds a missing
+    or non-finite value: Arrow reads a JSON null as a missing value, which becomes NaN in the targets' statistics
+    and in the loss. Map-style `datasets.Dataset`s only (a streaming one is checked batch by batch by the
+    collator)."""
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset) or "numeric_values" not in dataset.column_names:
+        return
+    import pyarrow.compute as pc
+
+    rows = dataset.with_format("arrow").data.column("numeric_values")
+    flat = pc.list_flatten(rows)
+    bad = pc.fill_null(pc.invert(pc.is_finite(flat)), True) if len(flat) else flat
+    row = pc.index(pc.is_null(rows), True).as_py()
+    if row < 0 and len(flat) and pc.any(bad).as_py():
+        row = pc.list_parent_indices(rows)[pc.index(bad, True).as_py()].as_py()
+    if row < 0:
+        return
+    values = dataset[row]["numeric_values"]
+    if values is None:
+        raise ValueError(f"{split} example {row} has no numeric_values (null): give one value per token, 0 where the "
+                         f"token is not {NUM_TOKEN} (encode_with_numbers lines them up), or drop the example")
+    position = next(i for i, v in enumerate(values) if v is None or not math.isfinite(v))
+    raise ValueError(f"{split} example {row} has the numeric value {values[position]} at position {position}: every "
+                     f"value must be a finite number (a missing value reads as null); fix or drop the example")
 
 
 class NumericCollator:
@@ -182,6 +252,6 @@ class NumericCollator:
 
 
 __all__ = [
-    "NUM_TOKEN", "NUMBER_PATTERN", "NumericCollator", "add_num_token", "decode_with_numbers", "encode_with_numbers",
-    "numeric_statistics",
+    "NUM_TOKEN", "NUMBER_PATTERN", "NumericCollator", "add_num_token", "check_numeric_values_present",
+    "decode_with_numbers", "encode_with_numbers", "find_numbers", "format_number", "numeric_statistics",
 ]

@@ -265,8 +265,12 @@ def test_classify_recipe_writes_what_it_measured(sft_base, tokenizer_dir, tmp_pa
 
     # a base: the softmax rule only
     results = classify.run(classify.ClassifyArguments(model_name_or_path=str(sft_base), dataset_name=test_file, output_dir=str(out),
-                                                       dtype="float32", device="cpu", tokenizer=str(tokenizer_dir), plots=False))
+                                                       dtype="float32", device="cpu", tokenizer=str(tokenizer_dir), plots=False,
+                                                       overwrite=True))
     assert list(results["rules"]) == ["softmax"] and "coverage" not in results["rules"]["softmax"]
+    assert json.loads((out / "metrics.json").read_text())["rules"] == json.loads(json.dumps(results))["rules"]
+    # --no_plots with --overwrite: the first run's plots, which these metrics do not show, are gone
+    assert not (out / "reliability.png").exists() and not (out / "accuracy_coverage.png").exists()
 
 
 def test_classify_recipe_refuses_bad_label_sets(sft_base, tokenizer_dir, tmp_path):
@@ -278,3 +282,116 @@ def test_classify_recipe_refuses_bad_label_sets(sft_base, tokenizer_dir, tmp_pat
     with pytest.raises(ValueError, match="one class"):
         classify.run(classify.ClassifyArguments(model_name_or_path=str(sft_base), dataset_name=one_class, output_dir=str(tmp_path),
                                                  dtype="float32", device="cpu", tokenizer=str(tokenizer_dir)))
+
+
+# ---------------------------------------------------------------------------------------------- careless input
+
+
+def _arguments(model, test_file, out, **overrides):
+    return classify.ClassifyArguments(model_name_or_path=str(model), dataset_name=str(test_file), output_dir=str(out),
+                                      **{"dtype": "float32", "device": "cpu", "plots": False, **overrides})
+
+
+def test_compatible_mode_scores_an_adapter_by_loc_S_alone(sft_base, tokenizer_dir):
+    """In compatible mode an adapter is a softmax over loc_S (its logits at init are the base's): the base's scores
+    exactly while the heads are fresh, and no OvR probabilities."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    base = Qwen2ForCausalLM.from_pretrained(sft_base, dtype=torch.float32).eval()
+    labels = label_set(tokenizer, LABELS, 128)
+    prompts, _ = tokenize_prompts(tokenizer, _rows(ROWS), labels)
+    z = prompt_hidden_states(base.model, prompts)
+    fresh = CausalQwenForCausalLM.from_base(base, dtype=torch.float32).eval()
+    got, want = label_scores(fresh, z, labels, inference_mode="compatible"), label_scores(base, z, labels)
+    assert got.log_P is None and got.rules() == ("softmax",)
+    torch.testing.assert_close(got.loc, want.loc, rtol=1e-5, atol=1e-5)
+    trained = _adapter(base, seed=1)  # moved heads: loc_S of a whole forward in compatible mode
+    got = label_scores(trained, z, labels, inference_mode="compatible")
+    for n, prompt in enumerate(prompts):
+        with torch.no_grad():
+            loc = trained(input_ids=torch.tensor([prompt]), inference_mode="compatible").loc_S[0, -1]
+        torch.testing.assert_close(got.loc[n], loc[labels.token_ids], rtol=1e-5, atol=1e-5)
+
+
+def test_classify_refuses_to_write_over_an_earlier_run_before_loading_a_model(sft_base, tokenizer_dir, tmp_path,
+                                                                              monkeypatch, capsys):
+    test_file = _write(tmp_path / "test.jsonl", ROWS)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.md").write_text("the user's own table\n")
+    (out / "notes.txt").write_text("mine\n")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the output folder was checked")
+
+    monkeypatch.setattr(classify, "load_model", no_model)
+    with pytest.raises(FileExistsError, match=rf"{out} already holds metrics.md .*pass overwrite=True \(--overwrite\)"):
+        classify.run(_arguments(sft_base, test_file, out, tokenizer=str(tokenizer_dir)))
+    with pytest.raises(SystemExit) as exit_info:  # the command line: argparse's error, no traceback
+        classify.main(["--model", str(sft_base), "--test_file", test_file, "--output_dir", str(out)], prog="causalqwen classify")
+    assert exit_info.value.code == 2 and "already holds metrics.md" in capsys.readouterr().err
+    assert (out / "metrics.md").read_text() == "the user's own table\n" and sorted(p.name for p in out.iterdir()) == [
+        "metrics.md", "notes.txt"]
+    monkeypatch.undo()
+    classify.run(_arguments(sft_base, test_file, out, tokenizer=str(tokenizer_dir), overwrite=True))
+    assert (out / "metrics.md").read_text().startswith("| model | rule |") and (out / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("flag", ["--batch_size", "--per_device_eval_batch_size"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_classify_refuses_a_batch_size_below_one_as_a_usage_error(sft_base, tmp_path, capsys, flag, value):
+    test_file = _write(tmp_path / "test.jsonl", ROWS)
+    with pytest.raises(SystemExit) as exit_info:
+        classify.main(["--model_name_or_path", str(sft_base), "--dataset_name", test_file, "--output_dir",
+                       str(tmp_path / "out"), flag, value], prog="causalqwen classify")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"causalqwen classify: error: per_device_eval_batch_size must be a positive integer, got {value}" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "the sky is", "completion": None}, r"row 1 \(counting from 0\): `completion` is None \(NoneType\), "
+                                                   r"not text: every row needs the label"),
+    ({"prompt": None, "completion": " blue"}, r"row 1 \(counting from 0\): `prompt` is None \(NoneType\)"),
+])
+def test_classify_names_the_row_of_a_missing_value(sft_base, tokenizer_dir, tmp_path, row, message):
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [_rows(ROWS)[0], row, *_rows(ROWS)[1:]]))
+    with pytest.raises(ValueError, match=rf"{data}, " + message):
+        classify.run(_arguments(sft_base, data, tmp_path / "out", tokenizer=str(tokenizer_dir)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_classify_names_the_row_of_a_numeric_label(sft_base, tokenizer_dir, tmp_path):
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completion": k}) + "\n" for p, k in [("the sky is", 1), ("a dog", 2)]))
+    with pytest.raises(ValueError, match=r"row 0 \(counting from 0\): `completion` is 1 \(int\), not text: every row "
+                                         r"needs the label, as text with its leading space \(e.g. ' 1', not 1\)"):
+        classify.run(_arguments(sft_base, data, tmp_path / "out", tokenizer=str(tokenizer_dir)))
+
+
+@pytest.mark.parametrize("name, content", [("header.csv", "prompt,completion\n"), ("empty.json", "[]\n"),
+                                           ("blank.jsonl", "\n" * 5000)])
+def test_classify_names_a_data_file_of_no_rows(sft_base, tokenizer_dir, tmp_path, name, content):
+    data = tmp_path / name
+    data.write_text(content)
+    with pytest.raises(ValueError, match=rf"{data} holds no rows"):
+        classify.run(_arguments(sft_base, data, tmp_path / "out", tokenizer=str(tokenizer_dir)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_classify_says_a_base_folder_holds_no_tokenizer(sft_base, tmp_path):
+    bare = tmp_path / "bare-base"
+    bare.mkdir()
+    for path in sft_base.iterdir():  # the weights and config, not the tokenizer
+        if path.name in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(path, bare / path.name)
+    test_file = _write(tmp_path / "test.jsonl", ROWS)
+    message = rf"--model_name_or_path '{bare}' holds no tokenizer .*pass --tokenizer"
+    with pytest.raises(ValueError, match=message):
+        classify.run(_arguments(bare, test_file, tmp_path / "out"))
+    adapter = tmp_path / "adapter"
+    CausalQwenForCausalLM.from_base(str(bare)).save_pretrained(adapter)
+    with pytest.raises(ValueError, match=rf"the adapter's base '{bare}' holds no tokenizer .*pass --tokenizer"):
+        classify.run(_arguments(adapter, test_file, tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

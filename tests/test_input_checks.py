@@ -245,6 +245,35 @@ def test_empty_data_files_are_named_by_every_recipe(sft_base, tmp_path):
     assert not (tmp_path / "eval").exists() and not (tmp_path / "features").exists()
 
 
+
+@pytest.mark.parametrize("name, content", [("header.csv", "text\n"), ("empty.json", "[]\n"), ("blank.jsonl", "\n" * 5000),
+                                           ("none.parquet", None)])
+def test_data_files_of_no_rows_are_named_by_every_recipe(sft_base, tmp_path, name, content):
+    """Not datasets' 'Instruction "train" corresponds to no data', which names neither the file nor the cause."""
+    from trl import ModelConfig, ScriptArguments
+
+    from causalqwen_adapter.data import load_text_dataset
+
+    data = tmp_path / name
+    if content is None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), data)
+    else:
+        data.write_text(content)
+    message = rf"{re.escape(str(data))} holds no rows"
+    with pytest.raises(ValueError, match=message):
+        load_text_dataset(str(data))
+    recipe = _recipe("evaluate")
+    with pytest.raises(ValueError, match=message):
+        recipe.run(_evaluation_arguments(recipe, [sft_base], data, tmp_path / "eval"))
+    with pytest.raises(ValueError, match=message):
+        _recipe("train").run(ScriptArguments(dataset_name=str(data)),
+                             CausalSFTConfig(str(tmp_path / "out"), report_to="none", use_cpu=True),
+                             ModelConfig(model_name_or_path=str(sft_base)))
+    assert not (tmp_path / "eval").exists() and not (tmp_path / "out").exists()
+
 def test_evaluate_recipe_refuses_a_zero_batch_size_and_ids_beyond_the_vocabulary(sft_base, tmp_path):
     recipe = _recipe("evaluate")
     data = _held_out(tmp_path)

@@ -296,6 +296,67 @@ def test_encode_decode_and_num_token(sft_base):
         encode_with_numbers(tokenizer, " dogs ran ", num_id)["input_ids"]) + "0.5"
 
 
+class Chars:
+    """A character-level tokenizer: decode(encode(piece)) is the piece, so a round trip shows what the numbers did."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+# (text, the numbers read, the text decode_with_numbers gives back): written by hand, the reading a person gives them
+NUMBER_CASES = [
+    ("10-20", [10, 20], "10-20"),  # a range: the dash is no sign
+    ("pages 10 - 20", [10, 20], "pages 10 - 20"),
+    ("2024-01-15", [], "2024-01-15"),  # a date stays text (its zero padding would be lost)
+    ("on 2024-01-15 at 09:30", [], "on 2024-01-15 at 09:30"),
+    ("1,000", [1000], "1000"),  # thousands grouping: one number
+    ("1,234,567.5 units", [1234567.5], "1234567.5 units"),
+    ("-1,000 and +2", [-1000, 2], "-1000 and 2"),
+    ("1,2,3", [1, 2, 3], "1,2,3"),  # not groups of three: a list
+    ("12,34", [12, 34], "12,34"),
+    ("x=-5, (-3.5) [-2]", [-5, -3.5, -2], "x=-5, (-3.5) [-2]"),  # signs after =, brackets
+    ("-7 at the start", [-7], "-7 at the start"),
+    ("it was -4 degrees", [-4], "it was -4 degrees"),
+    ("COVID-19 and e-5", [19, 5], "COVID-19 and e-5"),  # hyphens after letters
+    ("5%-10% and (2)-1", [5, 10, 2, 1], "5%-10% and (2)-1"),
+    ("1+2", [1, 2], "1+2"),
+    ("costs 3.", [3], "costs 3."),  # the sentence's full stop stays text
+    ("3.50 and .5 and 6.02e23 and 5e-3", [3.5, 0.5, 6.02e23, 5e-3], "3.5 and 0.5 and 6.02e+23 and 0.005"),
+    ("version 1.2.3 at 192.168.0.1", [], "version 1.2.3 at 192.168.0.1"),
+    ("zip 02139, 0 and 0.25", [0, 0.25], "zip 02139, 0 and 0.25"),  # a leading zero: a code, not a quantity
+    ("12345678901", [12345678901], "12345678901"),  # written whole, not 1.23457e+10
+]
+
+
+@pytest.mark.parametrize("text, numbers, decoded", NUMBER_CASES)
+def test_numbers_are_read_as_a_person_reads_them(text, numbers, decoded):
+    num_id = 0x10FFFF + 1  # beyond every character
+    encoded = encode_with_numbers(Chars(), text, num_id)
+    ids, values = encoded["input_ids"], encoded["numeric_values"]
+    assert [v for i, v in zip(ids, values) if i == num_id] == [float(n) for n in numbers]
+    assert decode_with_numbers(Chars(), ids, values, num_id) == decoded
+
+
+def _shortest_float32(v: float) -> str:
+    """The fewest significant digits that read back as the same float32 (values between 1e-4 and 1e16)."""
+    return next(t for t in (f"{v:.{p}f}".rstrip("0").rstrip(".") if abs(v) >= 1 else f"{v:.{p}g}" for p in range(1, 12))
+                if torch.tensor(float(t), dtype=torch.float32) == torch.tensor(v, dtype=torch.float32))
+
+def test_generated_values_are_written_in_the_precision_they_are_held_in():
+    num_id = 0x10FFFF + 1
+    ids = [num_id, ord(" "), num_id, ord(" "), num_id, ord(" "), num_id]
+    values = torch.tensor([3.3, 1234567.5, -41.87, 2.5e-7], dtype=torch.float32)
+    padded = torch.zeros(len(ids))
+    padded[[0, 2, 4, 6]] = values
+    # float32's 3.3 is 3.2999999523...: written as the float32 it is, not as that float64
+    assert decode_with_numbers(Chars(), ids, padded, num_id) == "3.3 1234567.5 -41.87 2.5e-07"
+    assert decode_with_numbers(Chars(), ids, padded.double(), num_id).startswith("3.299999952316284 ")
+    assert decode_with_numbers(Chars(), ids, padded, num_id, number_format="{:.2f}") == "3.30 1234567.50 -41.87 0.00"
+
+
 def test_numeric_statistics_are_the_median_and_half_the_iqr():
     values = torch.tensor([1.0, 2.0, 4.0, 8.0, 100.0, -50.0])
     median, scale = numeric_statistics(values)
@@ -412,6 +473,35 @@ def test_sft_recipe_with_numeric_heads(sft_base, tmp_path):
     assert again.train_dataset["input_ids"] == trainer.train_dataset["input_ids"]
 
 
+
+def test_sft_recipe_with_numeric_heads_names_a_row_without_text(sft_base, tmp_path):
+    from causalqwen_adapter.cli import train as recipe
+
+    data = tmp_path / "numbers.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the cat sat on 3 mats", None, "a dog ran 12 times"]))
+    parsed = recipe.make_parser().parse_args_and_config(args=[
+        "--model_name_or_path", str(sft_base), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
+        "--numeric", "--max_steps", "1", "--report_to", "none", "--use_cpu", "true"])
+    with pytest.raises(ValueError, match=r"the train dataset's `text` in row 1 is None \(NoneType\), not text"):
+        recipe.run(*parsed)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([[0.0, 2.0], [0.0, None, 1.0]], r"train example 1 has the numeric value None at position 1: every value must be "
+                                     r"a finite number \(a missing value reads as null\)"),
+    ([[0.0, 2.0], None], r"train example 1 has no numeric_values \(null\)"),
+    ([[0.0, 2.0], [0.0], [math.nan, 0.0]], r"train example 2 has the numeric value nan at position 0"),
+    ([[0.0, 2.0], [math.inf]], r"train example 1 has the numeric value inf at position 0"),
+])
+def test_missing_numeric_values_are_named_by_example_and_position(rows, message):
+    from causalqwen_adapter.numeric import check_numeric_values_present
+
+    with pytest.raises(ValueError, match=message):
+        check_numeric_values_present(Dataset.from_dict({"input_ids": [[1] * len(r or [0]) for r in rows],
+                                                        "numeric_values": rows}))
+    check_numeric_values_present(Dataset.from_dict({"numeric_values": [[0.0, 2.5], [], [1e30]]}))  # all present
+
 def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(sft_base)
     num_id = len(tokenizer)
@@ -431,7 +521,7 @@ def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
                          max_new_tokens=2, do_sample=False, inference_mode="compatible", return_dict_in_generate=True)
     n = len(encoded["input_ids"])
     values = out.numeric_values[0, n:]
-    assert proc.stdout.strip() == "".join(f"{v:g}" for v in values.tolist())
+    assert proc.stdout.strip() == "".join(_shortest_float32(v) for v in values.tolist())
     assert all(abs(v - 42.0) < 5 for v in values.tolist())
     # with --interval: a line per generated number, its Cauchy interval on the range given
     proc = subprocess.run([*cli, "--model_name_or_path", str(tmp_path / "adapter"),
@@ -440,7 +530,7 @@ def test_generate_recipe_writes_generated_numbers(sft_base, tmp_path):
                           capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lower, upper = cauchy_interval(values, out.numeric_scales[0, n:], 0.9, support=(0.0, 45.0))
-    assert proc.stdout.strip().splitlines() == ["".join(f"{v:g}" for v in values.tolist())] + [
+    assert proc.stdout.strip().splitlines() == ["".join(_shortest_float32(v) for v in values.tolist())] + [
         f"number {i}: {v:g}, 90 % interval [{lo:g}, {hi:g}]"
         for i, (v, lo, hi) in enumerate(zip(values.tolist(), lower.tolist(), upper.tolist()), 1)]
     assert (upper <= 45).all() and (lower < values).all() and (values < upper).all()

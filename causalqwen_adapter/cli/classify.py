@@ -14,17 +14,20 @@ compatible mode: the label logits loc_S renormalised over the label set); a base
 macro-F1, ECE, and abstention: a confidence threshold chosen on `--validation_dataset_name` (rows of known labels
 only) to keep `--coverage` of them, then the test coverage and accuracy on the kept rows. Writes `metrics.json`,
 `metrics.md`, `reliability.png` and `accuracy_coverage.png` (needs matplotlib; `--no_plots` skips them) to
-`--output_dir`. The library is `causalqwen_adapter.classification`.
+`--output_dir`; a folder holding an earlier run's is refused unless `--overwrite`. The library is
+`causalqwen_adapter.classification`.
 """
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedConfig
 
+from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.classification import (
     abstention_threshold,
     classification_metrics,
@@ -34,6 +37,7 @@ from causalqwen_adapter.classification import (
     reliability_bins,
     tokenize_prompts,
 )
+from causalqwen_adapter.configuration_causalqwen import check_number
 from causalqwen_adapter.data import load_text_dataset
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.evaluation import _format, load_model
@@ -43,6 +47,11 @@ from .parsing import CliHfArgumentParser, install_hint, missing_modules
 ALIASES = {"--model": "--model_name_or_path", "--test_file": "--dataset_name",
            "--validation_file": "--validation_dataset_name", "--mode": "--inference_mode",
            "--batch_size": "--per_device_eval_batch_size"}
+
+OUTPUT_FILES = ("metrics.json", "metrics.md", "reliability.png", "accuracy_coverage.png")
+# Files of which one is enough for a folder to hold a tokenizer (fast, slow BPE, sentencepiece, WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model",
+                   "vocab.txt")
 
 TABLE_COLUMNS = ["accuracy", "macro_f1", "ece", "coverage", "selective_accuracy", "threshold", "none_accepted",
                  "num_rows"]
@@ -62,22 +71,70 @@ class ClassifyArguments:
                                 "completion of the validation and test files."})
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer folder or Hub id (default: the base's)."})
     coverage: float = field(default=0.95, metadata={"help": "Fraction of validation rows the threshold keeps."})
-    inference_mode: str = field(default="standard", metadata={"help": "Mode of the OvR probabilities.",
-                                                              "choices": ["standard", "causal"]})
+    inference_mode: str = field(default="standard", metadata={
+        "help": "Mode of an adapter's OvR probabilities; `compatible` reads loc_S alone (the softmax rule only).",
+        "choices": ["standard", "causal", "compatible"]})
     per_device_eval_batch_size: int = field(default=16, metadata={"help": "Prompts per forward pass."})
     dtype: str = field(default="bfloat16", metadata={"help": "Dtype the model loads in.",
                                                      "choices": ["bfloat16", "float32", "auto"]})
     device: str = field(default=AUTO, metadata={"help": DEVICE_HELP})
     plots: bool = field(default=True, metadata={"help": "Write reliability.png and accuracy_coverage.png."})
+    overwrite: bool = field(default=False, metadata={
+        "help": "Replace an earlier run's metrics.json, metrics.md and plots in output_dir (with --no_plots its plots "
+        "are removed: none is left beside metrics it does not show). Other files there are never touched."})
+
+
+def check_arguments(args: ClassifyArguments) -> None:
+    """Every argument, before any data or model is loaded: nothing is written when one is wrong."""
+    check_number("per_device_eval_batch_size", args.per_device_eval_batch_size, minimum=1, integer=True)
+    coverage = check_number("coverage", args.coverage, minimum=0, strict=True)
+    if coverage > 1:
+        raise ValueError(f"coverage must be in (0, 1], got {coverage}: the fraction of validation rows kept")
+    check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"output_dir {str(output_dir)!r} is a file, not a folder: choose another --output_dir")
+    found = [name for name in OUTPUT_FILES if (output_dir / name).exists()]
+    if found and not args.overwrite:
+        raise FileExistsError(f"{output_dir} already holds {', '.join(found)} (an earlier run's?): pass overwrite=True "
+                              "(--overwrite) to replace them, or choose another folder")
+
+
+def tokenizer_source(args: ClassifyArguments) -> str:
+    """Where the tokenizer comes from (--tokenizer, else the model's base); a local folder must hold one, or the
+    tokenizer transformers builds from its config alone knows no word and every label would have no token."""
+    if args.tokenizer is not None:
+        source, what = args.tokenizer, "--tokenizer"
+    else:
+        config, _ = PreTrainedConfig.get_config_dict(args.model_name_or_path)
+        source = config.get("base_model_name_or_path") or args.model_name_or_path
+        what = "the adapter's base" if source != args.model_name_or_path else "--model_name_or_path"
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"{what} {source!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass "
+                         "--tokenizer <the folder or Hub id of the base's tokenizer>, or save the tokenizer into that "
+                         "folder (tokenizer.save_pretrained)")
+    return source
 
 
 def read_rows(path: str) -> list[dict]:
+    """The `prompt`/`completion` rows of `path`, each a string: a missing or non-text value is refused by row."""
     dataset = load_text_dataset(path)["train"]
     missing = {"prompt", "completion"} - set(dataset.column_names)
     if missing:
         raise ValueError(f"{path} has columns {dataset.column_names}: classification needs `prompt` and `completion` "
                          "(the label) columns")
-    return [{"prompt": r["prompt"], "completion": r["completion"]} for r in dataset]
+    if len(dataset) == 0:
+        raise ValueError(f"{path} holds no rows: nothing to classify")
+    rows = []
+    for i, row in enumerate(dataset.select_columns(["prompt", "completion"])):
+        for column, value in row.items():
+            if not isinstance(value, str):
+                what = "the label, as text with its leading space (e.g. ' 1', not 1)" if column == "completion" else \
+                    "the text the label follows"
+                raise ValueError(f"{path}, row {i} (counting from 0): `{column}` is {value!r} "
+                                 f"({type(value).__name__}), not text: every row needs {what}. Fix or drop the row")
+        rows.append(row)
+    return rows
 
 
 def markdown(results: dict) -> str:
@@ -116,16 +173,18 @@ def plots(curves: dict, results: dict, output_dir: Path) -> None:
 
 
 def run(args: ClassifyArguments) -> dict:
+    check_arguments(args)
     if args.plots and missing_modules(["matplotlib"]):  # before the scoring, not after
         raise ImportError(f"the plots are drawn with matplotlib, not installed here: {install_hint('plots')}; or pass "
                           "--no_plots")
     device = resolve_device(args.device)
     test = read_rows(args.dataset_name)
     validation = read_rows(args.validation_dataset_name) if args.validation_dataset_name else []
+    source = tokenizer_source(args)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, base_name = load_model(args.model_name_or_path, dtype)
+    model, _ = load_model(args.model_name_or_path, dtype)
     model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or base_name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     names = args.labels or sorted({r["completion"] for r in validation + test})
     labels = label_set(tokenizer, names, model.config.get_text_config().vocab_size)
     backbone = model.model
@@ -158,6 +217,9 @@ def run(args: ClassifyArguments) -> dict:
     (output_dir / "metrics.md").write_text(table + "\n")
     if args.plots:
         plots(curves, results, output_dir)
+    else:  # only with --overwrite (checked above): an earlier run's plots would not match these metrics
+        for name in OUTPUT_FILES[2:]:
+            (output_dir / name).unlink(missing_ok=True)
     print(table)
     return results
 
@@ -169,7 +231,13 @@ def make_parser(prog: str | None = None) -> CliHfArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
-    return run(*make_parser(prog).parse(argv))
+    parser = make_parser(prog)
+    (args,) = parser.parse(argv)
+    try:
+        check_arguments(args)
+    except (ValueError, OSError) as err:  # a usage error: argparse's exit 2 and message, no traceback
+        parser.error(str(err))
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser, get_peft_con
 
 from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
-from causalqwen_adapter.data import load_text_dataset
+from causalqwen_adapter.data import check_text_dataset, load_text_dataset
 from causalqwen_adapter.numeric import add_num_token, default_num_token_id, encode_with_numbers
 from causalqwen_adapter.tokenization_causalqwen import CausalQwenTokenizer
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
@@ -77,6 +77,7 @@ def numeric_data(dataset, model_args: ModelConfig, training_args: CausalSFTConfi
     for split, data in dataset.items():
         if "text" not in (data.column_names or []):
             raise ValueError(f"--numeric reads numbers from a `text` column; the {split} split has {data.column_names}")
+        check_text_dataset(data, split)  # a null text, named by its row, not a TypeError from inside the map
         dataset[split] = data.map(
             lambda row: encode_with_numbers(tokenizer, row["text"], training_args.num_token_id),
             remove_columns=data.column_names,
