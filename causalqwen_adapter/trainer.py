@@ -25,7 +25,7 @@ from .cauchy import INFERENCE_MODES
 from .configuration_causalqwen import check_number
 from .data import check_text_dataset
 from .evaluation import EvaluationAccumulator, score_positions
-from .numeric import NumericCollator, numeric_statistics
+from .numeric import NumericCollator, check_numeric_values_present, numeric_statistics
 from .training import (
     AdapterCheckpointMixin,
     CausalHeadArguments,
@@ -283,6 +283,7 @@ class CausalSFTTrainer(HeadLearningRatesMixin, LossMetricsMixin, AdapterCheckpoi
         self.data_collator = NumericCollator(self.data_collator, truncation_mode=self.args.truncation_mode,
                                              padding_free=self.padding_free, num_token_id=num_token_id)
         for name, dataset in datasets.items():
+            check_numeric_values_present(dataset, name)  # a null target named by its row, before any statistic
             _check_numeric_rows(dataset, num_token_id, name)
         if fresh_heads and isinstance(self.train_dataset, Dataset):
             table = self.train_dataset.with_format("arrow").data

@@ -438,6 +438,11 @@ def test_trainer_refuses_numeric_heads_without_values_or_with_packing(sft_base, 
     with pytest.raises(ValueError, match="packing is not supported with numeric heads"):
         CausalSFTTrainer(str(sft_base), args=CausalSFTConfig(str(tmp_path), packing=True, **common),
                          train_dataset=_numeric_data(tokenizer, num_id), processing_class=tokenizer)
+    data = _numeric_data(tokenizer, num_id).to_dict()
+    data["numeric_values"][2] = [None if v else v for v in data["numeric_values"][2]]  # a null target in row 2
+    with pytest.raises(ValueError, match="train example 2 has the numeric value None"):
+        CausalSFTTrainer(str(sft_base), args=CausalSFTConfig(str(tmp_path), **common),
+                         train_dataset=Dataset.from_dict(data), processing_class=tokenizer)
     adapter = tmp_path / "plain-adapter"
     CausalQwenForCausalLM.from_base(Qwen2ForCausalLM.from_pretrained(sft_base)).save_pretrained(adapter)
     with pytest.raises(ValueError, match="this adapter's heads are not numeric"):
