@@ -50,9 +50,9 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     folder = tmp_path / "adapter"
     assert {p.name for p in folder.iterdir()} == {
         "config.json", "model.safetensors", "generation_config.json", "README.md", "tokenizer_config.json",
-        "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py", "heads.py",
-        "adapter_io.py", "generation.py", "lm_loss.py", "dispatch.py", "sharding.py", "tokenization_causalqwen.py",
-        "numeric.py",
+        "configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "candidate_loss.py",
+        "model_card.py", "heads.py", "adapter_io.py", "generation.py", "lm_loss.py", "dispatch.py", "sharding.py",
+        "tokenization_causalqwen.py", "numeric.py",
     }
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert set(f.keys()) == ADAPTER_KEYS
@@ -66,9 +66,9 @@ def test_folder_holds_only_adapter_tensors_and_remote_code(trained_like, tmp_pat
     assert config["base_model_name_or_path"] == str(trained_like.config.base_model_name_or_path)
     assert config["text_config"]["model_type"] == "qwen2"
     # the remote code imports nothing of this package, but for sharing (push_to_hub), which asks for it
-    for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "model_card.py",
-                 "heads.py", "adapter_io.py", "generation.py", "lm_loss.py", "dispatch.py", "sharding.py",
-                 "tokenization_causalqwen.py", "numeric.py"):
+    for name in ("configuration_causalqwen.py", "modeling_causalqwen.py", "cauchy.py", "losses.py", "candidate_loss.py",
+                 "model_card.py", "heads.py", "adapter_io.py", "generation.py", "lm_loss.py", "dispatch.py",
+                 "sharding.py", "tokenization_causalqwen.py", "numeric.py"):
         text = (folder / name).read_text().replace("from causalqwen_adapter.hub import push_adapter", "")
         assert "causalqwen_adapter" not in text, name
 

@@ -20,13 +20,11 @@ from test_losses import check_against_reference, make_inputs  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from causalqwen_adapter import dispatch, kernels  # noqa: E402
+from causalqwen_adapter.candidate_loss import candidate_chunk_tokens, candidate_ovr_loss, candidate_rows  # noqa: E402
 from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa: E402
 from causalqwen_adapter.lm_loss import chunk_tile_bytes, chunked_lm_loss  # noqa: E402
 from causalqwen_adapter.losses import (  # noqa: E402
     DecisionHead,
-    candidate_chunk_tokens,
-    candidate_ovr_loss,
-    candidate_rows,
     chunk_tokens,
     loss_shape,
     ovr_loss_shape,
@@ -140,7 +138,7 @@ def test_loss_with_the_gpu_operators_in_bfloat16(triton_operators):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_candidates_from_the_gpu_operators_pass(triton_operators, dtype):
     """The cross-entropy's pass through the Triton operators (float32 logits with b_A added by the logsumexp
-    kernel, or bf16 ones without it) finds the same candidates as `losses.candidate_rows`."""
+    kernel, or bf16 ones without it) finds the same candidates as `candidate_loss.candidate_rows`."""
     tensors, labels = make_inputs(13, 8, 37)
     head = DecisionHead(tensors["weight"].detach().to(dtype), tensors["bias"].detach().to(dtype),
                         tensors["b_noise"].detach(), tensors["threshold"].detach())
