@@ -640,22 +640,26 @@ class CausalAdapterMixin:
         # config.json is the commit marker: written last, swapped in last.
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
 
-    def push_to_hub(self, repo_id, *, private=None, token=None, revision=None, commit_message=None, create_pr=False):
+    def push_to_hub(self, repo_id, *, private=None, token=None, revision=None, commit_message=None, create_pr=False,
+                    base_model_id=None):
         """Upload exactly the adapter folder (what `save_pretrained` writes, card included) to the Hub repo `repo_id`.
 
         Saves into a temporary folder, creates the repo if needed (`private` applies then), and uploads that folder
-        as one commit on `revision` (created from main when missing) or as a pull request (`create_pr`). The repo
-        id and the token are checked before anything is written or sent. Returns huggingface_hub's `CommitInfo`.
+        as one commit on `revision` (created from main when missing) or as a pull request (`create_pr`). The pushed
+        config and card name the base by its Hub id: `base_model_id` (e.g. "Qwen/Qwen2.5-0.5B-Instruct"), required
+        when the model was built on a local folder, which nobody else could load. The repo id, the base and the
+        token are checked before anything is written or sent. Returns huggingface_hub's `CommitInfo`.
         """
         try:  # sharing belongs to the installed package: the remote code carries no upload code
             from causalqwen_adapter.hub import push_adapter
         except ImportError:
             raise ImportError(
-                "push_to_hub uploads with the causalqwen-adapter package, which is not installed here: "
-                "pip install causalqwen-adapter (or save_pretrained the adapter and upload the folder yourself)"
+                "push_to_hub uploads with the causalqwen-adapter package, which is not installed here: install it from "
+                "its source (in a clone of the project: pip install .), or save_pretrained the adapter and upload the "
+                "folder yourself"
             ) from None
         return push_adapter(self, repo_id, private=private, token=token, revision=revision,
-                            commit_message=commit_message, create_pr=create_pr)
+                            commit_message=commit_message, create_pr=create_pr, base_model_id=base_model_id)
 
     # ------------------------------------------------------------------ loading
 

@@ -9,13 +9,36 @@ Shipped as remote code: imports only the standard library, torch and transformer
 
 import math
 import numbers
+import re
+import warnings
 
-import torch
-from transformers import AutoConfig, PreTrainedConfig
-from transformers.configuration_utils import SubConfigSpec
-from transformers.utils import logging
+import transformers
 
-from .cauchy import INFERENCE_MODES
+# The transformers releases this code runs on, checked first: on 4.x it would fail on a missing name
+# (PreTrainedConfig) that says nothing about versions; releases after the range are untested.
+TRANSFORMERS_SUPPORTED = ">=5.20,<5.25"
+_FIRST_SUPPORTED, _FIRST_UNTESTED = (5, 20), (5, 25)
+
+
+def _release(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+if _release(transformers.__version__) < _FIRST_SUPPORTED:
+    raise ImportError(f"CausalQwen's modeling code needs transformers{TRANSFORMERS_SUPPORTED}, and "
+                      f"transformers {transformers.__version__} is installed: pip install "
+                      f"'transformers{TRANSFORMERS_SUPPORTED}'")
+if _release(transformers.__version__) >= _FIRST_UNTESTED:
+    warnings.warn(f"CausalQwen's modeling code is tested on transformers{TRANSFORMERS_SUPPORTED}; "
+                  f"transformers {transformers.__version__} is installed and may not work with it", stacklevel=2)
+
+import torch  # noqa: E402
+from transformers import AutoConfig, PreTrainedConfig  # noqa: E402
+from transformers.configuration_utils import SubConfigSpec  # noqa: E402
+from transformers.utils import logging  # noqa: E402
+
+from .cauchy import INFERENCE_MODES  # noqa: E402
 
 ACTION_WEIGHTS = ("full", "tied", "lora")
 OBJECTIVES = ("ovr", "softmax")

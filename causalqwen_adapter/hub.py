@@ -4,6 +4,7 @@ Installed package only: the adapter folder's remote code carries no upload code,
 `push_to_hub` asks for this package (adapter_io.py). `recipes/push_to_hub.py` uses the same functions for a folder.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -12,11 +13,13 @@ from pathlib import Path
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import RevisionNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
-from .adapter_io import LORA_FOLDER
-from .model_card import CARD_NAME, retarget_model_card
+from .adapter_io import LORA_FOLDER, adapter_file_names, keeps_tokenizer_config
+from .model_card import CARD_NAME, card_with_base, retarget_model_card
 from .tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_COMMIT_MESSAGE = "Upload CausalQwen adapter"
 
@@ -60,8 +63,68 @@ REMOTE_CODE_MODULES = ("adapter_io", "candidate_loss", "cauchy", "configuration_
 STALE_FILE_PATTERNS = [f"{LORA_FOLDER}/*", *(f"{name}.py" for name in REMOTE_CODE_MODULES)]
 
 
+BASE_FLAGS = {  # how each way of pushing takes the base's Hub id, for the refusal to name
+    "model": 'model.push_to_hub(repo_id, base_model_id="Qwen/Qwen2.5-0.5B-Instruct")',
+    "trainer": '--hub_base_model_id Qwen/Qwen2.5-0.5B-Instruct (CausalSFTConfig(hub_base_model_id=...))',
+    "cli": "causalqwen push ADAPTER_FOLDER REPO_ID --base_model_id Qwen/Qwen2.5-0.5B-Instruct",
+}
+
+
+def is_hub_id(name) -> bool:
+    """A Hub repo id and not a folder here: what another machine can load a base by."""
+    if not isinstance(name, str) or not name or os.path.exists(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_base_for_push(base_name: str | None, base_model_id: str | None, *, via: str = "model") -> str | None:
+    """The base id a push writes into the uploaded config and card: `base_model_id` when given (a Hub id), None to
+    keep the adapter's own (already a Hub id). An adapter naming a local folder is refused: nobody else can load it.
+    Raises ValueError, before anything is written or sent."""
+    if base_model_id is not None:
+        if not is_hub_id(base_model_id):
+            where = "a folder on this machine" if os.path.exists(str(base_model_id)) else "not a valid Hub repo id"
+            raise ValueError(f"base_model_id={base_model_id!r} is {where}: pass the Hub id of the base the adapter "
+                             "was trained on, e.g. 'Qwen/Qwen2.5-0.5B-Instruct'. Nothing was uploaded.")
+        return None if base_model_id == base_name else base_model_id
+    if is_hub_id(base_name):
+        return None
+    raise ValueError(
+        f"the adapter's base {base_name!r} is a folder on this machine: an adapter pushed as is names it, and nobody "
+        f"else can load it. Pass the Hub id of that base, which the pushed config.json and model card will name "
+        f"instead: {BASE_FLAGS[via]}. Nothing was uploaded."
+    )
+
+
+def point_at_hub_base(folder, base_model_id: str) -> None:
+    """In a folder about to be uploaded, name the base by its Hub id: `config.json`'s `base_model_name_or_path`
+    (the local folder's revision dropped) and the card's metadata, text and load note. The files are replaced, not
+    written into: a snapshot's files are hard links to `output_dir`'s, which keeps naming the local base."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    old = config.get("base_model_name_or_path") or ""
+    config["base_model_name_or_path"] = base_model_id
+    if not is_hub_id(old) and config.get("base_model_revision") is not None:
+        config["base_model_revision"] = None  # a local folder's has no meaning on the Hub
+    _replace_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    card = folder / CARD_NAME
+    if card.is_file():
+        _replace_text(card, card_with_base(card.read_text(encoding="utf-8"), old, base_model_id))
+
+
+def _replace_text(path: Path, text: str) -> None:
+    fresh = path.with_name(f".{path.name}.new")
+    fresh.write_text(text, encoding="utf-8")
+    os.replace(fresh, path)
+
+
 def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, revision=None, commit_message=None,
-                          create_pr: bool = False):
+                          create_pr: bool = False, base_model_id: str | None = None, via: str = "model"):
     """Create the repo if needed and upload `folder` (a disposable copy: its card is retargeted) in one commit.
 
     The same commit deletes what an earlier push left that this adapter does not have: a `lora/` folder (the loader
@@ -69,9 +132,14 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
     (`STALE_FILE_PATTERNS`). Other files in the repo (a tokenizer, results, code of the owner's) are kept: a
     `tokenizer_config.json` of the repo's own is not replaced by the adapter's (which only points AutoTokenizer at
     the base's tokenizer); an earlier push's pointer goes when this folder has none. Returns huggingface_hub's
-    `CommitInfo`. Run `check_push` first.
+    `CommitInfo`. Run `check_push` first. The base is named by its Hub id (`check_base_for_push`: `base_model_id`,
+    or the adapter's own; a local base is refused before any request).
     """
     folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    new_base = check_base_for_push(config.get("base_model_name_or_path"), base_model_id, via=via)
+    if new_base is not None:
+        point_at_hub_base(folder, new_base)
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id  # "name" → "user/name"
     card = folder / CARD_NAME
@@ -98,6 +166,56 @@ def upload_adapter_folder(folder, repo_id: str, *, token: str, private=None, rev
 
 SNAPSHOT_PREFIX = "_hub_push."  # a Trainer's upload of output_dir skips `_*`
 _LIVE_SNAPSHOTS: set[Path] = set()  # this process's snapshots still being uploaded
+# The files of a tokenizer saved by its owner into an adapter folder (`keeps_tokenizer_config`): AutoTokenizer reads
+# that tokenizer from the repo instead of the base's, so a push uploads them with the adapter.
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
+                        "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def _link_error(path: Path, folder: Path) -> ValueError:
+    return ValueError(
+        f"{path} is a symbolic link: a push uploads only the regular files a save wrote into {folder}, never what a "
+        "link points to (it could be anything on this machine). Replace the link with the file it stands for, or "
+        "remove it, and push again. Nothing was uploaded."
+    )
+
+
+def _files_under(folder: Path, item: Path, *, links: str) -> list[str]:
+    """The regular files at or under `item` (relative to `folder`), never following a link: one is refused
+    (`links="refuse"`, a ValueError) or left out with a warning (`links="skip"`)."""
+    found = []
+    for path in [item] if not item.is_dir() or item.is_symlink() else sorted(item.rglob("*")):
+        if path.is_symlink():  # rglob never descends through a linked folder; the link itself is listed here
+            if links == "refuse":
+                raise _link_error(path, folder)
+            logger.warning(f"{path} is a symbolic link: not uploaded (a push uploads only regular files)")
+        elif path.is_file():
+            found.append(path.relative_to(folder).as_posix())
+    return found
+
+
+def adapter_upload_files(folder) -> list[str]:
+    """What a push uploads of an adapter folder (relative paths): the files a save writes (`adapter_file_names`:
+    config, weights, generation config, card, remote code, `lora/`), the tokenizer pointer, and the tokenizer of the
+    user's own where the folder keeps one. Nothing else: a trainer's `training_args.bin` and logs, a hidden `.env`,
+    the user's other files stay local. A symbolic link among them is refused (ValueError) before anything is sent."""
+    folder = Path(folder)
+    names = adapter_file_names() | {TOKENIZER_CONFIG_NAME}
+    if keeps_tokenizer_config(folder):
+        names |= set(TOKENIZER_FILE_NAMES)
+    files = []
+    for name in sorted(names):
+        item = folder / name
+        if item.is_symlink() or item.exists():
+            files += _files_under(folder, item, links="refuse")
+    return files
+
+
+def checkpoint_upload_files(checkpoint) -> list[str]:
+    """What a push uploads of a Trainer checkpoint (`hub_strategy` checkpoint or all_checkpoints): its regular files,
+    a symbolic link left out (a save never writes one)."""
+    checkpoint = Path(checkpoint)
+    return _files_under(checkpoint, checkpoint, links="skip")
 
 
 def link_files(folder: Path, files, into: Path) -> None:
@@ -108,33 +226,29 @@ def link_files(folder: Path, files, into: Path) -> None:
         target = into / name
         target.parent.mkdir(parents=True, exist_ok=True)
         if name == CARD_NAME:
-            shutil.copyfile(folder / name, target)
+            shutil.copyfile(folder / name, target, follow_symlinks=False)
             continue
         try:
-            os.link(folder / name, target)
+            os.link(folder / name, target, follow_symlinks=False)
         except OSError:
-            shutil.copyfile(folder / name, target)
+            shutil.copyfile(folder / name, target, follow_symlinks=False)
 
 
-def snapshot_for_upload(folder) -> Path:
-    """What a Trainer uploads of its `output_dir` (everything but `checkpoint-*`, `_*` and hidden folders), laid out
-    by `link_files` in a new `_hub_push.XXXXXXXX` folder inside it. A background upload reads the snapshot, while
-    training goes on saving checkpoints into the folder: huggingface_hub lists a folder it uploads whole, and a
-    folder a save creates or rotation deletes meanwhile fails that listing. Snapshots a killed process left (none of
-    this process's uploads) are removed first."""
+def snapshot_for_upload(folder, files=None, *, into=None) -> Path:
+    """`files` of `folder` (default: `adapter_upload_files(folder)`), laid out by `link_files` in a new
+    `_hub_push.XXXXXXXX` folder inside `into` (default: `folder`). A background upload reads the snapshot while
+    training goes on saving into the folder: huggingface_hub lists a folder it uploads whole, and a folder a save
+    creates or rotation deletes meanwhile fails that listing (a rotated checkpoint's files live on in their hard
+    links). Snapshots a killed process left there (none of this process's uploads) are removed first."""
     folder = Path(folder)
-    for stale in folder.glob(f"{SNAPSHOT_PREFIX}*"):
+    into = Path(into) if into is not None else folder
+    files = adapter_upload_files(folder) if files is None else files
+    for stale in into.glob(f"{SNAPSHOT_PREFIX}*"):
         if stale.is_dir() and not stale.is_symlink() and stale.resolve() not in _LIVE_SNAPSHOTS:
             shutil.rmtree(stale, ignore_errors=True)
-    snapshot = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=folder)).resolve()
+    snapshot = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=into)).resolve()
     _LIVE_SNAPSHOTS.add(snapshot)
     try:
-        files = []
-        for item in sorted(folder.iterdir()):
-            if item.name.startswith(("_", f"{PREFIX_CHECKPOINT_DIR}-")) or item.name.startswith(".") and item.is_dir():
-                continue  # as the Trainer's upload (and a save's hidden staging folders)
-            paths = sorted(p for p in item.rglob("*") if p.is_file()) if item.is_dir() else [item]
-            files += [p.relative_to(folder).as_posix() for p in paths]
         link_files(folder, files, snapshot)
         return snapshot
     except BaseException:
@@ -143,10 +257,14 @@ def snapshot_for_upload(folder) -> Path:
         raise
 
 
-def upload_snapshot(snapshot: Path, repo_id: str, **kwargs):
-    """`upload_adapter_folder` of a `snapshot_for_upload`, which it removes once the upload ends, however it ends."""
+def upload_snapshot(snapshot: Path, repo_id: str, *, path_in_repo: str | None = None, **kwargs):
+    """`upload_adapter_folder` of a `snapshot_for_upload` (with `path_in_repo`, huggingface_hub's `upload_folder` of
+    a checkpoint's snapshot into that folder of the repo), which it removes once the upload ends, however it ends."""
     try:
-        return upload_adapter_folder(snapshot, repo_id, **kwargs)
+        if path_in_repo is None:
+            return upload_adapter_folder(snapshot, repo_id, **kwargs)
+        return HfApi(token=kwargs.pop("token")).upload_folder(repo_id=repo_id, folder_path=snapshot,
+                                                              path_in_repo=path_in_repo, **kwargs)
     finally:
         shutil.rmtree(snapshot, ignore_errors=True)
         _LIVE_SNAPSHOTS.discard(Path(snapshot).resolve())
@@ -166,16 +284,17 @@ def remote_tokenizer_config(api: HfApi, repo_id: str, revision: str | None) -> s
 
 
 def push_adapter(model, repo_id: str, *, private=None, token=None, revision=None, commit_message=None,
-                 create_pr: bool = False):
+                 create_pr: bool = False, base_model_id: str | None = None):
     """`model.push_to_hub`: saves the adapter into a temporary folder and uploads that folder in one commit (see
     `CausalAdapterMixin.push_to_hub`)."""
     token = check_push(repo_id, token=token, revision=revision, create_pr=create_pr)
+    check_base_for_push(model.config.base_model_name_or_path, base_model_id)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / repo_id.split("/")[-1]  # the card names the folder; the upload retargets it
         model.save_pretrained(folder)
         return upload_adapter_folder(folder, repo_id, token=token, private=private, revision=revision,
-                                     commit_message=commit_message, create_pr=create_pr)
+                                     commit_message=commit_message, create_pr=create_pr, base_model_id=base_model_id)
 
 
-__all__ = ["REMOTE_CODE_MODULES", "check_push", "link_files", "push_adapter", "remote_tokenizer_config",
-           "snapshot_for_upload", "upload_adapter_folder", "upload_snapshot"]
+__all__ = ["REMOTE_CODE_MODULES", "adapter_upload_files", "check_base_for_push", "check_push", "checkpoint_upload_files", "is_hub_id",
+           "link_files", "point_at_hub_base", "push_adapter", "remote_tokenizer_config", "snapshot_for_upload", "upload_adapter_folder", "upload_snapshot"]

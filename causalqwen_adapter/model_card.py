@@ -45,6 +45,13 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
                        "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 # Framework versions named in the card; the package itself only when it is installed.
 _VERSIONED = ("causalqwen-adapter", "torch", "transformers", "huggingface_hub", "safetensors")
+# Said of an adapter whose base is a local folder (the card of a folder never pushed: a push names a Hub id instead,
+# `hub.point_at_hub_base`, which removes this note by its exact text).
+LOCAL_BASE_NOTE = ("The base is named by the absolute path of a local folder on the machine that saved it: elsewhere, "
+                   "pass `base_model=` (a folder or Hub id of the same base) to `from_pretrained`.")
+PROJECT_URL = "https://pypi.org/project/causalqwen-adapter/"
+# A local data file named in the training record is never a Hub dataset id, wherever the card is rendered.
+_DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt", ".gz", ".zst")
 
 
 # --------------------------------------------------------------------------------------- rendering
@@ -97,6 +104,8 @@ def render_model_card(folder, config: dict, *, model_id: str, training_summary: 
     Sizes come from `folder/model.safetensors`, or from `weights` ({"bytes": None, "parameters", "dtypes"}) when
     the folder has none yet. Raises `CardUnavailable` without the template or jinja2.
     """
+    from .configuration_causalqwen import TRANSFORMERS_SUPPORTED  # remote code too; imported late (it imports torch)
+
     folder = Path(folder)
     template = _template_path()
     text_config = config.get("text_config") or {}
@@ -105,7 +114,8 @@ def render_model_card(folder, config: dict, *, model_id: str, training_summary: 
     base_model = base_name if _is_hub_id(base_name) else None
     training = _training_section(training_summary)
 
-    hub_datasets = [d for d in training["datasets"] if _is_hub_id(d)] if training else []
+    hub_datasets = [d for d in training["datasets"] if _is_hub_id(d) and not d.lower().endswith(_DATA_FILE_SUFFIXES)
+                    ] if training else []
     base_card = _base_card_metadata(base_name, base_revision)
     card_data = ModelCardData(
         base_model=base_model,
@@ -137,6 +147,9 @@ def render_model_card(folder, config: dict, *, model_id: str, training_summary: 
             weights_dtypes=", ".join(weights["dtypes"]),
             lora_bytes=lora_bytes,
             lora_size=_human_bytes(lora_bytes) if lora_bytes is not None else None,
+            local_base_note=LOCAL_BASE_NOTE,
+            transformers_range=TRANSFORMERS_SUPPORTED,  # what the modeling code checks at load
+            project_url=PROJECT_URL,
             training=training,
             versions=_framework_versions(),
         )
@@ -154,6 +167,19 @@ def retarget_model_card(text: str, model_id: str) -> str:
     snippet = 'from_pretrained("{}", trust_remote_code=True)'
     text = text.replace(snippet.format(old), snippet.format(model_id))
     return re.sub(rf"^# {re.escape(old)}$", lambda _: f"# {model_id}", text, count=1, flags=re.MULTILINE)
+
+
+def card_with_base(text: str, old: str, new: str) -> str:
+    """The card of an adapter on the base `old` (a local folder or a Hub id), naming the Hub id `new` instead: the
+    `base_model` metadata (with `base_model_relation: adapter`), the base's mentions and no local-folder note."""
+    card = ModelCard(text)
+    card.data.base_model = new
+    card.data.base_model_relation = "adapter"
+    linked = f"[{new}](https://huggingface.co/{new})"
+    body = card.text.replace(" " + LOCAL_BASE_NOTE, "")
+    if old:
+        body = body.replace(f"[{old}](https://huggingface.co/{old})", linked).replace(f"`{old}`", linked)
+    return f"---\n{card.data.to_yaml()}\n---\n{body}"
 
 
 def _template_path() -> Path:

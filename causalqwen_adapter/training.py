@@ -10,6 +10,7 @@ metrics by name.
 - `LossMetricsMixin`: the metrics the model's loss returns, averaged per logging window across ranks.
 """
 
+import copy
 import inspect
 import json
 import os
@@ -115,6 +116,12 @@ class CausalHeadArguments:
     threshold_lr_ratio: float = field(
         default=1.0,
         metadata={"help": "Learning rate of the learnable per-token thresholds C_k as a multiple of learning_rate."},
+    )
+    hub_base_model_id: str | None = field(
+        default=None,
+        metadata={"help": "With push_to_hub: the Hub id of the base (e.g. Qwen/Qwen2.5-0.5B-Instruct), written into "
+                  "the pushed config.json and model card in place of a local base folder, which nobody else could "
+                  "load. Required when the base is a local folder; output_dir keeps naming the folder."},
     )
 
     def __post_init__(self):
@@ -246,6 +253,16 @@ class HeadLearningRatesMixin:
         return optimizer
 
 
+def save_training_args(args, folder: Path) -> None:
+    """`training_args.bin` as the Trainer writes it, without `hub_token`: the file is a pickle of the whole
+    arguments, a checkpoint pushed with `hub_strategy` checkpoint/all_checkpoints uploads it, and a resume never
+    reads the token from it."""
+    if getattr(args, "hub_token", None) is not None:
+        args = copy.copy(args)
+        args.hub_token = None
+    torch.save(args, Path(folder) / TRAINING_ARGS_NAME)
+
+
 def install_adapter_copy(source: Path, target: Path) -> None:
     """Copy the adapter files of the saved folder `source` (a trainer's checkpoint) into `target` as a save writes
     them (`adapter_io.install_folder`): nothing else of `source` (optimizer state), and a tokenizer of the user's in
@@ -284,13 +301,28 @@ class AdapterCheckpointMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """The Trainer's (at `__init__` with `push_to_hub=True`, or at the first push), after checking the base the
+        pushes will name (`hub.check_base_for_push`): a local base without `hub_base_model_id` is refused before a
+        repo is created or a step is trained."""
+        self._check_hub_base()
+        super().init_hf_repo(token=token, private=private)
+
+    def _check_hub_base(self) -> None:
+        from .hub import check_base_for_push
+
+        config = self.accelerator.unwrap_model(self.model).config
+        check_base_for_push(config.base_model_name_or_path, getattr(self.args, "hub_base_model_id", None),
+                            via="trainer")
+
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
                     revision=None, private=None, **kwargs):
         """The Trainer's `push_to_hub` (also what `push_to_hub=True` runs when training ends): saves the adapter into
         `output_dir`, waits for the pushes in flight (theirs are older files), and uploads a snapshot of the folder as
         `model.push_to_hub` uploads an adapter (`hub.upload_adapter_folder`): the card retargeted to `hub_model_id`
         (in the upload; `output_dir`'s stays), a tokenizer the repo holds kept, the stale LoRA and remote code of an
-        earlier push deleted; `checkpoint-*` and `_*` left out, as the Trainer leaves them. `kwargs` go to
+        earlier push deleted; only the adapter's files (`hub.adapter_upload_files`): never `training_args.bin`, a
+        checkpoint, a link or another file of `output_dir`. `kwargs` go to
         `create_model_card` (`dataset_name`, `tags`). Returns the `CommitInfo`, or its `Future` with
         `blocking=False`."""
         from .hub import snapshot_for_upload, upload_snapshot  # sharing is the installed package's (hub.py)
@@ -300,6 +332,7 @@ class AdapterCheckpointMixin:
         token = token if token is not None else self.args.hub_token
         if self.hub_model_id is None:
             self.init_hf_repo(token=token, private=private)
+        self._check_hub_base()
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
@@ -308,12 +341,28 @@ class AdapterCheckpointMixin:
         tags += [t for t in getattr(self.model, "model_tags", None) or [] if t not in tags]
         self.create_model_card(tags=tags or None, **kwargs)
         self._finish_current_push()  # a save's push landing after this one would put older heads back
-        snapshot = snapshot_for_upload(self.args.output_dir)
-        options = dict(token=token, private=private, commit_message=commit_message,
-                       revision=revision if revision is not None else self.args.hub_revision)
+        snapshot = snapshot_for_upload(self.args.output_dir)  # the adapter's files only
+        options = dict(token=token, private=private, commit_message=commit_message, via="trainer",
+                       revision=revision if revision is not None else self.args.hub_revision,
+                       base_model_id=getattr(self.args, "hub_base_model_id", None))
         if blocking:
             return upload_snapshot(snapshot, self.hub_model_id, **options)
-        return self._hub_jobs().run_as_future(upload_snapshot, snapshot, self.hub_model_id, **options)
+        return self._hub_jobs().run_as_future(self._reported_push, snapshot, self.hub_model_id, **options)
+
+    def _reported_push(self, snapshot, repo_id: str, **options):
+        """`hub.upload_snapshot` in the background, a failure logged at once and kept for the end of `train()` (a
+        failed background push raised in a Future nobody reads: training reported success, the repo stayed behind)."""
+        from .hub import upload_snapshot
+
+        try:
+            return upload_snapshot(snapshot, repo_id, **options)
+        except Exception as err:
+            what = f"{repo_id}/{options['path_in_repo']}" if options.get("path_in_repo") else repo_id
+            failure = f"{options.get('commit_message') or 'push'} to {what}: {type(err).__name__}: {err}"
+            self._failed_pushes = [*getattr(self, "_failed_pushes", []), failure]
+            logger.warning(f"pushing to the Hub failed ({failure}); training goes on and the files stay in "
+                           f"{self.args.output_dir}: push them later with trainer.push_to_hub()")
+            raise
 
     def _hub_jobs(self):
         """The run's queue of background pushes (an `HfApi`'s; every job passes its token): its commits land in the
@@ -331,7 +380,7 @@ class AdapterCheckpointMixin:
         code and card (it could not be loaded) and the base's tokenizer files in `output_dir`. This installs the
         checkpoint's adapter files into `output_dir` (as a save does) and uploads it as `push_to_hub`; the checkpoint
         itself goes to `last-checkpoint/` or `checkpoint-N/` of the repo as the Trainer sends it."""
-        from .hub import snapshot_for_upload, upload_snapshot
+        from .hub import checkpoint_upload_files, snapshot_for_upload
 
         args = self.args
         if not self.is_world_process_zero() or args.hub_strategy == HubStrategy.END:
@@ -341,19 +390,21 @@ class AdapterCheckpointMixin:
         self.callback_handler.on_push_begin(args, self.state, self.control)
         output_dir = Path(args.output_dir)
         install_adapter_copy(Path(checkpoint_folder), output_dir)
-        torch.save(args, output_dir / TRAINING_ARGS_NAME)
+        save_training_args(args, output_dir)
         commit_message = (f"Training in progress, step {self.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
                           else f"Training in progress, epoch {int(self.state.epoch)}")
         api = self._hub_jobs()
-        jobs = [api.run_as_future(upload_snapshot, snapshot_for_upload(output_dir), self.hub_model_id,
-                                  token=args.hub_token, revision=args.hub_revision, commit_message=commit_message)]
+        # snapshots taken now, on the training loop: the files of this save, whatever later saves and rotation do
+        jobs = [api.run_as_future(self._reported_push, snapshot_for_upload(output_dir), self.hub_model_id,
+                                  token=args.hub_token, revision=args.hub_revision, commit_message=commit_message,
+                                  base_model_id=getattr(args, "hub_base_model_id", None), via="trainer")]
         if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
-            path_in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
-            jobs.append(api.upload_folder(
-                repo_id=self.hub_model_id, folder_path=checkpoint_folder, path_in_repo=path_in_repo,
-                commit_message=commit_message + ", checkpoint", revision=args.hub_revision, token=args.hub_token,
-                run_as_future=True,
-            ))
+            checkpoint = Path(checkpoint_folder)
+            path_in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else checkpoint.name
+            snapshot = snapshot_for_upload(checkpoint, checkpoint_upload_files(checkpoint), into=output_dir)
+            jobs.append(api.run_as_future(self._reported_push, snapshot, self.hub_model_id, path_in_repo=path_in_repo,
+                                          token=args.hub_token, revision=args.hub_revision,
+                                          commit_message=commit_message + ", checkpoint"))
         if self.push_in_progress is None or self.push_in_progress.is_done():
             self.push_in_progress = PushInProgress(jobs)
         else:
@@ -413,7 +464,13 @@ class AdapterCheckpointMixin:
             resume_from_checkpoint = self._last_complete_checkpoint()
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             check_resumable(Path(resume_from_checkpoint))
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        self._failed_pushes = []
+        output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)  # waits for the pushes in flight
+        if self._failed_pushes:
+            logger.warning(f"{len(self._failed_pushes)} of this run's pushes to the Hub failed, so the repo "
+                           f"{self.hub_model_id} may hold older files than {self.args.output_dir}: "
+                           + "; ".join(self._failed_pushes) + ". Push again with trainer.push_to_hub().")
+        return output
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """The Trainer's; under DeepSpeed a resume loads checkpoints without the frozen base
@@ -453,7 +510,7 @@ class AdapterCheckpointMixin:
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         model.training_summary = self._training_summary()  # rendered into the adapter's README.md
         model.save_pretrained(output_dir, state_dict=state_dict)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        save_training_args(self.args, Path(output_dir))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Load the adapter tensors of a checkpoint (the Trainer's version expects full weights)."""

@@ -35,7 +35,13 @@ from safetensors.torch import load as load_safetensors
 import causalqwen_adapter.model_card as model_card
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import adapter_file_names
-from causalqwen_adapter.hub import REMOTE_CODE_MODULES, snapshot_for_upload, upload_adapter_folder
+from causalqwen_adapter.hub import (
+    REMOTE_CODE_MODULES,
+    adapter_upload_files,
+    checkpoint_upload_files,
+    snapshot_for_upload,
+    upload_adapter_folder,
+)
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG
 from causalqwen_adapter.trainer import CausalSFTTrainer
 
@@ -504,12 +510,13 @@ def test_push_as_a_pull_request(hub, trained):
 
 def _push_trainer(sft_base, out, peft_config=None, **overrides):
     args = _args(out, **{"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "push_to_hub": True,
-                         "hub_model_id": "user/tiny-causal", "hub_token": TOKEN, **overrides})
+                         "hub_model_id": "user/tiny-causal", "hub_token": TOKEN, "hub_base_model_id": BASE_ID,
+                         **overrides})
     return CausalSFTTrainer(str(sft_base), args=args, train_dataset=_prompt_completion(), peft_config=peft_config)
 
 
 def _uploadable(folder: Path) -> dict[str, bytes]:
-    return {k: v for k, v in _files(folder).items() if not k.startswith("checkpoint-")}
+    return {name: (folder / name).read_bytes() for name in adapter_upload_files(folder)}
 
 
 @pytest.mark.parametrize("strategy, lora", [("every_save", False), ("checkpoint", True)])
@@ -541,7 +548,9 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
             (pushed / name).parent.mkdir(parents=True, exist_ok=True)
             (pushed / name).write_bytes(data)
     step = int(in_training[-1]["summary"].rsplit(" ", 1)[1])
-    loaded = CausalQwenForCausalLM.from_pretrained(pushed)
+    assert json.loads(main["config.json"])["base_model_name_or_path"] == BASE_ID  # never the local folder
+    assert json.loads((out / "config.json").read_text())["base_model_name_or_path"] == str(sft_base)
+    loaded = CausalQwenForCausalLM.from_pretrained(pushed, base_model=sft_base)
     saved = load_safetensors((out / f"checkpoint-{step}" / "model.safetensors").read_bytes())
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in saved.items())
     lora_file = "lora/adapter_model.safetensors"
@@ -554,12 +563,19 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
     commit = trainer.push_to_hub(dataset_name="tiny-pairs")
     assert hub.commits[-1]["summary"] == "End of training" and commit.oid == hub.commits[-1]["oid"]
     local = _uploadable(out)
-    assert not {"tokenizer.json", "chat_template.jinja"} & set(local)  # never the base's tokenizer
+    assert not {"tokenizer.json", "chat_template.jinja"} & set(_files(out))  # never the base's tokenizer
     assert json.loads(local["tokenizer_config.json"]) == TOKENIZER_CONFIG
     uploaded = {k: v for k, v in main.items() if not k.startswith("last-checkpoint/")}
-    assert set(uploaded) == set(local) and all(uploaded[k] == v for k, v in local.items() if k != "README.md")
+    assert set(uploaded) == set(local)
+    assert all(uploaded[k] == v for k, v in local.items() if k not in ("README.md", "config.json"))
+    local_config = json.loads(local["config.json"])  # the base named by its Hub id, nothing else changed
+    assert json.loads(uploaded["config.json"]) == {**local_config, "base_model_name_or_path": BASE_ID}
     card = main["README.md"].decode()
-    assert card == model_card.retarget_model_card(local["README.md"].decode(), "user/tiny-causal")  # output_dir's as it was
+    local_card = local["README.md"].decode()  # output_dir's as it was, retargeted and naming the base's Hub id
+    assert card == model_card.retarget_model_card(model_card.card_with_base(local_card, str(sft_base), BASE_ID),
+                                                  "user/tiny-causal")
+    assert model_card.LOCAL_BASE_NOTE in local_card and model_card.LOCAL_BASE_NOTE not in card
+    assert str(sft_base) not in card and _card(card)[0]["base_model"] == BASE_ID
     assert 'AutoModelForCausalLM.from_pretrained("user/tiny-causal", trust_remote_code=True)' in card
     assert "tiny-pairs" in card
     assert not list(out.glob("_hub_push.*"))  # every snapshot removed once uploaded
@@ -568,12 +584,13 @@ def test_trainer_push_to_hub_uploads_loadable_adapters(hub, sft_base, tmp_path, 
 
 
 def test_a_snapshot_for_upload_holds_what_the_trainer_uploads_whatever_saves_do_next(tmp_path):
-    """The files a Trainer uploads of output_dir, frozen: a later save's swap, a rotated checkpoint or a staging
-    folder appearing do not reach the snapshot a background upload reads, and the card it rewrites is its own."""
+    """The adapter's files of output_dir, frozen: a later save's swap, a rotated checkpoint or a staging folder
+    appearing do not reach the snapshot a background upload reads, and the card it rewrites is its own. Nothing
+    but the adapter's files goes in: not the Trainer's training_args.bin, a hidden file, a checkpoint."""
     out = tmp_path / "out"
-    files = {"config.json": b"{}", "model.safetensors": b"heads v1", "README.md": b"card", "lora/adapter.bin": b"l",
-             ".gitattributes": b"*.safetensors lfs", "training_args.bin": b"args"}
-    skipped = {"checkpoint-2/model.safetensors": b"old", "_notes": b"x", ".out.abcdefgh.tmp/model.safetensors": b"s"}
+    files = {"config.json": b"{}", "model.safetensors": b"heads v1", "README.md": b"card", "lora/adapter.bin": b"l"}
+    skipped = {"checkpoint-2/model.safetensors": b"old", "_notes": b"x", ".out.abcdefgh.tmp/model.safetensors": b"s",
+               ".gitattributes": b"*.safetensors lfs", "training_args.bin": b"args", ".env": b"HF_TOKEN=hf_x"}
     for name, data in {**files, **skipped}.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(data)
@@ -788,10 +805,27 @@ def test_card_of_fresh_heads_on_a_local_base(tied_base, tmp_path):
     assert "| OvR threshold | -0.6931 (fixed), relative: compared with log softmax(loc_S) |" in body and "| initial scale γ₀ / `b_noise` | 0.005 / 0.01 |" in body
     assert ("| training loss | OvR over each position's 16 most likely tokens and the target + 1.0 × the softmax "
             "cross-entropy of loc_S |") in body
-    assert "`logits` are `loc_S + log P_k`" in body
-    CausalQwenForCausalLM.from_base(base, ovr_distribution="normalize", gamma_init=0.5).save_pretrained(tmp_path / "n")
-    _, body = _card((tmp_path / "n" / "README.md").read_text())
-    assert "(`ovr_distribution=\"normalize\"`) the returned `logits` are `log P_k`" in body and "0.5 / 0.01" in body
+    # the default acceptance (accept_once), the vocabulary's size, what it is for and what it needs
+    assert "(`ovr_distribution=\"accept_once\"`)" in body and "replaced once by a fresh draw" in body
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    assert f"scores `S` over the {vocab}-entry vocabulary" in body
+    assert "## Intended use and limitations" in body and "they tie an ordinary softmax head" in body
+    assert "Requires `transformers>=5.20,<5.25`" in body and model_card.PROJECT_URL in body
+    assert model_card.LOCAL_BASE_NOTE in body
+    for choice, text in (("normalize", "(`ovr_distribution=\"normalize\"`) the returned `logits` are `log P_k`"),
+                         ("accept", "(`ovr_distribution=\"accept\"`) the returned `logits` are `loc_S + log P_k`")):
+        CausalQwenForCausalLM.from_base(base, ovr_distribution=choice, gamma_init=0.5).save_pretrained(tmp_path / choice)
+        _, body = _card((tmp_path / choice / "README.md").read_text())
+        assert text in body and "0.5 / 0.01" in body
+
+
+def test_a_local_data_file_is_never_card_metadata(trained, tmp_path):
+    """A training file's name (`data/train.jsonl` reads as a repo id) stays in the training record, out of the
+    `datasets:` metadata the Hub links to dataset repos."""
+    trained.training_summary = {**trained.training_summary, "datasets": ["data/train.jsonl", "someone/tiny-corpus"]}
+    trained.save_pretrained(tmp_path / "a")
+    meta, body = _card((tmp_path / "a" / "README.md").read_text())
+    assert meta["datasets"] == ["someone/tiny-corpus"] and "`data/train.jsonl`" in body
 
 
 @pytest.mark.parametrize("problem", ["no template", "no jinja2", "render error"])
@@ -835,3 +869,177 @@ def test_retarget_model_card_changes_only_the_names():
     out = model_card.retarget_model_card(text, "user/run-3")
     assert out == text.replace("# run-3", "# user/run-3").replace('"run-3", trust', '"user/run-3", trust')
     assert model_card.retarget_model_card("# a card of someone else\n", "user/x") == "# a card of someone else\n"
+
+
+# --------------------------------------------------------------------------------------- what a push never uploads
+
+
+def _uploaded_bytes(hub) -> dict[str, bytes]:
+    return {f"{repo}@{rev}/{name}": data for repo, revs in hub.repos.items() for rev, files in revs.items()
+            for name, data in files.items()}
+
+
+def _plant_secrets(out: Path, tmp_path: Path) -> bytes:
+    """What a user's output_dir may hold beside the adapter: links to a key and a private folder, a hidden .env, a
+    private data file. Returns the secret bytes none of which may reach the Hub."""
+    secret = b"-----BEGIN OPENSSH PRIVATE KEY----- not for the hub"
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "id_rsa").write_bytes(secret)
+    (private / "records.jsonl").write_bytes(secret)
+    (out / "notes.txt").symlink_to(private / "id_rsa")
+    (out / "data").symlink_to(private, target_is_directory=True)
+    (out / ".env").write_bytes(secret)
+    (out / "train-private.jsonl").write_bytes(secret)
+    return secret
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint", "all_checkpoints", "end"])
+def test_trainer_pushes_upload_the_adapter_and_nothing_else(hub, sft_base, tmp_path, strategy):
+    """Links in output_dir (to a key, to a private folder), hidden and private files and the Trainer's
+    training_args.bin (a pickle holding hub_token) never reach the Hub, at a save's push or the end's; the token is
+    in no uploaded byte, checkpoints included."""
+    out = tmp_path / "out"
+    trainer = _push_trainer(sft_base, out, hub_strategy=strategy)
+    trainer.train()
+    secret = _plant_secrets(out, tmp_path)
+    if strategy != "end":
+        trainer._push_from_checkpoint(str(out / "checkpoint-4"))
+        trainer._finish_current_push()
+    trainer.push_to_hub()
+    main = hub.repos["user/tiny-causal"]["main"]
+    top = {name for name in main if "/" not in name or name.startswith("lora/")}
+    assert top == set(adapter_upload_files(out)) and "training_args.bin" not in top
+    assert {"config.json", "model.safetensors", "README.md", "modeling_causalqwen.py"} <= top
+    for name, data in _uploaded_bytes(hub).items():
+        assert secret not in data and TOKEN.encode() not in data, name
+    if strategy in ("checkpoint", "all_checkpoints"):  # the checkpoint keeps what a resume needs, the token redacted
+        prefix = "last-checkpoint/" if strategy == "checkpoint" else "checkpoint-4/"
+        assert {prefix + n for n in ("optimizer.pt", "trainer_state.json", "training_args.bin")} <= set(main)
+        assert torch.load(out / "checkpoint-4" / "training_args.bin", weights_only=False).hub_token is None
+    assert trainer.args.hub_token == TOKEN  # the run's own arguments keep it
+    assert not list(out.glob("_hub_push.*"))
+
+
+@pytest.mark.parametrize("link", ["tokenizer_config.json", "lora"])
+def test_a_link_among_the_adapters_files_is_refused_before_any_request(hub, sft_base, tmp_path, link):
+    out = tmp_path / "out"
+    trainer = _push_trainer(sft_base, out, hub_strategy="end")
+    trainer.train()
+    trainer.save_model()
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "id_rsa").write_bytes(b"secret")
+    if link == "lora":
+        (out / "lora").symlink_to(private, target_is_directory=True)
+    else:
+        (out / link).unlink()
+        (out / link).symlink_to(private / "id_rsa")
+    commits = len(hub.commits)
+    with pytest.raises(ValueError, match="symbolic link.*Nothing was uploaded"):
+        snapshot_for_upload(out)
+    if link == "tokenizer_config.json":  # kept by the save as the user's own, refused by the push
+        with pytest.raises(ValueError, match="symbolic link.*Nothing was uploaded"):
+            trainer.push_to_hub()
+    assert len(hub.commits) == commits and not list(out.glob("_hub_push.*"))
+
+
+def test_a_checkpoints_links_are_left_out(tmp_path, caplog):
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"heads")
+    (checkpoint / "notes.txt").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_bytes(b"secret")
+    assert checkpoint_upload_files(checkpoint) == ["model.safetensors"]
+    assert "notes.txt is a symbolic link: not uploaded" in caplog.text
+
+
+def test_all_checkpoints_reach_the_hub_though_rotation_deletes_them_first(hub, sft_base, tmp_path, monkeypatch):
+    """hub_strategy="all_checkpoints", save_total_limit=1, hub_always_push: each checkpoint's upload is queued
+    behind slow ones and rotation deletes the folder before it runs; the snapshot taken at the save still holds it."""
+    import time
+
+    import causalqwen_adapter.hub as hub_module
+
+    upload = hub_module.upload_snapshot
+
+    def slow(snapshot, repo_id, **kwargs):
+        time.sleep(0.5)
+        return upload(snapshot, repo_id, **kwargs)
+
+    monkeypatch.setattr(hub_module, "upload_snapshot", slow)
+    out = tmp_path / "out"
+    trainer = _push_trainer(sft_base, out, max_steps=6, hub_strategy="all_checkpoints", save_total_limit=1,
+                            hub_always_push=True)
+    trainer.train()
+    assert not trainer._failed_pushes
+    main = hub.repos["user/tiny-causal"]["main"]
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-6"]
+    for step in (2, 4, 6):
+        assert f"checkpoint-{step}/model.safetensors" in main and f"checkpoint-{step}/optimizer.pt" in main
+
+
+def test_a_failed_background_push_warns_at_once_and_at_the_end_of_training(monkeypatch, no_token, sft_base, tmp_path,
+                                                                           caplog):
+    with _serve(monkeypatch, xet=False, fail_commit=True):
+        trainer = _push_trainer(sft_base, tmp_path / "out", hub_strategy="every_save", hub_always_push=True)
+        trainer.train()
+    failures = trainer._failed_pushes
+    assert len(failures) == 2 and all("Training in progress" in f and "500" in f for f in failures)
+    assert caplog.text.count("pushing to the Hub failed") == 2
+    assert "2 of this run's pushes to the Hub failed" in caplog.text and "trainer.push_to_hub()" in caplog.text
+
+
+# --------------------------------------------------------------------------------------- the base a push names
+
+
+def test_a_local_base_is_never_pushed_as_is(hub, tied_base, tmp_path):
+    """An adapter on a local folder: model.push_to_hub refuses before any request, naming the argument; with
+    base_model_id the pushed config and card name the Hub id, the model keeps its own base."""
+    model = CausalQwenForCausalLM.from_base(tied_base)
+    with pytest.raises(ValueError, match=r"is a folder on this machine.*base_model_id=.*Nothing was uploaded"):
+        model.push_to_hub("user/tiny-causal", token=TOKEN)
+    for bad in (str(tied_base), "not a repo id!"):
+        with pytest.raises(ValueError, match="base_model_id=.*Hub id of the base"):
+            model.push_to_hub("user/tiny-causal", token=TOKEN, base_model_id=bad)
+    assert hub.requests == []
+    model.push_to_hub("user/tiny-causal", token=TOKEN, base_model_id=BASE_ID)
+    main = hub.repos["user/tiny-causal"]["main"]
+    assert json.loads(main["config.json"])["base_model_name_or_path"] == BASE_ID
+    meta, body = _card(main["README.md"].decode())
+    assert meta["base_model"] == BASE_ID and meta["base_model_relation"] == "adapter"
+    assert str(tied_base) not in body and model_card.LOCAL_BASE_NOTE not in body
+    assert f"[{BASE_ID}](https://huggingface.co/{BASE_ID})" in body
+    assert model.config.base_model_name_or_path == str(tied_base)
+
+
+def test_a_trainer_on_a_local_base_refuses_push_to_hub_before_training(hub, sft_base, tmp_path):
+    with pytest.raises(ValueError, match="is a folder on this machine.*--hub_base_model_id"):
+        _push_trainer(sft_base, tmp_path / "out", hub_base_model_id=None)
+    assert hub.requests == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("version, outcome", [("4.57.1", "refused"), ("5.30.0", "warned"), ("5.23.0", "quiet")])
+def test_the_remote_code_names_the_transformers_range_it_runs_on(monkeypatch, version, outcome):
+    """The first remote module an Auto class imports checks the version before anything can fail on a missing name."""
+    import importlib.util
+    import warnings
+
+    import transformers
+
+    import causalqwen_adapter.configuration_causalqwen as configuration
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    spec = importlib.util.spec_from_file_location("causalqwen_adapter._version_probe", configuration.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if outcome == "refused":
+            with pytest.raises(ImportError, match=rf"needs transformers>=5.20,<5.25, and transformers {version}"):
+                spec.loader.exec_module(module)
+            return
+        spec.loader.exec_module(module)
+    said = [str(w.message) for w in caught if "transformers" in str(w.message)]
+    assert (said == []) == (outcome == "quiet")
+    if outcome == "warned":
+        assert "tested on transformers>=5.20,<5.25" in said[0]
