@@ -1,10 +1,10 @@
 """Benchmark: how long the first ``generate()`` of a fresh process takes, each inference mode against the base model
 (demo base, bf16, batch 1, greedy, --new-tokens tokens).
 
-The OvR modes' decode step runs kernels the base does not: where the C kernels of ``cpu_kernels.py`` run, nothing is
+The OvR modes' decode step runs kernels the base does not: where the C kernels of ``kernels/cpu.py`` run, nothing is
 compiled at the first call (their library is built once per machine, into PyTorch's extensions cache, which this bench
 warms first); on CPUs without them the installed package's operators run ``torch.compile``d kernels
-(``compiled_kernels.py``), whose first call compiles: the variant "standard (compiled kernels)" forces that path to
+(``kernels/compiled.py``), whose first call compiles: the variant "standard (compiled kernels)" forces that path to
 show its cost. "standard (eager, the remote code's path)" runs no operator, as an adapter folder loaded without the
 package does. Each variant runs in its own process with an empty
 TorchInductor cache (--warm-inductor: one shared cache, filled by an untimed first round), so the figure is what a
@@ -32,7 +32,7 @@ def _child(base: str, variant: str, new_tokens: int) -> dict:
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernels, heads, modeling_causalqwen
+    from causalqwen_adapter import CausalQwenForCausalLM, heads, kernels, modeling_causalqwen
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
@@ -41,7 +41,7 @@ def _child(base: str, variant: str, new_tokens: int) -> dict:
         model = CausalQwenForCausalLM.from_base(model).eval()
         kwargs["inference_mode"] = variant.split()[0]
     if variant == "standard (compiled kernels)":  # as on a CPU without the C kernels
-        cpu_kernels.c_cauchy_linear_applies = cpu_kernels.c_ovr_scores_applies = lambda *args: False
+        kernels.cpu.c_cauchy_linear_applies = kernels.cpu.c_ovr_scores_applies = lambda *args: False
     if variant.startswith("standard (eager"):  # no causalqwen operator, as without the package
         heads.run_operator = modeling_causalqwen.run_operator = lambda name, *args: None
     input_ids = AutoTokenizer.from_pretrained(base)("The three laws of thermodynamics are", return_tensors="pt").input_ids

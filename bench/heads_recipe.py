@@ -30,7 +30,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
 from causalqwen_adapter.evaluation import EvaluationAccumulator, confidence_table, markdown_table, score_hidden_states
-from causalqwen_adapter.training import SCALE_PARAMETERS, calibrate_threshold_on_features, learning_rate_ratio
+from causalqwen_adapter.training import calibrate_threshold_on_features, learning_rate_ratio
+from causalqwen_adapter.training.mixins import SCALE_PARAMETERS
 
 TRAIN_MODULES = [
     "argparse", "configparser", "tokenize", "inspect", "typing", "dis", "ast", "dataclasses", "enum", "functools",
@@ -130,7 +131,7 @@ def scale_quantiles(model, z, limit=4096):
 
 
 def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio, fused=False, scale_lr_ratio=1.0):
-    """AdamW with the trainer's per-role learning rates (see training.HeadLearningRatesMixin), the scale path (W_scale,
+    """AdamW with the trainer's per-role learning rates (see training.mixins.HeadLearningRatesMixin), the scale path (W_scale,
     b_scale, b_noise) at `scale_lr_ratio` × `learning_rate`; `fused`: torch's one-kernel AdamW (the same update, about
     10× faster on a 151,936 × 896 W_A on one CPU thread)."""
     groups = {}

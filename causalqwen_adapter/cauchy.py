@@ -157,7 +157,7 @@ def ovr_decision_scores(loc_S, scale_S, threshold, relative: bool, distribution:
     ``distribution`` up to a constant: loc_S + log P_k (``accept``), log P_k (``normalize``), or
     log softmax(loc_S)_k + log(1 − A + P_k) (``accept_once``). ``log_P`` may be passed when the caller has it.
 
-    One function of whole rows, so that the installed package can compile it into one kernel (compiled_kernels.py);
+    One function of whole rows, so that the installed package can compile it into one kernel (kernels/compiled.py);
     the remote code runs it eagerly.
     """
     loc = loc_S.float()

@@ -22,10 +22,9 @@ from .training import (
     HeadLearningRatesMixin,
     LossMetricsMixin,
     check_output_dir,
-    check_unsupported_flags,
-    config_argument,
     prepare_causal_model,
 )
+from .training.arguments import check_unsupported_flags, config_argument
 
 
 @dataclass

@@ -54,9 +54,9 @@ def check_push(repo_id: str, *, token=None, revision: str | None = None, create_
 # The remote-code modules adapters of this package have shipped, from the first release on (the `modeling_causalqwen`
 # import closure of every version; `cpu_kernel` compiled C and is gone). A push deletes those of an earlier push that
 # the new adapter lacks, and never another `.py` file: a repo's `handler.py` or `scripts/` are its owner's.
-REMOTE_CODE_MODULES = ("adapter_folder", "adapter_io", "base_loading", "cauchy", "configuration_causalqwen", "cpu_kernel",
-                       "dispatch", "generation", "heads", "lm_loss", "losses", "model_card", "modeling_causalqwen", "numeric", "sharding",
-                       "tokenization_causalqwen")
+REMOTE_CODE_MODULES = ("adapter_folder", "adapter_io", "base_loading", "candidate_loss", "cauchy",
+                       "configuration_causalqwen", "cpu_kernel", "dispatch", "generation", "heads", "lm_loss", "losses",
+                       "model_card", "modeling_causalqwen", "numeric", "sharding", "tokenization_causalqwen")
 # Remote files of an earlier push that go when the new adapter lacks them (patterns of huggingface_hub's
 # `upload_folder(delete_patterns=...)`, matched against whole repo paths with fnmatch: none reaches into a folder
 # but lora/, so a trainer's `last-checkpoint/` keeps its files).

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from .candidate_loss import candidate_ovr_loss, candidate_set
 from .cauchy import check_labels, fuse_noise
 from .dispatch import (
     TILE_COL_D,
@@ -37,8 +38,6 @@ from .dispatch import (
 )
 from .losses import (
     DecisionHead,
-    candidate_ovr_loss,
-    candidate_set,
     check_head_inputs,
     kernel_target_columns,
     loss_shape,
@@ -85,8 +84,8 @@ def chunked_lm_loss(
 
     Returns (loss, stats) with detached means per target: ``softmax_nll`` (−log softmax(loc_S)_y), with the OvR loss
     ``target_prob`` (P_y) and ``ovr_prob_sum`` (Σ_k P_k); and ``num_tokens``. With ``candidates`` = k, stats also
-    hold ``candidate_rows``: the `losses.CandidateRows` of the positions with a target (the k tokens of largest loc_S,
-    found from the pass's own logits, the target, the log-partition), for `losses.candidate_ovr_loss`.
+    hold ``candidate_rows``: the `candidate_loss.CandidateRows` of the positions with a target (the k tokens of largest loc_S,
+    found from the pass's own logits, the target, the log-partition), for `candidate_loss.candidate_ovr_loss`.
     """
     check_head_inputs(loc_U, scale_U, head.weight, labels)
     if not (math.isfinite(softmax_weight) and softmax_weight >= 0) or (scale_U is None and softmax_weight == 0):
@@ -116,7 +115,7 @@ def training_loss(loc_U, scale_U, head: DecisionHead, targets: torch.Tensor, con
     """The loss of ``forward(labels=...)`` after the abduction network, as ``config`` (a `CausalQwenConfig`) sets it,
     on positions that all have a target: the cross-entropy of loc_S and the OvR loss over the vocabulary in one
     `chunked_lm_loss` pass (the softmax objective: the same pass without the OvR term), or, with ``ovr_candidates``,
-    the pass finding each position's candidates and `losses.candidate_ovr_loss` over them. Returns (loss, stats)."""
+    the pass finding each position's candidates and `candidate_loss.candidate_ovr_loss` over them. Returns (loss, stats)."""
     ovr = config.objective == "ovr"
     candidates = config.ovr_candidates if ovr else None
     denom = max(len(targets), 1) if num_items_in_batch is None else num_items_in_batch

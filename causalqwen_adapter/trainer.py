@@ -32,12 +32,12 @@ from .training import (
     HeadLearningRatesMixin,
     LossMetricsMixin,
     calibrate_threshold,
-    check_can_calibrate,
     check_output_dir,
-    check_unsupported_flags,
     configure_backbone,
     prepare_causal_model,
 )
+from .training.arguments import check_unsupported_flags
+from .training.calibration import check_can_calibrate
 
 logger = logging.get_logger(__name__)
 
@@ -86,7 +86,7 @@ class CausalSFTConfig(CausalHeadArguments, SFTConfig):
                   "backbone keeps activations worth recomputing)."},
     )
 
-    # The head parameters the configured loss never reaches are frozen (training.unreachable_parameters), so every
+    # The head parameters the configured loss never reaches are frozen (training.model_setup.unreachable_parameters), so every
     # trainable tensor takes part in every loss and DDP need not search the graph; but numeric heads get no gradient
     # on a rank whose batch has no <NUM> target, which only the data decides.
     ddp_find_unused_parameters: bool | None = field(

@@ -111,7 +111,7 @@ def main() -> None:
 def model_dtype(device: torch.device) -> torch.dtype:
     """bfloat16, but float32 on a CPU without bfloat16 instructions (x86 flags avx512_bf16 / amx_bf16), where
     bfloat16 products run several times slower than float32 ones."""
-    from causalqwen_adapter.cpu_kernels import cpu_flags
+    from causalqwen_adapter.kernels.cpu import cpu_flags
 
     if device.type != "cpu":
         return torch.bfloat16

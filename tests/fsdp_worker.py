@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import BASE_PREFIXES
-from causalqwen_adapter.training import load_adapter_tensors
+from causalqwen_adapter.training.checkpoints import load_adapter_tensors
 
 
 def shard(model, wrap: str, rank: int):

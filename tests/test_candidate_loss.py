@@ -1,4 +1,4 @@
-"""The OvR loss over candidates (`losses.candidate_ovr_loss`, config `ovr_candidates`) against a float64 reference
+"""The OvR loss over candidates (`candidate_loss.candidate_ovr_loss`, config `ovr_candidates`) against a float64 reference
 written from docs/design.md, Training losses: full scores, the top-k of loc_S as a set, plus the target."""
 
 import math
@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
+from causalqwen_adapter.candidate_loss import candidate_ovr_loss, candidate_rows
 from causalqwen_adapter.lm_loss import chunked_lm_loss
-from causalqwen_adapter.losses import DecisionHead, candidate_ovr_loss, candidate_rows
+from causalqwen_adapter.losses import DecisionHead
 from causalqwen_adapter.training import CausalHeadArguments
 
 from conftest import tiny_qwen2_config

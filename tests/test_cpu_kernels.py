@@ -1,4 +1,4 @@
-"""The CPU kernels (cpu_kernels.py, csrc/): the causalqwen operators on x86 CPUs with AVX-512 against float64
+"""The CPU kernels (kernels/cpu.py, kernels/csrc/): the causalqwen operators on x86 CPUs with AVX-512 against float64
 references, what the C kernels' `_applies` queries decline and the compiled kernels take instead, and how the library
 is built, cached, verified and given up."""
 
@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from causalqwen_adapter import compiled_kernels, cpu_kernels, dispatch
+from causalqwen_adapter import dispatch, kernels
 from causalqwen_adapter.cauchy import ovr_decision_scores
 
 from conftest import decision_scores_float64
 
 DTYPES = [
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not cpu_kernels.available(torch.bfloat16),
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not kernels.cpu.available(torch.bfloat16),
                                                           reason="needs an x86-64 CPU with AVX512-BF16, c++ and ninja")),
-    pytest.param(torch.float32, marks=pytest.mark.skipif(not cpu_kernels.available(torch.float32),
+    pytest.param(torch.float32, marks=pytest.mark.skipif(not kernels.cpu.available(torch.float32),
                                                          reason="needs an x86-64 CPU with AVX-512, c++ and ninja")),
 ]
 # one rounding to bf16 (relative step 2⁻⁸) / float32 sums of up to 100 products
@@ -34,7 +34,7 @@ ops = torch.ops.causalqwen
 def kernels_everywhere(monkeypatch):
     """The queries as on a CPU where the kernels run, whatever this one has: what they decline, they decline for the
     inputs alone."""
-    monkeypatch.setattr(cpu_kernels, "available", lambda dtype=torch.bfloat16: dtype in cpu_kernels.MAX_ROWS)
+    monkeypatch.setattr(kernels.cpu, "available", lambda dtype=torch.bfloat16: dtype in kernels.cpu.MAX_ROWS)
 
 
 def _reference(loc_U, scale_U, weight, bias):
@@ -55,7 +55,7 @@ def test_kernel_matches_float64_reference(dtype, vocab, size, rows):
     scale_U = torch.rand(rows, 1, size, generator=generator).to(dtype)
     relative, absolute = TOLERANCE[dtype]
     for b in (bias, None):
-        assert cpu_kernels.c_cauchy_linear_applies(loc_U, scale_U, weight, b)
+        assert kernels.cpu.c_cauchy_linear_applies(loc_U, scale_U, weight, b)
         got = ops.cauchy_linear(loc_U, scale_U, weight, b)
         for value, want in zip(got, _reference(loc_U, scale_U, weight, b)):
             assert value.dtype == dtype and value.shape == (rows, 1, vocab)
@@ -81,16 +81,16 @@ def test_kernel_declines_what_it_does_not_compute(dtype, kernels_everywhere):
     weight = torch.randn(300, 64).to(dtype)
     x = torch.randn(2, 64).to(dtype)
     for other in (torch.float16, torch.float64):
-        assert not cpu_kernels.c_cauchy_linear_applies(x, x.abs(), weight.to(other), None)
-    assert not cpu_kernels.c_cauchy_linear_applies(x, x.abs(), weight.T.contiguous().T, None)
-    many = torch.randn(cpu_kernels.MAX_ROWS[dtype] + 1, 64).to(dtype)
-    assert not cpu_kernels.c_cauchy_linear_applies(many, many.abs(), weight, None)
-    assert not cpu_kernels.c_cauchy_linear_applies(x[:0], x[:0], weight, None)
-    assert not cpu_kernels.c_cauchy_linear_applies(x[:, :63], x[:, :63].abs(), weight, None)
+        assert not kernels.cpu.c_cauchy_linear_applies(x, x.abs(), weight.to(other), None)
+    assert not kernels.cpu.c_cauchy_linear_applies(x, x.abs(), weight.T.contiguous().T, None)
+    many = torch.randn(kernels.cpu.MAX_ROWS[dtype] + 1, 64).to(dtype)
+    assert not kernels.cpu.c_cauchy_linear_applies(many, many.abs(), weight, None)
+    assert not kernels.cpu.c_cauchy_linear_applies(x[:0], x[:0], weight, None)
+    assert not kernels.cpu.c_cauchy_linear_applies(x[:, :63], x[:, :63].abs(), weight, None)
     with torch.autocast("cpu", dtype=torch.float16):
-        assert not cpu_kernels.c_cauchy_linear_applies(x, x.abs(), weight, None)
+        assert not kernels.cpu.c_cauchy_linear_applies(x, x.abs(), weight, None)
     rows = x.double()
-    assert cpu_kernels.c_cauchy_linear_applies(rows, rows.abs(), weight, None)
+    assert kernels.cpu.c_cauchy_linear_applies(rows, rows.abs(), weight, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -125,7 +125,7 @@ def test_scores_match_float64_reference(dtype, distribution, relative, vocab):
         loc_S, scale_S = _score_inputs(dtype, rows, vocab, seed=vocab + rows)
         shift = -8.0 if relative else 0.0  # near log-probabilities under relative thresholds
         for threshold in (torch.tensor(shift + 0.5), torch.randn(vocab) + shift):
-            assert cpu_kernels.c_ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution)
+            assert kernels.cpu.c_ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution)
             got = ops.ovr_scores(loc_S, scale_S, threshold, relative, distribution)
             want = decision_scores_float64(loc_S, scale_S, threshold, relative, distribution)
             assert got.dtype == torch.float32 and got.shape == want.shape
@@ -156,7 +156,7 @@ def test_scores_in_the_tails(dtype, distribution):
 def test_scores_decline_what_they_do_not_compute(dtype, kernels_everywhere):
     loc_S, scale_S = _score_inputs(dtype, 2, 300, seed=0)
     threshold = torch.tensor(0.5)
-    applies = cpu_kernels.c_ovr_scores_applies
+    applies = kernels.cpu.c_ovr_scores_applies
     assert not applies(loc_S.half(), scale_S.half(), threshold, True, "accept_once")
     assert not applies(loc_S, scale_S.float() if dtype != torch.float32 else scale_S.bfloat16(), threshold, True,
                        "accept_once")
@@ -169,33 +169,33 @@ def test_scores_decline_what_they_do_not_compute(dtype, kernels_everywhere):
 
 
 def test_what_c_declines_runs_compiled(monkeypatch):
-    """The operators' CPU kernels run the compiled torch functions (compiled_kernels.py) where the C kernels decline
+    """The operators' CPU kernels run the compiled torch functions (kernels/compiled.py) where the C kernels decline
     (here float16, which C never computes, and any input on a CPU without them): the head at 1 to `FUSED_MAX_ROWS`
     rows, the scores at any, equal to float64; beyond those rows the torch code of the caller runs."""
     weight, bias = torch.randn(300, 24).half(), torch.randn(300).half()
-    for rows in (1, compiled_kernels.FUSED_MAX_ROWS):
+    for rows in (1, kernels.compiled.FUSED_MAX_ROWS):
         loc_U, scale_U = torch.randn(rows, 1, 24).half(), torch.rand(rows, 1, 24).half()
-        assert not cpu_kernels.c_cauchy_linear_applies(loc_U, scale_U, weight, bias)
+        assert not kernels.cpu.c_cauchy_linear_applies(loc_U, scale_U, weight, bias)
         assert dispatch.lookup_operator("cauchy_linear", loc_U, scale_U, weight, bias) is not None
         got = ops.cauchy_linear(loc_U, scale_U, weight, bias)
-        assert not compiled_kernels._fused_matvec.given_up, "torch.compile is unavailable here"
+        assert not kernels.compiled._fused_matvec.given_up, "torch.compile is unavailable here"
         for value, want in zip(got, _reference(loc_U, scale_U, weight, bias)):
             assert value.dtype == torch.float16 and value.shape == (rows, 1, 300)
             torch.testing.assert_close(value.double(), want, rtol=2e-3, atol=2e-2)
-    many = torch.randn(compiled_kernels.FUSED_MAX_ROWS + 1, 24).half()
+    many = torch.randn(kernels.compiled.FUSED_MAX_ROWS + 1, 24).half()
     assert dispatch.lookup_operator("cauchy_linear", many, many.abs(), weight, bias) is None
 
     loc_S, scale_S = _score_inputs(torch.float16, 3, 300, seed=1)
     threshold = torch.tensor(-6.0)
-    assert not cpu_kernels.c_ovr_scores_applies(loc_S, scale_S, threshold, True, "accept_once")
+    assert not kernels.cpu.c_ovr_scores_applies(loc_S, scale_S, threshold, True, "accept_once")
     got = dispatch.run_operator("ovr_scores", loc_S, scale_S, threshold, True, "accept_once")
-    assert got is not None and not compiled_kernels._decision_scores.given_up
+    assert got is not None and not kernels.compiled._decision_scores.given_up
     want = decision_scores_float64(loc_S, scale_S, threshold, True, "accept_once")
     torch.testing.assert_close((got - got[..., :1]).double(), want - want[..., :1], rtol=1e-5, atol=1e-5)
 
     # where torch.compile cannot run, the queries say no once it has failed, and the call that failed still answers
-    monkeypatch.setattr(compiled_kernels._decision_scores, "compiled", None)
-    monkeypatch.setattr(compiled_kernels.torch, "compile", lambda fn, **options: 1 / 0)
+    monkeypatch.setattr(kernels.compiled._decision_scores, "compiled", None)
+    monkeypatch.setattr(kernels.compiled.torch, "compile", lambda fn, **options: 1 / 0)
     failed = ops.ovr_scores(loc_S, scale_S, threshold, True, "accept_once")
     torch.testing.assert_close(failed, ovr_decision_scores(loc_S, scale_S, threshold, True, "accept_once"))
     assert dispatch.lookup_operator("ovr_scores", loc_S, scale_S, threshold, True, "accept_once") is None
@@ -233,39 +233,39 @@ def test_the_environment_switch_turns_the_kernels_off(monkeypatch, tmp_path, cap
     """CAUSALQWEN_CPU_KERNELS=0: nothing built or loaded, the torch code runs, on any CPU (this one's flags or not)."""
     monkeypatch.setenv("CAUSALQWEN_CPU_KERNELS", "0")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
-    monkeypatch.setattr(cpu_kernels, "build", lambda: pytest.fail("built or loaded with the switch off"))
-    with caplog.at_level("INFO", logger=cpu_kernels.__name__):
-        assert not cpu_kernels.available(torch.bfloat16) and not cpu_kernels.available(torch.float32)
+    monkeypatch.setattr(kernels.cpu, "_state", {"dtypes": None, "tried": False})
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
+    monkeypatch.setattr(kernels.cpu, "build", lambda: pytest.fail("built or loaded with the switch off"))
+    with caplog.at_level("INFO", logger=kernels.cpu.__name__):
+        assert not kernels.cpu.available(torch.bfloat16) and not kernels.cpu.available(torch.float32)
     assert "CAUSALQWEN_CPU_KERNELS=0" in caplog.text
     assert not (tmp_path / "extensions").exists()
-    if sys.platform != "linux" or cpu_kernels.platform.machine().lower() not in ("x86_64", "amd64"):
+    if sys.platform != "linux" or kernels.cpu.platform.machine().lower() not in ("x86_64", "amd64"):
         return  # the kernels are not tried here either way
     monkeypatch.setenv("CAUSALQWEN_CPU_KERNELS", "1")  # any other value leaves the decision to the machine
-    monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
-    monkeypatch.setattr(cpu_kernels, "build", lambda: (_ for _ in ()).throw(RuntimeError("the build was tried")))
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: "/usr/bin/c++")
+    monkeypatch.setattr(kernels.cpu, "_state", {"dtypes": None, "tried": False})
+    monkeypatch.setattr(kernels.cpu, "build", lambda: (_ for _ in ()).throw(RuntimeError("the build was tried")))
+    monkeypatch.setattr(kernels.cpu.shutil, "which", lambda name: "/usr/bin/c++")
     monkeypatch.setattr("torch.utils.cpp_extension.is_ninja_available", lambda: True)
-    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
-        assert not cpu_kernels.available(torch.float32)
+    with caplog.at_level("WARNING", logger=kernels.cpu.__name__):
+        assert not kernels.cpu.available(torch.float32)
     assert "the build was tried" in caplog.text
 
 
 def _c_declines_at_any_rows(x, weight):
     """Where C does not run: the compiled head serves 1 to 4 rows (tested in test_what_c_declines_runs_compiled), and
     beyond, the torch code of the caller runs."""
-    assert not cpu_kernels.c_cauchy_linear_applies(x, x.abs(), weight, None)
-    many = x.repeat(compiled_kernels.FUSED_MAX_ROWS, 1)
+    assert not kernels.cpu.c_cauchy_linear_applies(x, x.abs(), weight, None)
+    many = x.repeat(kernels.compiled.FUSED_MAX_ROWS, 1)
     assert dispatch.run_operator("cauchy_linear", many, many.abs(), weight, None) is None
 
 
 def test_without_avx512_nothing_is_built_and_the_reference_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma"})
-    with caplog.at_level("INFO", logger=cpu_kernels.__name__):
-        assert not cpu_kernels.available(torch.float32)
+    monkeypatch.setattr(kernels.cpu, "_state", {"dtypes": None, "tried": False})
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: {"avx2", "fma"})
+    with caplog.at_level("INFO", logger=kernels.cpu.__name__):
+        assert not kernels.cpu.available(torch.float32)
     assert "no AVX-512" in caplog.text
     assert not (tmp_path / "extensions").exists()
     _c_declines_at_any_rows(torch.randn(2, 64), torch.randn(300, 64))
@@ -275,10 +275,10 @@ def test_without_a_compiler_nothing_is_built_and_the_reference_runs(monkeypatch,
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PATH", str(tmp_path))  # nor c++, nor ninja
-    monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
-    with caplog.at_level("INFO", logger=cpu_kernels.__name__):
-        assert not cpu_kernels.available(torch.bfloat16)
+    monkeypatch.setattr(kernels.cpu, "_state", {"dtypes": None, "tried": False})
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
+    with caplog.at_level("INFO", logger=kernels.cpu.__name__):
+        assert not kernels.cpu.available(torch.bfloat16)
     assert "No C++ compiler or no ninja" in caplog.text
     assert not (tmp_path / "extensions").exists()
     _c_declines_at_any_rows(torch.randn(2, 64).bfloat16(), torch.randn(300, 64).bfloat16())
@@ -288,15 +288,15 @@ def test_a_failed_build_warns_and_the_reference_runs(monkeypatch, caplog):
     def failed_build():
         raise RuntimeError("Error building extension: kernels.cpp:1: error")
 
-    monkeypatch.setattr(cpu_kernels, "build", failed_build)
-    monkeypatch.setattr(cpu_kernels, "_state", {"dtypes": None, "tried": False})
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: "/usr/bin/c++")
+    monkeypatch.setattr(kernels.cpu, "build", failed_build)
+    monkeypatch.setattr(kernels.cpu, "_state", {"dtypes": None, "tried": False})
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
+    monkeypatch.setattr(kernels.cpu.shutil, "which", lambda name: "/usr/bin/c++")
     monkeypatch.setattr("torch.utils.cpp_extension.is_ninja_available", lambda: True)
-    if sys.platform != "linux" or cpu_kernels.platform.machine().lower() not in ("x86_64", "amd64"):
+    if sys.platform != "linux" or kernels.cpu.platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the kernels are not tried here")
-    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
-        assert not cpu_kernels.available(torch.float32)
+    with caplog.at_level("WARNING", logger=kernels.cpu.__name__):
+        assert not kernels.cpu.available(torch.float32)
     assert "the torch code runs instead" in caplog.text and "kernels.cpp:1: error" in caplog.text
 
 
@@ -307,29 +307,29 @@ BUILD_SCRIPT = textwrap.dedent(
     import hashlib, json, logging, sys, time
     import torch
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from causalqwen_adapter import cpu_kernels
+    from causalqwen_adapter import kernels
     loaded, load_library = [], torch.ops.load_library
     def spy(path):  # the sha256 of every file this process loads as a library
         loaded.append(hashlib.sha256(open(path, "rb").read()).hexdigest())
         return load_library(path)
     torch.ops.load_library = spy
-    names = [cpu_kernels.extension_name()]
+    names = [kernels.cpu.extension_name()]
     start = time.perf_counter()
-    library = cpu_kernels.build()
+    library = kernels.cpu.build()
     seconds = time.perf_counter() - start
-    names.append(cpu_kernels.extension_name())  # the same after a build: the next call finds the same library
+    names.append(kernels.cpu.extension_name())  # the same after a build: the next call finds the same library
     bits = torch.ops.causalqwen_cpu.supported(torch.empty(0))
     print(json.dumps({"library": str(library), "loaded": loaded, "seconds": seconds, "bits": bits, "names": names}))
     """
 )
 can_build = pytest.mark.skipif(
-    sys.platform != "linux" or cpu_kernels.platform.machine().lower() not in ("x86_64", "amd64")
+    sys.platform != "linux" or kernels.cpu.platform.machine().lower() not in ("x86_64", "amd64")
     or shutil.which(os.environ.get("CXX") or "c++") is None or shutil.which("ninja") is None,
     reason="builds on x86-64 Linux with c++ and ninja")
 
 
 def _build_in_a_process(extensions: Path) -> tuple[dict, str]:
-    """cpu_kernels.build() in a fresh process (a process loads one build of the library) with the extensions
+    """kernels.cpu.build() in a fresh process (a process loads one build of the library) with the extensions
     folder ``extensions``: its report and its log."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", BUILD_SCRIPT], capture_output=True, text=True, env=env)
@@ -357,11 +357,11 @@ def test_the_library_builds_where_torch_puts_extensions_and_loads_from_there(bui
     unchanged, without building."""
     extensions, report = built
     library = Path(report["library"])
-    assert library.parent.parent == extensions and library.name == f"{cpu_kernels.extension_name()}.so"
+    assert library.parent.parent == extensions and library.name == f"{kernels.cpu.extension_name()}.so"
     assert report["names"] == [library.stem] * 2
     record = library.with_name(library.name + ".sha256")
     assert record.read_text().strip() == _sha256(library) == report["loaded"][-1]
-    flags = cpu_kernels.cpu_flags()
+    flags = kernels.cpu.cpu_flags()
     f32 = {"avx512f", "avx512bw"} <= flags
     assert report["bits"] == f32 | (f32 and "avx512_bf16" in flags) << 1  # what the library finds, /proc/cpuinfo says
     built_at = library.stat().st_mtime_ns
@@ -403,15 +403,15 @@ def test_the_cache_loads_only_what_its_record_names(monkeypatch, tmp_path):
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", compile_and_load)
     monkeypatch.setattr(torch.ops, "load_library", lambda path: loaded.append(Path(path).read_bytes()))
-    library = cpu_kernels.build()
+    library = kernels.cpu.build()
     record = library.with_name(library.name + ".sha256")
     assert builds and loaded == [b"library 0"] and record.read_text().strip() == _sha256(library)
-    cpu_kernels.build()
+    kernels.cpu.build()
     assert len(builds) == 1 and loaded == [b"library 0"] * 2  # from the cache
     record.unlink()
     (library.parent / "lock").write_text("")
-    cpu_kernels.build()
+    kernels.cpu.build()
     assert len(builds) == 2 and loaded[-1] == b"library 1" and record.read_text().strip() == _sha256(library)
     library.write_bytes(b"something else")
-    cpu_kernels.build()
+    kernels.cpu.build()
     assert len(builds) == 3 and b"something else" not in loaded and loaded[-1] == b"library 2"

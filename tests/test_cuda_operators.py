@@ -1,4 +1,4 @@
-"""The `causalqwen` operators as cuda_kernels.py registers them for CUDA (the Triton kernels), run here on the CPU:
+"""The `causalqwen` operators as kernels/cuda.py registers them for CUDA (the Triton kernels), run here on the CPU:
 the same registration made for the CPU dispatch key, for the length of a test, with the kernels decorated for
 Triton's interpreter. The training loss then takes its accelerator shape (one block spanning the vocabulary, the
 |W| products from W) and must equal the float64 reference, as the torch code does; decoding's operators must equal
@@ -14,19 +14,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_kernels_triton import kt  # noqa: E402  (the interpreted copy of kernels_triton)
+from test_kernels_triton import kt  # noqa: E402  (the interpreted copy of the Triton kernels)
 from test_lm_loss import check, tile_bytes_held  # noqa: E402
 from test_losses import check_against_reference, make_inputs  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
-from causalqwen_adapter import cuda_kernels, dispatch  # noqa: E402
+from causalqwen_adapter import dispatch, kernels  # noqa: E402
+from causalqwen_adapter.candidate_loss import candidate_chunk_tokens, candidate_ovr_loss, candidate_rows  # noqa: E402
 from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa: E402
 from causalqwen_adapter.lm_loss import chunk_tile_bytes, chunked_lm_loss  # noqa: E402
 from causalqwen_adapter.losses import (  # noqa: E402
     DecisionHead,
-    candidate_chunk_tokens,
-    candidate_ovr_loss,
-    candidate_rows,
     chunk_tokens,
     loss_shape,
     ovr_loss_shape,
@@ -56,7 +54,7 @@ def triton_operators(monkeypatch):
     monkeypatch.setattr(dispatch, "_told", set())
     with warnings.catch_warnings(), torch.library._scoped_library("causalqwen", "IMPL") as library:
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": the CPU's, restored after
-        cuda_kernels.register("CPU", kernels=kt, library=library)
+        kernels.cuda.register("CPU", kernels=kt, library=library)
         yield calls
 
 
@@ -140,7 +138,7 @@ def test_loss_with_the_gpu_operators_in_bfloat16(triton_operators):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_candidates_from_the_gpu_operators_pass(triton_operators, dtype):
     """The cross-entropy's pass through the Triton operators (float32 logits with b_A added by the logsumexp
-    kernel, or bf16 ones without it) finds the same candidates as `losses.candidate_rows`."""
+    kernel, or bf16 ones without it) finds the same candidates as `candidate_loss.candidate_rows`."""
     tensors, labels = make_inputs(13, 8, 37)
     head = DecisionHead(tensors["weight"].detach().to(dtype), tensors["bias"].detach().to(dtype),
                         tensors["b_noise"].detach(), tensors["threshold"].detach())
@@ -239,7 +237,7 @@ def test_decode_operators_equal_the_torch_functions(triton_operators, dtype, dis
 
 
 def test_a_prefill_beyond_the_decode_rows_runs_the_torch_code(triton_operators):
-    rows = cuda_kernels.CAUCHY_LINEAR_MAX_ROWS + 1
+    rows = kernels.cuda.CAUCHY_LINEAR_MAX_ROWS + 1
     x = torch.randn(rows, 8)
     assert dispatch.run_operator("cauchy_linear", x, x.abs(), torch.randn(30, 8), None) is None
     assert triton_operators["cauchy_linear_triton"] == 0

@@ -14,10 +14,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from causalqwen_adapter import (
     CausalQwenForCausalLM,
-    compiled_kernels,
-    cpu_kernels,
     dispatch,
     heads,
+    kernels,
     modeling_causalqwen,
 )
 from causalqwen_adapter.cauchy import (
@@ -219,8 +218,8 @@ def test_fused_kernel_matches_float64_reference(rows):
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 24), torch.randn(300)
     loc_U, scale_U = torch.randn(rows, 1, 24), torch.rand(rows, 1, 24)
-    fused = compiled_kernels.cauchy_linear(loc_U, scale_U, weight, bias)
-    assert not compiled_kernels._fused_matvec.given_up, "torch.compile is unavailable here"
+    fused = kernels.compiled.cauchy_linear(loc_U, scale_U, weight, bias)
+    assert not kernels.compiled._fused_matvec.given_up, "torch.compile is unavailable here"
     expected = cauchy_linear(loc_U.double(), scale_U.double(), weight.double(), bias.double())
     for got, want in zip(fused, expected):
         assert got.shape == (rows, 1, 300)
@@ -235,7 +234,7 @@ def test_compiled_decision_scores_match_float64_reference(distribution, relative
     threshold = torch.randn(1000) - (8.0 if relative else 0.0)  # near log-probabilities under relative thresholds
     want = decision_scores_float64(loc_S, scale_S, threshold, relative, distribution)
     eager = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution)
-    compiled = compiled_kernels.CompiledKernel(ovr_decision_scores)(loc_S, scale_S, threshold, relative, distribution)
+    compiled = kernels.compiled.CompiledKernel(ovr_decision_scores)(loc_S, scale_S, threshold, relative, distribution)
     assert compiled is not None, "torch.compile is unavailable here"
     log_r = torch.log_softmax(loc_S, -1)  # the evaluation passes log P_k it already has
     log_P = ovr_log_prob(ovr_standardize(log_r if relative else loc_S, scale_S, threshold))
@@ -252,15 +251,15 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
     model = _trained_like(tied_base)
     runs = {}
     monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)  # the tiny model takes the operators too
-    monkeypatch.setattr(compiled_kernels, "FUSED_MAX_ROWS", 2)  # batch 3: the blocked head beside the compiled scores
-    monkeypatch.setattr(cpu_kernels, "c_cauchy_linear_applies", lambda *args: False)  # as on a CPU without the C ones
-    monkeypatch.setattr(cpu_kernels, "c_ovr_scores_applies", lambda *args: False)
+    monkeypatch.setattr(kernels.compiled, "FUSED_MAX_ROWS", 2)  # batch 3: the blocked head beside the compiled scores
+    monkeypatch.setattr(kernels.cpu, "c_cauchy_linear_applies", lambda *args: False)  # as on a CPU without the C ones
+    monkeypatch.setattr(kernels.cpu, "c_ovr_scores_applies", lambda *args: False)
     calls = {"cauchy_linear": 0, "ovr_scores": 0}
     for name in calls:
-        def counted(*args, _name=name, _kernel=getattr(compiled_kernels, name)):
+        def counted(*args, _name=name, _kernel=getattr(kernels.compiled, name)):
             calls[_name] += 1
             return _kernel(*args)
-        monkeypatch.setattr(compiled_kernels, name, counted)
+        monkeypatch.setattr(kernels.compiled, name, counted)
     for compiled in (False, True):
         monkeypatch.setattr(heads, "_FUSED_DECODE", compiled)
         for batch in (1, 2, 3):  # the fused head at one and two rows, then the blocked one
@@ -269,7 +268,7 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
                                                    return_dict_in_generate=True, inference_mode="standard")
     # 4 steps at batch 1 and 2 through the compiled head, every step of the three batches through the scores
     assert calls == {"cauchy_linear": 8, "ovr_scores": 12}, calls
-    assert not (compiled_kernels._fused_matvec.given_up or compiled_kernels._decision_scores.given_up)
+    assert not (kernels.compiled._fused_matvec.given_up or kernels.compiled._decision_scores.given_up)
     for batch in (1, 2, 3):
         eager, compiled = runs[False, batch], runs[True, batch]
         assert torch.equal(compiled.sequences, eager.sequences)
@@ -280,11 +279,11 @@ def test_generation_with_compiled_kernels_matches_eager(tied_base, padded_batch,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("action_weight", ["full", "tied", "lora"])
 def test_generation_through_the_cpu_kernel_matches_matmuls(tied_base, padded_batch, monkeypatch, action_weight, dtype):
-    """A bf16 or float32 model decodes through the causalqwen::cauchy_linear operator of cpu_kernels at 1 to 3 rows,
+    """A bf16 or float32 model decodes through the causalqwen::cauchy_linear operator of kernels/cpu.py at 1 to 3 rows,
     whichever tensor holds W_A (its own, the base's, the base's + B·A), and scores through causalqwen::ovr_scores;
     the tokens are those of the two blocked matmuls and the eager scores (CAUSALQWEN_FUSED_DECODE=0), the scores
     within the dtype's rounding."""
-    if not cpu_kernels.available(dtype):
+    if not kernels.cpu.available(dtype):
         pytest.skip(f"no C kernel for {dtype} on this machine (x86-64 with AVX-512, AVX512-BF16 for bf16, c++, ninja)")
     model = _trained_like(tied_base, action_weight=action_weight, action_lora_rank=4).to(dtype)
     calls = {"cauchy_linear": [], "ovr_scores": []}

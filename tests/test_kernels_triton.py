@@ -1,7 +1,7 @@
-"""The Triton kernels (kernels_triton.py) against the torch code they stand in for and float64 references.
+"""The Triton kernels (the Triton modules of causalqwen_adapter/kernels/) against the torch code they stand in for and float64 references.
 
-They run on CPU tensors in Triton's interpreter (a copy of the module decorated with TRITON_INTERPRET=1, so that the
-package's own module is left as other code imported it), with small shapes that still cross several blocks, row
+They run on CPU tensors in Triton's interpreter (a copy of the modules decorated with TRITON_INTERPRET=1, so that the
+package's own modules are left as other code imported them), with small shapes that still cross several blocks, row
 blocks and column segments. On a CUDA machine, TRITON_INTERPRET=0 runs the same tests on the GPU. Without one, what
 the interpreter cannot see is checked last: every kernel compiles for a Hopper GPU, and no literal is float64.
 """
@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")
 
 import causalqwen_adapter  # noqa: E402
 from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa: E402
+from causalqwen_adapter.kernels import cuda  # noqa: E402
 from causalqwen_adapter.losses import ovr_tile  # noqa: E402
 
 from conftest import decision_scores_float64  # noqa: E402
@@ -30,28 +31,30 @@ ON_GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), *([pytest.mark.gpu] if ON_GPU else [])]
 DEVICE = "cuda" if ON_GPU else "cpu"
 TINY = torch.finfo(torch.float32).tiny
-MODULE_PATH = Path(causalqwen_adapter.__file__).parent / "kernels_triton.py"
+KERNELS_DIR = Path(causalqwen_adapter.__file__).parent / "kernels"
+TRITON_FILES = [KERNELS_DIR / f"{name}.py" for name in cuda.TRITON_MODULES]
 
 
-def _module_copy(name: str, interpret: str):
-    """A copy of kernels_triton.py imported with TRITON_INTERPRET=``interpret`` (read by triton.jit as each kernel is
-    decorated), so that the package's own module is left as other code imported it."""
-    spec = importlib.util.spec_from_file_location(f"causalqwen_adapter.{name}", MODULE_PATH)
-    module = importlib.util.module_from_spec(spec)
+def _package_copy(name: str, interpret: str):
+    """A copy of the kernels package whose Triton modules are imported with TRITON_INTERPRET=``interpret`` (read by
+    triton.jit as each kernel is decorated), so that the package's own modules are left as other code imported them:
+    (the namespace of their functions, `cuda.triton_kernels`; the modules)."""
+    spec = importlib.util.spec_from_file_location(f"causalqwen_adapter.{name}", KERNELS_DIR / "__init__.py",
+                                                  submodule_search_locations=[str(KERNELS_DIR)])
+    package = importlib.util.module_from_spec(spec)
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": interpret}):
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return module
+        sys.modules[spec.name] = package
+        spec.loader.exec_module(package)
+        kernels = cuda.triton_kernels(spec.name)
+    return kernels, [sys.modules[f"{spec.name}.{module}"] for module in cuda.TRITON_MODULES]
 
 
 def _load_kernels():
     if ON_GPU:
-        from causalqwen_adapter import kernels_triton
-
-        return kernels_triton
-    module = _module_copy("_kernels_triton_interpreted", "1")
-    assert module.INTERPRETED and module.available()
-    return module
+        return cuda.triton_kernels()
+    kernels, _ = _package_copy("_kernels_interpreted", "1")
+    assert kernels.INTERPRETED and kernels.available()
+    return kernels
 
 
 kt = _load_kernels()
@@ -485,13 +488,15 @@ def test_functions_decline_what_they_do_not_compute():
 
 
 def test_module_imports_without_triton():
-    """Without Triton the module imports (on its own: torch is all it needs), reports itself unavailable, and every
-    function returns None."""
+    """Without Triton the modules import (on their own: torch is all they need), report themselves unavailable, and
+    every function returns None."""
     code = (
-        "import importlib.util, sys; sys.modules['triton'] = None\n"
+        "import importlib, importlib.util, sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        f"spec = importlib.util.spec_from_file_location('kernels_triton', {str(MODULE_PATH)!r})\n"
-        "k = importlib.util.module_from_spec(spec); spec.loader.exec_module(k)\n"
+        f"spec = importlib.util.spec_from_file_location('kernels', {str(KERNELS_DIR / '__init__.py')!r},"
+        f" submodule_search_locations=[{str(KERNELS_DIR)!r}])\n"
+        "sys.modules['kernels'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(sys.modules['kernels'])\n"
+        "k = importlib.import_module('kernels.cuda').triton_kernels('kernels')\n"
         "x = torch.ones(2, 8)\n"
         "assert not k.available() and not k.INTERPRETED\n"
         "assert k.ovr_scores_triton(x, x, 0.0, False, 'normalize') is None\n"
@@ -516,10 +521,10 @@ def test_float_literals_in_the_kernels_are_float32():
     import ast
 
     smallest, largest = 2.0**-126, (2 - 2**-23) * 2.0**127
-    wide = [(node.lineno, node.value) for node in ast.walk(ast.parse(MODULE_PATH.read_text()))
+    wide = [(path.name, node.lineno, node.value) for path in TRITON_FILES for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.Constant) and isinstance(node.value, float)
             and node.value != 0 and math.isfinite(node.value) and not smallest <= abs(node.value) <= largest]
-    assert wide == [], f"kernels_triton.py: float literals Triton types float64 (line, value): {wide}"
+    assert wide == [], f"float literals Triton types float64 (file, line, value): {wide}"
 
 
 KERNELS = ("_loss_tile_kernel", "_lse_partial_kernel", "_lse_finish_kernel", "_scores_kernel", "_accept_once_kernel",
@@ -530,9 +535,9 @@ TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 def _gpu_launches():
     """Every kernel launch the functions make on a GPU, for float32 and bf16 operands and each flag, distribution and
-    shape class the tests above use: a copy of the module as a GPU imports it (GPU block sizes, no interpreter),
-    told that it can run on these CPU tensors, whose kernels record their launches instead of running."""
-    module = _module_copy("_kernels_triton_recorded", "0")
+    shape class the tests above use: a copy of the modules as a GPU imports them (GPU block sizes, no interpreter),
+    told that they can run on these CPU tensors, whose kernels record their launches instead of running."""
+    module, modules = _package_copy("_kernels_recorded", "0")
     assert not module.INTERPRETED
     launches = []
 
@@ -543,10 +548,13 @@ def _gpu_launches():
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 
-    for kernel in KERNELS:
-        setattr(module, kernel, Recorder(getattr(module, kernel)))
-    module.available = lambda: True
-    module._runs_on = lambda *tensors: len({t.device for t in tensors if t is not None}) == 1
+    for each in modules:  # where each function looks these up: its own module's names
+        for kernel in KERNELS:
+            if kernel in vars(each):
+                setattr(each, kernel, Recorder(getattr(each, kernel)))
+        if "_runs_on" in vars(each):
+            each.available = lambda: True
+            each._runs_on = lambda *tensors: len({t.device for t in tensors if t is not None}) == 1
 
     for dtype in DTYPES:
         for relative in (True, False):

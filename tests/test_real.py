@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
-from causalqwen_adapter import CausalQwenForCausalLM, cpu_kernels, heads
+from causalqwen_adapter import CausalQwenForCausalLM, heads, kernels
 
 pytestmark = pytest.mark.real
 
@@ -104,9 +104,9 @@ def test_extracted_features_are_the_base_hidden_states(real, tmp_path):
 
 
 def test_bf16_decoding_through_the_cpu_kernel(demo_base, monkeypatch):
-    """The real W_A (151936 × 896, bf16) through the causalqwen::cauchy_linear operator of cpu_kernels: loc_S,
+    """The real W_A (151936 × 896, bf16) through the causalqwen::cauchy_linear operator of kernels/cpu.py: loc_S,
     scale_S within one bf16 rounding of float64, and the same greedy tokens as the two blocked matmuls."""
-    if not cpu_kernels.available(torch.bfloat16):
+    if not kernels.cpu.available(torch.bfloat16):
         pytest.skip("needs an x86-64 CPU with AVX512-BF16, c++ and ninja")
     tokenizer = AutoTokenizer.from_pretrained(demo_base)
     tokenizer.padding_side = "left"

@@ -186,13 +186,13 @@ def test_logs_ovr_metrics_in_training_and_evaluation(sft_base, tmp_path):
 def test_warns_once_when_every_ovr_probability_is_one_half(sft_base, tmp_path, caplog, ovr_candidates):
     """A scale far above the locations' spread (here from the start, as a too-fast scale path gets there) puts every
     P_k at ½: one warning naming the rates; heads at the default scale train without it."""
-    from causalqwen_adapter import training
+    from causalqwen_adapter.training import mixins
 
     def run(name, **heads):
         trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path / name, max_steps=2, learning_rate=1e-4,
                                                              ovr_candidates=ovr_candidates, **heads),
                                    train_dataset=_prompt_completion())
-        with caplog.at_level("WARNING", logger=training.__name__):
+        with caplog.at_level("WARNING", logger=mixins.__name__):
             trainer.train()
         return trainer, [r for r in caplog.records if "Every OvR probability is ½" in r.getMessage()]
 
@@ -415,7 +415,7 @@ def test_recipe_trains_on_each_dataset_format(sft_base, tmp_path, data_format):
 
 def test_recipe_help_describes_head_options_from_the_config():
     help_text = " ".join(_load_recipe().make_parser().format_help().split())
-    from causalqwen_adapter.training import config_field_help
+    from causalqwen_adapter.training.arguments import config_field_help
 
     for name in ("gamma_init", "ovr_threshold_init", "ovr_distribution", "objective"):
         assert " ".join(config_field_help(name).split()[:8]) in help_text, name

@@ -83,7 +83,7 @@ def test_absolute_thresholds_on_a_partitioned_base_are_refused_with_the_ways_out
     """Calibrating absolute thresholds runs the backbone before training: on a ZeRO-3 partitioned base it is
     refused, naming both ways out."""
     from causalqwen_adapter import CausalQwenForCausalLM
-    from causalqwen_adapter.training import check_can_calibrate
+    from causalqwen_adapter.training.calibration import check_can_calibrate
 
     model = CausalQwenForCausalLM.from_base(str(sft_base))
     check_can_calibrate(model)  # a whole base: calibrated as usual

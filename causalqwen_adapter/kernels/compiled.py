@@ -1,5 +1,5 @@
 """The decode operators' second CPU backend: the torch functions through `torch.compile`, for CPUs where the C
-kernels do not run (no AVX-512, no AVX512-BF16 for bf16, `CAUSALQWEN_CPU_KERNELS=0`; cpu_kernels.py routes to
+kernels do not run (no AVX-512, no AVX512-BF16 for bf16, `CAUSALQWEN_CPU_KERNELS=0`; cpu.py routes to
 them). Installed package only: TorchInductor writes and compiles C++ in its own cache, which an adapter folder's
 remote code must never do; there the eager torch code runs.
 
@@ -10,7 +10,7 @@ process, and the torch reference runs.
 
 import torch
 
-from .cauchy import cauchy_linear_blocked, ovr_decision_scores
+from ..cauchy import cauchy_linear_blocked, ovr_decision_scores
 
 FUSED_MAX_ROWS = 4  # beyond, the compiled kernel's float32 vector code loses to two blocked matmuls (bf16, 2 CPU cores)
 

@@ -1,6 +1,6 @@
 """The decode operators of the `causalqwen` namespace (`cauchy_linear`, `ovr_scores`) on the CPU: on x86-64 CPUs
 with AVX-512, C kernels (`csrc/`) built with PyTorch's extension mechanism on first use; elsewhere, and for what the
-C kernels decline, the torch functions compiled by `torch.compile` (compiled_kernels.py: the head to 4 rows, the
+C kernels decline, the torch functions compiled by `torch.compile` (compiled.py: the head to 4 rows, the
 scores). Installed package only: the adapter folder's remote code never imports this file; it runs these kernels
 only in a process where the package has registered them (dispatch.py), the eager torch reference elsewhere.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import compiled_kernels, ops
+from . import compiled, ops
 
 logger = logging.getLogger(__name__)
 
@@ -190,26 +190,26 @@ def c_ovr_scores_applies(loc_S, scale_S, threshold, relative, distribution) -> b
     )
 
 
-# The operators' CPU kernels: the C kernel where it applies, else the compiled torch function (compiled_kernels.py),
+# The operators' CPU kernels: the C kernel where it applies, else the compiled torch function (compiled.py),
 # for what it takes. The C library registers its kernels as causalqwen_cpu::<name> when it loads.
 def cauchy_linear_applies(*args) -> bool:
-    return c_cauchy_linear_applies(*args) or compiled_kernels.cauchy_linear_applies(*args)
+    return c_cauchy_linear_applies(*args) or compiled.cauchy_linear_applies(*args)
 
 
 def cauchy_linear(*args):
     if c_cauchy_linear_applies(*args):
         return torch.ops.causalqwen_cpu.cauchy_linear(*args)
-    return compiled_kernels.cauchy_linear(*args)
+    return compiled.cauchy_linear(*args)
 
 
 def ovr_scores_applies(*args) -> bool:
-    return c_ovr_scores_applies(*args) or compiled_kernels.ovr_scores_applies(*args)
+    return c_ovr_scores_applies(*args) or compiled.ovr_scores_applies(*args)
 
 
 def ovr_scores(*args):
     if c_ovr_scores_applies(*args):
         return torch.ops.causalqwen_cpu.ovr_scores(*args)
-    return compiled_kernels.ovr_scores(*args)
+    return compiled.ovr_scores(*args)
 
 
 # The decode operators only: the training loss's torch tiles measured within 5 % of C ones (BENCHMARKS.md)

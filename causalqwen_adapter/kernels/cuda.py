@@ -1,5 +1,5 @@
-"""The `causalqwen` operators on CUDA GPUs: the Triton kernels of kernels_triton.py, registered as the operators'
-CUDA kernels with an `_applies` query each (dispatch.py finds them; the torch reference runs wherever one says no).
+"""The `causalqwen` operators on CUDA GPUs: the Triton functions of this package's Triton modules, registered as the
+operators' CUDA kernels with an `_applies` query each (dispatch.py finds them; the torch reference runs wherever one says no).
 
 Registering is cheap and needs neither a GPU nor Triton: the queries say no where Triton is missing, and Triton is
 imported at the first query. Where a Triton function declines its arguments although the query said yes (a layout
@@ -7,10 +7,12 @@ the query does not look at), the decode and product operators compute the torch 
 and logsumexp have no such fallback inside an operator, so their callers (lm_loss.py, losses.py) pass only what
 the kernels take and a refusal is an error that names the operator.
 
-Installed package only, never remote code, like cpu_kernels.py.
+Installed package only, never remote code, like cpu.py.
 """
 
 import functools
+import importlib
+import types
 
 import torch
 
@@ -20,22 +22,30 @@ from . import ops
 # prefill) two cuBLAS products are the better choice.
 CAUCHY_LINEAR_MAX_ROWS = 64
 DTYPES = (torch.bfloat16, torch.float32)
+TRITON_MODULES = ("triton_utils", "loss_tile", "logsumexp", "ovr_scores", "abs_matmul")
+
+
+def triton_kernels(package: str = __package__) -> types.SimpleNamespace:
+    """The Triton modules of ``package`` (this one, or a copy the tests import for Triton's interpreter), imported,
+    and their public names (``__all__``) in one namespace: the functions, `available`, `INTERPRETED`, the flags."""
+    modules = [importlib.import_module(f"{package}.{name}") for name in TRITON_MODULES]
+    return types.SimpleNamespace(**{name: getattr(module, name) for module in modules for name in module.__all__})
 
 
 @functools.cache  # asked by every query, i.e. at each decode step: import and probe the device once
 def _triton():
-    """kernels_triton, imported at first use (it imports triton), or None without triton."""
+    """The Triton functions (`triton_kernels`), imported at first use (they import triton), or None without triton."""
     try:
-        from . import kernels_triton
-    except ImportError:  # pragma: no cover - kernels_triton guards its own import of triton
+        kernels = triton_kernels()
+    except ImportError:  # pragma: no cover - triton_utils guards its own import of triton
         return None
-    return kernels_triton if kernels_triton.available() else None
+    return kernels if kernels.available() else None
 
 
 def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
     """Registers the Triton kernels as the ``dispatch_key`` kernels of the operators, and their queries.
-    ``kernels``: the module holding them (default: kernels_triton at first use; the tests pass a copy decorated for
-    Triton's CPU interpreter and register it for the CPU); ``library``: the torch.library.Library to register in
+    ``kernels``: a namespace holding them (default: `triton_kernels()` at first use; the tests pass that of a copy
+    decorated for Triton's CPU interpreter and register it for the CPU); ``library``: the torch.library.Library to register in
     (default: the package's own, for the life of the process)."""
     library = library or ops.library
 
@@ -53,7 +63,7 @@ def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
     def cauchy_linear(loc_U, scale_U, weight, bias):
         fused = triton().cauchy_linear_triton(loc_U, scale_U, weight, bias)
         if fused is None:
-            from .cauchy import cauchy_linear as reference
+            from ..cauchy import cauchy_linear as reference
 
             fused = tuple(t.contiguous() for t in reference(loc_U, scale_U, weight, bias))
         return fused
@@ -64,7 +74,7 @@ def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
     def ovr_scores(loc_S, scale_S, threshold, relative, distribution):
         scores = triton().ovr_scores_triton(loc_S, scale_S, threshold, relative, distribution)
         if scores is None:
-            from .cauchy import ovr_decision_scores
+            from ..cauchy import ovr_decision_scores
 
             scores = ovr_decision_scores(loc_S, scale_S, threshold, relative, distribution)
         return scores

@@ -1,6 +1,6 @@
-// The C kernels of the causalqwen decode operators (their schemas: causalqwen_adapter/ops.py), over the AVX-512 code
+// The C kernels of the causalqwen decode operators (their schemas: kernels/ops.py), over the AVX-512 code
 // of kernels.cpp, registered as causalqwen_cpu::<name>. Each checks what it is given and raises on what it does not
-// compute; the operators' CPU kernels (causalqwen_adapter/cpu_kernels.py) call them where `c_<name>_applies` says so.
+// compute; the operators' CPU kernels (kernels/cpu.py) call them where `c_<name>_applies` says so.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -107,8 +107,8 @@ at::Tensor ovr_scores(const at::Tensor &loc_S, const at::Tensor &scale_S, const 
 
 }  // namespace
 
-// What this CPU runs, asked by causalqwen_adapter/cpu_kernels.py once the library is loaded: cq_supported's bits; and
-// the kernels, which the causalqwen operators' CPU kernels (cpu_kernels.py) call where they apply.
+// What this CPU runs, asked by kernels/cpu.py once the library is loaded: cq_supported's bits; and
+// the kernels, which the causalqwen operators' CPU kernels (cpu.py) call where they apply.
 TORCH_LIBRARY(causalqwen_cpu, m) {
     m.def("supported(Tensor like) -> int", [](const at::Tensor &) { return static_cast<int64_t>(supported()); });
     m.def("cauchy_linear(Tensor loc_U, Tensor scale_U, Tensor weight, Tensor? bias) -> (Tensor, Tensor)");

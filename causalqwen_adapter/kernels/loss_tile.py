@@ -1,0 +1,271 @@
+"""The training loss's tile on the GPU: `loss_tile_triton`, the `causalqwen::loss_tile` operator (pass B of
+`lm_loss.chunked_lm_loss` on one tile, and the tiles of `losses.chunked_ovr_loss`), for tiles as wide as the whole
+vocabulary."""
+
+from typing import NamedTuple
+
+import torch
+
+from .triton_utils import (
+    _NUM_WARPS,
+    DTYPES,
+    INTERPRETED,
+    TILE_COL_D,
+    TILE_COL_T,
+    TILE_D,
+    TILE_OVR,
+    TILE_OVR_GRADS,
+    TILE_OVR_LOCATES,
+    _add,
+    _jit,
+    _log1p_small,
+    _row_major,
+    _runs_on,
+    _segments,
+    _small_angle,
+    _store,
+    available,
+    tl,
+)
+
+__all__ = ["LossTileOut", "loss_tile_triton"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The training loss's tile (causalqwen::loss_tile)
+#
+# Grid: (row blocks of BLOCK_R rows) × (column segments), each program looping over its segment BLOCK_N columns at a
+# time. With a whole-vocabulary tile (one per token chunk) a grid over rows alone has a chunk's ~200 programs, too
+# few to fill a GPU; over row blocks × segments it has several per multiprocessor. Nothing is added atomically, so the
+# results do not depend on scheduling: each program owns its rows' partial sums of its segment (rows_part
+# [segments, 4, r], summed after the kernel, or written straight into rows_out with one segment) and its columns'
+# sums over its row block (cols [row blocks, w], each (row block, column) written by one program; one row block adds
+# into the caller's [w] sums directly). BLOCK_R rows per program keep those column partials at w·r/BLOCK_R floats.
+
+
+@_jit(do_not_specialize=["r", "w", "seg", "ce", "of", "loc_stride", "scale_stride", "d_stride", "g_stride",
+                         "cd_stride", "ct_stride"])
+def _loss_tile_kernel(
+    loc_ptr, loc_stride, bias_ptr, lse_ptr, thr_ptr, scale_ptr, scale_stride, col_ptr, degen_ptr,
+    d_ptr, d_stride, g_ptr, g_stride, rows_ptr, cd_ptr, cd_stride, ct_ptr, ct_stride,
+    r, w, seg, ce, of,
+    HAS_BIAS: tl.constexpr, THR_PER_TOKEN: tl.constexpr, RELATIVE: tl.constexpr, HAS_DEGEN: tl.constexpr,
+    OVR: tl.constexpr, STORE_D: tl.constexpr, USE_CE: tl.constexpr, OVR_GRADS: tl.constexpr,
+    LOCATES: tl.constexpr, COL_D: tl.constexpr, COL_T: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < r
+    rows64 = rows.to(tl.int64)
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    target = tl.load(col_ptr + rows, mask=rmask, other=-1).to(tl.int64)
+    if RELATIVE:
+        shift = lse
+    else:
+        shift = tl.full([BLOCK_R], 0.0, tl.float32)
+    if not THR_PER_TOKEN:
+        c0 = tl.load(thr_ptr).to(tl.float32)
+    acc_t = tl.full([BLOCK_R], 0.0, tl.float32)
+    acc_log = tl.full([BLOCK_R], 0.0, tl.float32)
+    acc_u = tl.full([BLOCK_R], 0.0, tl.float32)
+    acc_p = tl.full([BLOCK_R], 0.0, tl.float32)
+    j_start = pid_s * seg
+    j_end = tl.minimum(j_start + seg, w)
+    for j0 in range(j_start, j_end, BLOCK_N):
+        cols = j0 + tl.arange(0, BLOCK_N)
+        cmask = cols < j_end
+        m = rmask[:, None] & cmask[None, :]
+        hit = (cols[None, :].to(tl.int64) == target[:, None]) & m
+        x = tl.load(loc_ptr + rows64[:, None] * loc_stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+        acc_t += tl.reduce(tl.where(hit, x, 0.0), 1, _add)
+        dv = tl.full([BLOCK_R, BLOCK_N], 0.0, tl.float32)
+        if STORE_D:
+            if USE_CE:  # ce·(softmax − onehot)
+                e = tl.exp(x - lse[:, None])
+                dv = (e - tl.where(hit, 1.0, 0.0)) * ce
+        if OVR:
+            s = tl.load(scale_ptr + rows64[:, None] * scale_stride + cols[None, :], mask=m, other=1.0)
+            # float32's smallest normal, 2⁻¹²⁶ in full: Triton types a literal below it float64
+            s = tl.maximum(s.to(tl.float32), 1.1754943508222875e-38)
+            if THR_PER_TOKEN:
+                c = tl.load(thr_ptr + cols, mask=cmask, other=0.0)[None, :]
+            else:
+                c = c0
+            z = ((x - c) - shift[:, None]) / s
+            z = tl.where(hit, -z, z)  # the target's term is on the other side
+            # a = atan2(1, z)/π and u = 1 − a: one is `small`, the other 1 − small, so the small one keeps its
+            # digits, and log a = log1p(−small) where a is near 1
+            small = _small_angle(tl.abs(z))
+            pos = z >= 0.0
+            big = 1.0 - small
+            a = tl.where(pos, small, big)
+            u = tl.where(pos, big, small)
+            log_a = tl.where(pos, tl.log(small), _log1p_small(-small))
+            acc_p += tl.reduce(tl.where(hit, a, 0.0), 1, _add)
+            acc_u += tl.reduce(tl.where(m, u, 0.0), 1, _add)
+            acc_log += tl.reduce(tl.where(m, log_a, 0.0), 1, _add)
+            if OVR_GRADS:
+                # π ∂ℓ/∂z = 1/(a + z·(z·a)): the product form of losses.ovr_tile (z² never overflows into inf·0)
+                t = (1.0 / ((z * a) * z + a)) / s
+                if HAS_DEGEN:  # zero rows of W_A: x is ±inf or a step there, its gradient 0
+                    dg = tl.load(degen_ptr + cols, mask=cmask, other=0) != 0
+                    t = tl.where(dg[None, :], 0.0, t)
+                    z = tl.where(dg[None, :], 0.0, z)
+                gv = z * t  # −π ∂ℓ/∂scale_S
+                _store(g_ptr + rows64[:, None] * g_stride + cols[None, :], gv, m)
+                t = tl.where(hit, -t, t)  # π ∂ℓ/∂loc_S
+                if COL_T:  # Σ_rows −π ∂ℓ/∂loc_S = π ∂ℓ/∂C
+                    ct = ct_ptr + pid_r * ct_stride + cols
+                    tl.store(ct, tl.load(ct, mask=cmask, other=0.0) - tl.reduce(tl.where(m, t, 0.0), 0, _add), mask=cmask)
+                if LOCATES:
+                    dv = dv + t * of
+        if STORE_D:
+            _store(d_ptr + rows64[:, None] * d_stride + cols[None, :], dv, m)
+            if COL_D:
+                cd = cd_ptr + pid_r * cd_stride + cols
+                tl.store(cd, tl.load(cd, mask=cmask, other=0.0) + tl.reduce(tl.where(m, dv, 0.0), 0, _add), mask=cmask)
+    out = rows_ptr + pid_s * 4 * r + rows
+    tl.store(out, acc_t, mask=rmask)
+    tl.store(out + r, acc_log, mask=rmask)
+    tl.store(out + 2 * r, acc_u, mask=rmask)
+    tl.store(out + 3 * r, acc_p, mask=rmask)
+
+
+# loss tile: 4 × 256 with 8 warps compiles to 91 registers for sm_90 (8 × 256: 255, one block per SM)
+_LOSS_BLOCK_R, _LOSS_BLOCK_N = (4, 32) if INTERPRETED else (4, 256)
+
+
+class LossTileOut(NamedTuple):
+    """The results of `loss_tile_triton`: ``rows`` [4, r] float32 (the target's logit, Σ log a, Σ (1 − a), P_y per
+    row); ``d``, ``g`` [r, w] in loc's dtype; ``col_d``, ``col_t`` [w] float32 column sums. None for what the flags
+    leave out."""
+
+    rows: torch.Tensor
+    d: torch.Tensor | None
+    g: torch.Tensor | None
+    col_d: torch.Tensor | None
+    col_t: torch.Tensor | None
+
+
+def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d=None, g=None,
+                     rows_out=None, col_d=None, col_t=None, *, segments=None):
+    """The `causalqwen::loss_tile` operator (`ops.py`) on the GPU: one (token × vocabulary) tile of the training loss,
+    any width up to the whole vocabulary. Arguments as the operator's, without ``kernel`` and ``threads``:
+
+    - ``loc`` [r, w] bf16 or float32 (rows of unit column stride, any row stride): loc_S (= W loc_U, + b when
+      ``bias`` is None) or, for `losses.chunked_ovr_loss`, loc_S − C (− offset);
+    - ``bias`` [w] float32 or None: added to loc in float32 (bf16 logits stored without b_A);
+    - ``lse`` [r] float32: the rows' log-partition, read with ``TILE_D`` and ce ≠ 0, or ``relative`` (may be None
+      otherwise);
+    - ``thr``: a number, or a float32 tensor of 1 or w thresholds; ``relative``: compare loc − lse with them;
+    - ``scale`` [r, w] in loc's dtype: scale_S, read with ``TILE_OVR`` (may be None otherwise);
+    - ``col`` [r] integer: the target's column in this tile, −1 where it lies outside (`losses.kernel_target_columns`);
+    - ``degenerate`` [w] bool or None: the zero rows of W_A (`losses.zero_row_mask`);
+    - ``ce``, ``of``: the factors of the softmax gradient and of the OvR's ∂ℓ/∂loc_S in d; ``flags``: ``TILE_*``.
+
+    Outputs (allocated when None and the flags need them; given ones are used in place):
+
+    - ``d`` [r, w] loc's dtype (``TILE_D``): ce·(softmax − onehot) (+ of·π ∂ℓ/∂loc_S with ``TILE_OVR_LOCATES``);
+    - ``g`` [r, w] loc's dtype (``TILE_OVR_GRADS``): −π ∂ℓ/∂scale_S (0 at degenerate columns);
+    - ``rows_out`` float32, [4, r] or 4·r contiguous, written: per row the target's logit (0 when outside the tile),
+      Σ log a (a = 1 − P off target, P_y on it), Σ (1 − a), P_y, the last three with ``TILE_OVR`` only (else 0);
+    - ``col_d`` (with both ``TILE_D`` and ``TILE_COL_D``): Σ_rows d; ``col_t`` (with ``TILE_OVR``,
+      ``TILE_OVR_GRADS`` and ``TILE_COL_T``): Σ_rows −π ∂ℓ/∂loc_S (= π ∂ℓ/∂C); each float32 [w] (unit stride), ADDED
+      to: zero them first (a fresh one is zeros). The operator's [threads, w] layout, summed by the caller, is one
+      row here: pass ``cols[0][0]`` or a [w] tensor and read it directly.
+
+    ``segments``: column segments per row block (default: enough programs to fill the device).
+    Returns a `LossTileOut`, or None where the kernel does not apply (the caller runs its torch tile).
+    """
+    if loc.dim() != 2 or loc.dtype not in DTYPES or not available():
+        return None
+    r, w = loc.shape
+    ovr = bool(flags & TILE_OVR)
+    store_d = bool(flags & TILE_D)
+    ovr_grads = ovr and bool(flags & TILE_OVR_GRADS)
+    col_d_on = store_d and bool(flags & TILE_COL_D)
+    col_t_on = ovr_grads and bool(flags & TILE_COL_T)
+    use_ce = store_d and float(ce) != 0.0
+    need_lse = use_ce or (ovr and relative)
+    dev = loc.device
+    if not torch.is_tensor(thr):
+        thr = torch.tensor([float(thr)], dtype=torch.float32, device=dev)
+    thr = thr.detach().reshape(-1)
+    if (
+        not _runs_on(loc, bias, lse if need_lse else None, thr, scale if ovr else None, col, degenerate, d, g,
+                     rows_out, col_d, col_t)
+        or not _row_major(loc)
+        or (ovr and (scale is None or scale.shape != loc.shape or scale.dtype != loc.dtype or not _row_major(scale)))
+        or (need_lse and (lse is None or lse.numel() != r))
+        or col.numel() != r
+        or (ovr and thr.numel() not in (1, w))
+        or (bias is not None and bias.numel() != w)
+        or (degenerate is not None and degenerate.numel() != w)
+    ):
+        return None
+    for out, on in ((d, store_d), (g, ovr_grads)):
+        if on and out is not None and (out.shape != loc.shape or out.dtype != loc.dtype or not _row_major(out)):
+            return None
+    for out, on in ((col_d, col_d_on), (col_t, col_t_on)):
+        if on and out is not None and (out.numel() != w or out.dtype != torch.float32 or (w > 1 and out.stride(-1) != 1)):
+            return None
+    if rows_out is not None and (rows_out.numel() != 4 * r or rows_out.dtype != torch.float32
+                                 or not rows_out.is_contiguous()):
+        return None
+
+    f32 = dict(dtype=torch.float32, device=dev)
+    rows_out = torch.empty(4 * r, **f32) if rows_out is None else rows_out
+    if store_d and d is None:
+        d = torch.empty_like(loc)
+    if ovr_grads and g is None:
+        g = torch.empty_like(loc)
+    if col_d_on and col_d is None:
+        col_d = torch.zeros(w, **f32)
+    if col_t_on and col_t is None:
+        col_t = torch.zeros(w, **f32)
+    result = LossTileOut(rows_out.view(4, r), d if store_d else None, g if ovr_grads else None,
+                         col_d if col_d_on else None, col_t if col_t_on else None)
+    if r == 0 or w == 0:
+        rows_out.zero_()
+        return result
+
+    row_blocks = -(-r // _LOSS_BLOCK_R)
+    seg, n_seg = _segments(w, row_blocks, _LOSS_BLOCK_N, dev, segments)
+    rows_part = rows_out if n_seg == 1 else torch.empty(n_seg * 4 * r, **f32)
+    # one row block adds into the caller's column sums; several write one row each of a partial, summed after
+    col_parts = []
+    for on, out in ((col_d_on, col_d), (col_t_on, col_t)):
+        if not on:
+            col_parts.append(None)
+        elif row_blocks == 1:
+            col_parts.append(out.reshape(1, w))
+        else:
+            col_parts.append(torch.zeros(row_blocks, w, **f32))
+    cd, ct = col_parts
+    dummy = rows_out  # any pointer for the operands a flag leaves out
+    lse_t = lse.detach().reshape(-1).float().contiguous() if need_lse else dummy
+    thr = thr.float().contiguous()
+    _loss_tile_kernel[(row_blocks, n_seg)](
+        loc, loc.stride(0), dummy if bias is None else bias.detach().float().contiguous(), lse_t, thr,
+        scale if ovr else dummy, scale.stride(0) if ovr else 0, col.contiguous(),
+        dummy if degenerate is None else degenerate.contiguous().view(torch.uint8),
+        d if store_d else dummy, d.stride(0) if store_d else 0, g if ovr_grads else dummy,
+        g.stride(0) if ovr_grads else 0, rows_part,
+        dummy if cd is None else cd, 0 if cd is None else cd.stride(0),
+        dummy if ct is None else ct, 0 if ct is None else ct.stride(0),
+        r, w, seg, float(ce), float(of),
+        HAS_BIAS=bias is not None, THR_PER_TOKEN=thr.numel() > 1, RELATIVE=bool(relative),
+        HAS_DEGEN=degenerate is not None, OVR=ovr, STORE_D=store_d, USE_CE=use_ce, OVR_GRADS=ovr_grads,
+        LOCATES=ovr_grads and bool(flags & TILE_OVR_LOCATES), COL_D=col_d_on, COL_T=col_t_on,
+        BLOCK_R=_LOSS_BLOCK_R, BLOCK_N=_LOSS_BLOCK_N, num_warps=_NUM_WARPS,
+    )
+    if n_seg > 1:
+        torch.sum(rows_part.view(n_seg, 4 * r), 0, out=rows_out)
+    for out, part in ((col_d, cd), (col_t, ct)):
+        if part is not None and row_blocks > 1:
+            out.add_(part.sum(0).view_as(out))
+    return result

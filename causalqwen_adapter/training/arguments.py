@@ -1,0 +1,131 @@
+"""The head options of the trainers' configs (`CausalHeadArguments`), each described once, in `CausalQwenConfig`'s
+docstring (`config_argument`), the config fields they set for fresh heads (`head_options`), and the Trainer flags a
+causal-heads trainer refuses (`check_unsupported_flags`)."""
+
+import inspect
+import re
+from dataclasses import dataclass, field, fields
+
+from ..configuration_causalqwen import (
+    CONFIG_CHOICES,
+    INTEGER_FIELDS,
+    NUMBER_FIELDS,
+    VOCABULARY_LOSS_B_NOISE_INIT,
+    VOCABULARY_LOSS_GAMMA_INIT,
+    CausalQwenConfig,
+    check_choice,
+    check_number,
+)
+from ..modeling_causalqwen import CausalQwenForCausalLM
+
+
+def config_field_help(name: str) -> str:
+    """The `CausalQwenConfig` docstring's entry for `name`, as one line: the one place a head option is described."""
+    doc = inspect.getdoc(CausalQwenConfig) or ""
+    match = re.search(rf"^    {name} \(`[^`]*`(?:, \*optional\*)?\): (.*?)(?=^    \w+ \(`|\Z)", doc, re.M | re.S)
+    if match is None:
+        raise KeyError(f"CausalQwenConfig's docstring does not describe {name!r}")
+    return " ".join(match.group(1).split())
+
+
+def config_argument(name: str, note: str = "", default=None):
+    """A trainer argument that sets the config field `name`: its help is the config's (plus the trainer's `note`), its
+    choices the config's, and unset (None) keeps the config's value."""
+    text = " ".join(filter(None, (config_field_help(name), note, "Default: the model config's.")))
+    metadata = {"help": text.replace("%", "%%")}  # argparse formats help strings
+    if name in CONFIG_CHOICES:
+        metadata["choices"] = list(CONFIG_CHOICES[name])
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class CausalHeadArguments:
+    """The head options of the trainers' configs: `CausalQwenConfig` fields, used when a trainer builds fresh heads
+    (when `model` is a base; an adapter brings its own). Unset (None) means the config's value; each option is
+    described once, in `CausalQwenConfig`'s docstring. The loss options and `ovr_distribution` apply to adapters too."""
+
+    causal_size: int | None = config_argument("causal_size")
+    gamma_init: float | None = config_argument("gamma_init")
+    b_noise_init: float | None = config_argument("b_noise_init")
+    ovr_threshold_init: float | None = config_argument(
+        "ovr_threshold_init", "Unset for fresh heads with absolute thresholds: calibrated on the first training rows "
+        "(`calibrate_threshold`)."
+    )
+    ovr_relative_threshold: bool | None = config_argument("ovr_relative_threshold")
+    learnable_threshold: bool | None = config_argument("learnable_threshold")
+    action_weight: str | None = config_argument("action_weight")
+    action_lora_rank: int | None = config_argument("action_lora_rank")
+    numeric: bool = config_argument("numeric", "The data then needs input_ids and numeric_values "
+                                    "(causalqwen_adapter.numeric).", default=False)
+    num_token_id: int | None = config_argument("num_token_id")
+    numeric_loss_weight: float | None = config_argument("numeric_loss_weight")
+    objective: str | None = config_argument("objective", "Applies to adapters too.")
+    ovr_trains_location: bool | None = config_argument("ovr_trains_location", "Applies to adapters too.")
+    softmax_loss_weight: float | None = config_argument("softmax_loss_weight", "Applies to adapters too.")
+    ovr_distribution: str | None = config_argument("ovr_distribution", "Applies to adapters too.")
+    ovr_candidates: int | None = config_argument("ovr_candidates", "0: every token of the vocabulary. Applies to "
+                                                 "adapters too.")
+    location_lr_ratio: float = field(
+        default=1.0,
+        metadata={"help": "Learning rate of the location path (W_loc, b_loc, W_A, b_A: what ranks the tokens) as "
+                  "a multiple of learning_rate."},
+    )
+    threshold_lr_ratio: float = field(
+        default=1.0,
+        metadata={"help": "Learning rate of the learnable per-token thresholds C_k as a multiple of learning_rate."},
+    )
+    hub_base_model_id: str | None = field(
+        default=None,
+        metadata={"help": "With push_to_hub: the Hub id of the base (e.g. Qwen/Qwen2.5-0.5B-Instruct), written into "
+                  "the pushed config.json and model card in place of a local base folder, which nobody else could "
+                  "load. Required when the base is a local folder; output_dir keeps naming the folder."},
+    )
+
+    def __post_init__(self):
+        # Up front, naming the field: a bad value would otherwise surface after the model is loaded (the config's own
+        # checks), or steps into training (a NaN rate, a negative one that ascends the gradient).
+        for name in ("learning_rate", "location_lr_ratio", "threshold_lr_ratio"):
+            if hasattr(self, name):
+                setattr(self, name, check_number(name, getattr(self, name), minimum=0))
+        for name, bounds in NUMBER_FIELDS.items():
+            if getattr(self, name, None) is not None:
+                check_number(name, getattr(self, name), **bounds)
+        for name in (*INTEGER_FIELDS, "num_token_id", "ovr_candidates"):
+            if getattr(self, name, None) is not None:
+                minimum = 0 if name in ("num_token_id", "ovr_candidates") else 1
+                check_number(name, getattr(self, name), minimum=minimum, integer=True)
+        for name, choices in CONFIG_CHOICES.items():
+            if getattr(self, name, None) is not None:
+                check_choice(name, getattr(self, name), choices)
+        super().__post_init__()
+
+
+def check_unsupported_flags(args) -> None:
+    """Trainer flags a causal-heads trainer cannot honour, refused rather than ignored."""
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError(
+            "use_liger_kernel is not supported: Liger patches a model's own layers and loss by its model type, and "
+            "would find none to patch in a CausalQwen model (it only logs that) while the heads compute their own "
+            "loss, chunked over the vocabulary as Liger's fused linear cross-entropy is (docs/design.md, Training "
+            "losses). Drop the flag."
+        )
+
+
+def head_options(args: CausalHeadArguments, loss: str = "sft") -> dict:
+    """The config fields the arguments set for fresh heads (None leaves the config's default; the learning-rate
+    ratios are the optimizer's, not the config's). Distillation's tail term sums over the whole vocabulary: its fresh
+    heads start from that loss's scale and noise (`gamma_init` 1e-5, `b_noise_init` 1e-6) unless the arguments set
+    them."""
+    config_fields = CausalQwenForCausalLM.config_class.__dataclass_fields__
+    options = {f.name: config_value(f.name, getattr(args, f.name)) for f in fields(CausalHeadArguments)
+               if f.name in config_fields and getattr(args, f.name) is not None}
+    if loss == "distill":
+        options.setdefault("gamma_init", VOCABULARY_LOSS_GAMMA_INIT)
+        options.setdefault("b_noise_init", VOCABULARY_LOSS_B_NOISE_INIT)
+    return options
+
+
+def config_value(name: str, value):
+    """An argument's value as the config field takes it: `ovr_candidates` 0 (a command line has no None) is the
+    config's None, the OvR loss over the whole vocabulary."""
+    return None if name == "ovr_candidates" and value == 0 else value
