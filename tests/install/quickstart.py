@@ -73,7 +73,10 @@ def main() -> None:
     for kind in ("tied", "untied"):
         base = tiny_base(work / f"base-{kind}", tied=kind == "tied")
         adapter = work / f"adapter-{kind}"
-        CausalQwenForCausalLM.from_base(Qwen2ForCausalLM.from_pretrained(base)).save_pretrained(adapter)
+        fresh = CausalQwenForCausalLM.from_base(str(base))  # the README's first lines, by name
+        report = fresh.verify_initialization(torch.tensor([[5, 6, 7, 8]]))  # an untied base's layer read back
+        check(report["logits_diff"] < 1e-5, f"{kind} base: the fresh heads are not the base's logits: {report}")
+        fresh.save_pretrained(adapter)
         files = sorted(p.name for p in adapter.iterdir())
         check("model.safetensors" in files and any(f.endswith(".py") for f in files),
               f"{adapter} lacks the weights or the remote code: {files}")
