@@ -27,9 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import evidence  # noqa: E402
 import evidence_protocol as protocol  # noqa: E402
-from evidence_data import inject_noise, stratified_split  # noqa: E402
 
 from causalqwen_adapter.classification import (  # noqa: E402
     LabelSet,
@@ -37,6 +35,9 @@ from causalqwen_adapter.classification import (  # noqa: E402
     expected_calibration_error,
     label_scores,
 )
+
+import evidence  # noqa: E402
+from evidence_data import inject_noise, stratified_split  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- splits
 
@@ -251,6 +252,7 @@ def main(argv=None) -> None:
 
     from causalqwen_adapter.classification import label_set
     from causalqwen_adapter.trainer import CausalSFTConfig
+
     from evidence_data import task
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence_paired import choose_rate, paired  # noqa: E402
+
 from stats import holm, paired_t  # noqa: E402
 
 DECLARED_ON = "2026-11-29"
