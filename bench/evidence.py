@@ -22,6 +22,7 @@ have, written here on the same tensors:
 | `ovr_alone_logistic` | `ovr_alone` with the logistic link (here, not in the package) |
 | `ovr_candidates_slow_scale` | `ovr_candidates` with the scale path (W_scale, b_scale, b_noise) at the location path's rate, `location_lr_ratio` × the learning rate |
 | `ovr_candidates_absolute`, `ovr_alone_absolute` | `ovr_candidates`, `ovr_alone` with absolute thresholds (`ovr_relative_threshold=False`, C calibrated on the training prompts as the trainer does): each label accepted on its own logit, not on its share of the vocabulary's probability |
+| `ovr_alone_absolute_logistic` | `ovr_alone_absolute` with the logistic link (here, not in the package) |
 
 Label noise flips training (and validation) labels, uniformly or class-dependently (evidence_data.inject_noise); the
 learning rate of each arm and noise setting is the best of --lrs by validation accuracy (noisy validation labels: what
@@ -90,6 +91,8 @@ ARMS = {
     # softmax's normalisation says (the seeds' "none of these"); C calibrated on the training prompts
     "ovr_candidates_absolute": dict(heads={**CANDIDATES, "ovr_relative_threshold": False}, loss="recipe"),
     "ovr_alone_absolute": dict(heads={**ALONE, "ovr_relative_threshold": False}, loss="recipe"),
+    # its logistic-link ablation (the pre-registered family's: docs/evidence.md)
+    "ovr_alone_absolute_logistic": dict(heads={**ALONE, "ovr_relative_threshold": False}, loss="logistic"),
 }
 GCE_Q = 0.7
 

@@ -100,15 +100,23 @@ def runs_by_rate(paths) -> dict[tuple, dict[int, dict]]:
     return out
 
 
+def choose_rate(validation: dict[float, float]) -> float:
+    """The rate of best validation score ({rate: score}, higher better); a tie goes to the smaller rate. NaN scores
+    are never chosen unless every score is NaN."""
+    if not validation:
+        raise ValueError("no rate to choose from")
+    return max(sorted(validation), key=lambda lr: (not math.isnan(validation[lr]), validation[lr], -lr))
+
+
 def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
-    """{(task, noise, rate, arm, "per seed"): {seed: accuracies at the rate of best validation accuracy}} from the
-    run lines of bench/evidence.py's logs or the runs its JSON rows keep; a seed is kept when it ran every rate its
-    arm ran at in that setting."""
+    """{(task, noise, rate, arm, "per seed"): {seed: accuracies at the rate of best validation accuracy, ties to the
+    smaller rate}} from the run lines of bench/evidence.py's logs or the runs its JSON rows keep; a seed is kept when
+    it ran every rate its arm ran at in that setting."""
     chosen = {}
     for key, seeds in _collect_runs(paths).items():
         grid = set().union(*seeds.values())
-        chosen[key] = {seed: max(by_lr.values(), key=lambda r: r[0])[1] for seed, by_lr in seeds.items()
-                       if set(by_lr) == grid}
+        chosen[key] = {seed: by_lr[choose_rate({lr: run[0] for lr, run in by_lr.items()})][1]
+                       for seed, by_lr in seeds.items() if set(by_lr) == grid}
     return chosen
 
 
