@@ -165,9 +165,14 @@ def staging_place(target: Path) -> Path:
     if not target.exists():
         return parent
     resolved = os.path.realpath(target)
-    if not _writable(parent) or os.path.ismount(resolved) or os.stat(parent).st_dev != os.stat(resolved).st_dev:
+    if not _writable(parent) or os.path.ismount(resolved) or not same_filesystem(parent, resolved):
         return target
     return parent
+
+
+def same_filesystem(a, b) -> bool:
+    """Whether two existing paths are on one filesystem (a rename between them can succeed)."""
+    return os.stat(a).st_dev == os.stat(b).st_dev
 
 
 def make_staging(target: Path, what: str) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from test_distill import _args as _distill_args
 
 import causalqwen_adapter.adapter_folder as adapter_folder
 from causalqwen_adapter import CausalQwenForCausalLM
@@ -24,7 +25,6 @@ from causalqwen_adapter.distill import CausalDistillTrainer
 from causalqwen_adapter.features import extract_features, load_features
 from causalqwen_adapter.trainer import CausalSFTTrainer
 
-from test_distill import _args as _distill_args
 from test_trainer import _args, _prompt_completion
 
 CASES = ["parent not writable", "symlink to another filesystem", "mount point"]
