@@ -189,9 +189,9 @@ def save_failed(err: OSError, target: Path, what: str) -> OSError:
     where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
     advice = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space within your disk quota"}.get(
         err.errno, "fix the cause")
-    return OSError(err.errno, f"could not save {what} to {target}: {err.strerror or err}"
-                              f"{f' (at {where})' if where else ''}. {target} was left as it was: {advice} and save "
-                              "again.")
+    message = (f"could not save {what} to {target}: {err.strerror or err}{f' (at {where})' if where else ''}. "
+               f"{target} was left as it was: {advice} and save again.")
+    return OSError(err.errno, message) if err.errno is not None else OSError(message)
 
 
 @contextmanager

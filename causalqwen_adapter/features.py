@@ -141,6 +141,8 @@ def extract_features(
             error = exc
         results = _gather((None if error is None else f"{type(error).__name__}: {error}", lengths))
         failed = [(r, message) for r, (message, _) in enumerate(results) if message is not None]
+        if isinstance(error, OSError):  # writing the rows into the hidden staging folder: named by the target
+            raise save_failed(error, target, "the features") from error
         if error is not None:
             raise error
         if failed:
