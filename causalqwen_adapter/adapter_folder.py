@@ -5,11 +5,13 @@ install of a saved folder.
 Shipped as remote code: imports only the standard library, torch, transformers, safetensors and huggingface_hub.
 """
 
+import errno
 import json
 import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -69,14 +71,25 @@ def non_finite_tensors(path) -> list[str]:
 def install_folder(staging: Path, target: Path) -> None:
     """Move a fully written staging folder into place (see save_pretrained for the guarantees).
 
-    Into an existing folder, each file it replaces is first moved aside, `config.json` first (until the new one is
-    in, the folder refuses to load) and last back in; if a move fails, everything is moved back as it was.
+    Into an existing folder, each file it replaces is first moved aside (into a hidden `.old` folder where the staging
+    folder is: beside the target or inside it, `staging_place`), `config.json` first (until the new one is in, the
+    folder refuses to load) and last back in; if a move fails, everything is moved back as it was.
     """
     give_plain_modes(staging)
     if not target.exists():
         os.rename(staging, target)
         return
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+    # a stale backbone LoRA must not be re-applied to these heads
+    swap_entries(staging, target, "config.json", [] if (staging / LORA_FOLDER).exists() else [LORA_FOLDER])
+
+
+def swap_entries(staging: Path, target: Path, marker: str, out, aside_in: Path | None = None) -> None:
+    """Move the entries of `staging` into the existing folder `target`, each one it replaces and each name of `out`
+    first set aside in a hidden `.NAME.XXXXXXXX.old` folder in `aside_in` (default: where `staging` is); `marker`,
+    the file without which the folder refuses to load, goes aside first and comes in last. A failure moves everything
+    back; the set-aside folder is removed once the swap is over."""
+    aside_in = staging.parent if aside_in is None else aside_in
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=aside_in))
     done: list[tuple[Path, Path | None]] = []  # (target entry, where its old version went)
 
     def put_aside(dest: Path) -> None:
@@ -85,12 +98,13 @@ def install_folder(staging: Path, target: Path) -> None:
             done.append((dest, aside / dest.name))
 
     try:
-        put_aside(target / "config.json")
-        if not (staging / LORA_FOLDER).exists():
-            put_aside(target / LORA_FOLDER)  # a stale backbone LoRA must not be re-applied to these heads
-        for item in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):  # config.json last
+        put_aside(target / marker)
+        for name in out:
+            if name != marker and not (staging / name).exists():
+                put_aside(target / name)
+        for item in sorted(staging.iterdir(), key=lambda p: p.name == marker):  # the marker last
             dest = target / item.name
-            if item.name != "config.json":
+            if item.name != marker:
                 put_aside(dest)
             done.append((dest, None))
             os.replace(item, dest)
@@ -103,6 +117,95 @@ def install_folder(staging: Path, target: Path) -> None:
         raise
     finally:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def _writable(folder: Path) -> bool:
+    return os.access(folder, os.W_OK | os.X_OK)  # entries are added to a folder through both bits
+
+
+def _uids(folder: Path) -> str:
+    me = os.getuid() if hasattr(os, "getuid") else "?"
+    return f"owner uid {folder.stat().st_uid}, this process runs as uid {me}"
+
+
+def check_can_write(target: Path, what: str) -> None:
+    """Refuse, before any work, a `target` this process cannot save `what` into, naming the folder at fault and what
+    to do: an existing folder it cannot write, or, for a folder still to be created, the nearest existing folder
+    above it (where it would be created) when that one cannot be written or is a file."""
+    target = Path(os.path.abspath(target))
+    if target.is_dir():
+        if not _writable(target):
+            raise PermissionError(
+                f"cannot save {what} to {target}: this folder is not writable ({_uids(target)}; a read-only "
+                "filesystem reads the same). Choose a folder you can write to, or have its owner make it writable "
+                "(chmod u+w)."
+            )
+        return
+    above = target.parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise NotADirectoryError(f"cannot save {what} to {target}: {above} is a file, so no folder can be created "
+                                 "under it. Choose another folder.")
+    if not _writable(above):
+        raise PermissionError(
+            f"cannot save {what} to {target}: it does not exist and {above}, where it would be created, is not "
+            f"writable ({_uids(above)}). Create {target} writable for this user first, or choose a folder you can "
+            "write to."
+        )
+
+
+def staging_place(target: Path) -> Path:
+    """Where a save into `target` creates its hidden staging folders: beside it (a new folder appears by one
+    rename), or inside the existing folder itself where its parent cannot take them: the parent is not writable
+    (a user's folder inside a root-owned one), is on another filesystem than the folder (a symbolic link to another
+    disk), or the folder is a mount point (a container's volume); a rename across those fails (EACCES, EXDEV,
+    EBUSY). Decided up front, so a save never fails halfway for it."""
+    parent = target.parent
+    if not target.exists():
+        return parent
+    resolved = os.path.realpath(target)
+    if not _writable(parent) or os.path.ismount(resolved) or not same_filesystem(parent, resolved):
+        return target
+    return parent
+
+
+def same_filesystem(a, b) -> bool:
+    """Whether two existing paths are on one filesystem (a rename between them can succeed)."""
+    return os.stat(a).st_dev == os.stat(b).st_dev
+
+
+def make_staging(target: Path, what: str) -> Path:
+    """A new hidden `.NAME.XXXXXXXX.tmp` staging folder for a save of `what` into `target` (its parents created), in
+    `staging_place(target)`; a target that cannot be written is refused first (`check_can_write`)."""
+    check_can_write(target, what)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=staging_place(target)))
+
+
+def save_failed(err: OSError, target: Path, what: str) -> OSError:
+    """The error of a save of `what` into `target` that failed writing or moving files: it names the target and the
+    cause, never only a hidden staging path (that one follows, as where it happened)."""
+    where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+    advice = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space within your disk quota"}.get(
+        err.errno, "fix the cause")
+    message = (f"could not save {what} to {target}: {err.strerror or err}{f' (at {where})' if where else ''}. "
+               f"{target} was left as it was: {advice} and save again.")
+    return OSError(err.errno, message) if err.errno is not None else OSError(message)
+
+
+@contextmanager
+def staged_save(target: Path, what: str):
+    """A staging folder (`make_staging`) for a save into `target`, removed at the end, however it ends; a file error
+    while it is written or installed is raised naming `target` (`save_failed`)."""
+    staging = make_staging(target, what)
+    try:
+        yield staging
+    except OSError as err:
+        raise save_failed(err, target, what) from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -136,19 +239,23 @@ def keeps_tokenizer_config(target: Path) -> bool:
 
 
 def stale_save_folders(target: Path) -> list[Path]:
-    """The hidden folders saves into `target` create beside it, named as `tempfile.mkdtemp` names them:
-    `.NAME.XXXXXXXX.tmp` (a save's new files) and `.NAME.XXXXXXXX.old` (the files a swap moved out). A save removes
-    its own; any left were left by a process killed while saving."""
+    """The hidden folders saves into `target` create beside it, or inside it where its parent cannot take them
+    (`staging_place`), named as `tempfile.mkdtemp` names them: `.NAME.XXXXXXXX.tmp` (a save's new files) and
+    `.NAME.XXXXXXXX.old` (the files a swap moved out), oldest first. A save removes its own; any left were left by a
+    process killed while saving."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.[a-z0-9_]{{8}}\.(tmp|old)")
-    if not target.parent.is_dir():
-        return []
-    return sorted((p for p in target.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()
-                   and not p.is_symlink()), key=lambda p: p.stat().st_mtime)
+    found = []
+    for place in (target.parent, target):
+        try:
+            found += [p for p in place.iterdir() if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+        except OSError:  # missing, not a folder, or not readable: nothing of ours can be found there
+            pass
+    return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
 def interrupted_swap(target: Path) -> Path | None:
-    """The hidden folder holding the previous adapter's `config.json` when a save into `target` was killed while
-    swapping files in (config.json goes aside first and comes back last), else None."""
+    """The hidden folder (beside `target` or inside it) holding the previous adapter's `config.json` when a save into
+    `target` was killed while swapping files in (config.json goes aside first and comes back last), else None."""
     if (target / "config.json").exists():
         return None
     asides = [p for p in stale_save_folders(target) if p.suffix == ".old" and _is_adapter_config(p / "config.json")]

@@ -9,7 +9,6 @@ import inspect
 import json
 import os
 import shutil
-import tempfile
 import weakref
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from .adapter_folder import (
     is_adapter_folder,
     keeps_tokenizer_config,
     non_finite_tensors,
+    staged_save,
     stale_save_folders,
 )
 from .base_loading import (
@@ -240,13 +240,9 @@ class CausalAdapterMixin:
                 "earlier checkpoint, or training with a lower learning_rate)."
             )
 
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-        try:
+        with staged_save(target, "the adapter") as staging:  # beside the target, or inside it (staging_place)
             self._write_adapter_files(staging, tensors, tokenizer_config=not keeps_tokenizer_config(target))
             install_folder(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         # the folder is whole again: what killed saves left beside it is superseded
         for stale in stale_save_folders(target):
             shutil.rmtree(stale, ignore_errors=True)

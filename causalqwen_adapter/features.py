@@ -28,6 +28,7 @@ from datasets.arrow_writer import ArrowWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging
 
+from .adapter_folder import check_can_write, make_staging, save_failed, swap_entries
 from .adapter_io import (
     all_finite,
     base_config_dict,
@@ -92,15 +93,18 @@ def extract_features(
         raise FileExistsError(f"{target} is a file, not a folder: the features are a folder, and extract_features "
                               "never replaces a file (overwrite replaces only a feature store). Choose another "
                               "output_dir")
-    if target.exists() and not overwrite and any(target.iterdir()):
+    # what the folder holds, but for the hidden folders killed extractions staging inside it left (staging_place)
+    held = set(target.iterdir()) - set(stale_save_folders(target)) if target.is_dir() else set()
+    if held and not overwrite:
         raise FileExistsError(f"{target} already exists: pass overwrite=True (--overwrite) or choose another folder")
 
     if target.is_dir() and ((target / "config.json").is_file() or (target / "model.safetensors").is_file()):
         raise FileExistsError(f"{target} holds a model checkpoint: feature extraction never writes over (or, with "
                               "overwrite, deletes) a model folder. Choose another output_dir")
-    if target.is_dir() and any(target.iterdir()) and not (target / FEATURES_CONFIG_NAME).is_file():
+    if held and not (target / FEATURES_CONFIG_NAME).is_file():
         raise FileExistsError(f"{target} is not a feature store (no {FEATURES_CONFIG_NAME}): overwrite replaces only a "
                               "folder extract_features wrote. Choose another output_dir")
+    check_can_write(target, "the features")  # before the teacher pass, not after it
     if device is None and isinstance(teacher, torch.nn.Module) and next(teacher.parameters()).device.type != "cpu":
         device = next(teacher.parameters()).device
     device = resolve_device(device)  # before loading: a wrong device fails at once
@@ -120,8 +124,7 @@ def extract_features(
     })
     staging = None
     if rank == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        staging = make_staging(target, "the features")  # beside the target, or inside it (staging_place)
     try:
         staging = Path(_broadcast(str(staging) if staging else None))
         lengths, error = [], None
@@ -138,6 +141,8 @@ def extract_features(
             error = exc
         results = _gather((None if error is None else f"{type(error).__name__}: {error}", lengths))
         failed = [(r, message) for r, (message, _) in enumerate(results) if message is not None]
+        if isinstance(error, OSError):  # writing the rows into the hidden staging folder: named by the target
+            raise save_failed(error, target, "the features") from error
         if error is not None:
             raise error
         if failed:
@@ -149,7 +154,7 @@ def extract_features(
         message = None
         if rank == 0:
             try:
-                _merge_and_install(staging, target, lengths_by_rank, {
+                _write_store(staging, target, lengths_by_rank, {
                     "teacher_name_or_path": _same_place(teacher.name_or_path),  # a folder by its absolute path
                     "teacher_revision": revision,
                     "hidden_size": hidden,
@@ -246,6 +251,14 @@ def _merge_and_install(staging: Path, target: Path, lengths_by_rank: list[list[i
     _install(staging / "store", target)
 
 
+def _write_store(staging: Path, target: Path, lengths_by_rank: list[list[int]], info: dict) -> None:
+    """`_merge_and_install`, a file error raised naming `target` and its cause (never only the hidden staging path)."""
+    try:
+        _merge_and_install(staging, target, lengths_by_rank, info)
+    except OSError as err:
+        raise save_failed(err, target, "the features") from err
+
+
 def _process_group() -> tuple[int, int]:
     """(rank, world size) of the torch.distributed group a launcher started; (0, 1) in a single process."""
     if dist.is_available() and dist.is_initialized():
@@ -276,12 +289,19 @@ def load_features(path) -> Dataset:
     checked against the sha256 sums `extract_features` recorded."""
     path = Path(path)
     if not (path / FEATURES_CONFIG_NAME).is_file():
-        kept = [p / path.name for p in stale_save_folders(path)
-                if p.suffix == ".old" and (p / path.name / FEATURES_CONFIG_NAME).is_file()]
+        # the old store, renamed whole beside the folder or (staged inside it) its files set aside in it
+        kept = [p if p.parent == path else p / path.name for p in stale_save_folders(path) if p.suffix == ".old"]
+        kept = [p for p in kept if (p / FEATURES_CONFIG_NAME).is_file()]
         if kept and not path.exists():
             raise FileNotFoundError(
                 f"{path} does not exist: an extraction replacing it was interrupted. The previous feature store is "
                 f"{kept[-1]}: move it back to {path}, or extract the features again."
+            )
+        if kept:
+            raise FileNotFoundError(
+                f"{path} holds no {FEATURES_CONFIG_NAME}: an extraction replacing it was interrupted while swapping "
+                f"its files. The previous store's {FEATURES_CONFIG_NAME} and the files already replaced are in "
+                f"{kept[-1]}: move them back into {path}, or extract the features again."
             )
         raise FileNotFoundError(
             f"{path} holds no {FEATURES_CONFIG_NAME}: it is not a feature store written by extract_features "
@@ -405,8 +425,16 @@ def _teacher_rows(teacher, sequences, batch_size: int, top_k: int, head_rows: in
 
 def _install(staging: Path, target: Path) -> None:
     """Put a complete folder in place of `target` (an old one is removed only once the new one is whole), then remove
-    what extractions killed midway left beside it (hidden folders named as adapter saves name theirs)."""
-    if target.exists():
+    what extractions killed midway left beside it or inside it (hidden folders named as adapter saves name theirs).
+
+    Staged beside `target`: the old folder renamed aside, the new one renamed in. Staged inside it (its parent could
+    not take the staging folder: `staging_place`): the entries swapped, `causalqwen_features.json` out first and in
+    last, so an interrupted swap leaves a folder `load_features` refuses."""
+    if target.exists() and staging.parent.parent == Path(os.path.abspath(target)):
+        ours = {p.name for p in stale_save_folders(target)}
+        swap_entries(staging, target, FEATURES_CONFIG_NAME, [p.name for p in target.iterdir() if p.name not in ours],
+                     aside_in=target)
+    elif target.exists():
         aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
         os.rename(target, aside / target.name)
         try:

@@ -21,9 +21,11 @@ corpus order:
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from accelerate import PartialState
 
+from causalqwen_adapter.adapter_folder import check_can_write
 from causalqwen_adapter.data import load_text_dataset  # the data sources of `causalqwen train`
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.features import extract_features
@@ -60,6 +62,7 @@ class ExtractArguments:
 
 
 def run(args: ExtractArguments):
+    check_can_write(Path(args.output_dir), "the features")  # before the dataset and the teacher load
     device = resolve_device(args.device)  # this process's device (cuda:$LOCAL_RANK under a launcher)
     # Starts the process group a launcher asked for (nccl between GPUs, gloo between CPU processes); a no-op in a
     # single process.

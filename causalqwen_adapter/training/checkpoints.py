@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveS
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 from transformers.utils.hub import PushInProgress
 
+from ..adapter_folder import check_can_write, staged_save
 from ..adapter_io import (
     LORA_FOLDER,
     adapter_file_names,
@@ -52,10 +52,8 @@ def install_adapter_copy(source: Path, target: Path) -> None:
     """Copy the adapter files of the saved folder `source` (a trainer's checkpoint) into `target` as a save writes
     them (`adapter_io.install_folder`): nothing else of `source` (optimizer state), and a tokenizer of the user's in
     `target` kept (`keeps_tokenizer_config`)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     names = adapter_file_names() | ({TOKENIZER_CONFIG_NAME} if not keeps_tokenizer_config(target) else set())
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
+    with staged_save(target, "the adapter") as staging:
         for name in sorted(names):
             item = source / name
             if item.is_dir():
@@ -63,8 +61,6 @@ def install_adapter_copy(source: Path, target: Path) -> None:
             elif item.is_file():
                 shutil.copyfile(item, staging / name)
         install_folder(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 class AdapterCheckpointMixin:
@@ -372,13 +368,15 @@ class AdapterCheckpointMixin:
 
 def check_output_dir(output_dir) -> None:
     """Before a trainer loads anything: its checkpoints, card and adapter go into `output_dir`; refuse a file there,
-    or a folder whose files a save would replace (`adapter_io.check_not_foreign`)."""
+    a folder whose files a save would replace (`adapter_io.check_not_foreign`), and a folder this process cannot
+    write (or, not there yet, cannot create: `adapter_folder.check_can_write`)."""
     target = Path(output_dir)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"output_dir {target} is a file, not a folder: checkpoints and the adapter are folders "
                               "written there. Choose another output_dir")
     if target.is_dir():
         check_not_foreign(target, (TRAINING_ARGS_NAME,))
+    check_can_write(target, "the checkpoints and the adapter")  # not at the final save, hours later
 
 
 def checkpoint_problem(folder: Path) -> str | None:
