@@ -256,8 +256,8 @@ class AdapterCheckpointMixin:
             resume_from_checkpoint = self._last_complete_checkpoint()
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             check_resumable(Path(resume_from_checkpoint), type(self).__name__)
-        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            self._check_optimizer_state(Path(resume_from_checkpoint))
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+            self._check_optimizer_state(Path(resume_from_checkpoint))  # not a folder: the Trainer's error
         self._failed_pushes = []
         output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)  # waits for the pushes in flight
         if self._failed_pushes:
