@@ -45,6 +45,7 @@ class CausalDistillConfig(CausalHeadArguments, TrainingArguments):
     )
     learning_rate: float = field(default=1e-3, metadata={"help": "The initial learning rate for AdamW."})
     distill_tail_weight: float | None = config_argument("distill_tail_weight", "Applies to adapters too.")
+    _cli_command = "distill"
 
     def __post_init__(self):
         if isinstance(self.model_init_kwargs, str):

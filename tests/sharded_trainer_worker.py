@@ -1,7 +1,7 @@
 """One rank of the 2-process checks of CausalSFTTrainer under FSDP2 (test_fsdp.py) and DeepSpeed ZeRO-3
 (test_zero3.py), run as a script, not collected by pytest:
 
-    python tests/sharded_trainer_worker.py <base folder> <work folder> <fsdp2|zero3> <resume|best|recipe>
+    python tests/sharded_trainer_worker.py <base folder> <work folder> <fsdp2|zero3> <resume|resume_only_model|best|recipe>
 
 The environment is what `accelerate launch --config_file recipes/configs/<fsdp2|deepspeed_zero3>.yaml` gives each
 process (`launch_environment`, built by accelerate's own launcher code), plus a launcher's RANK, LOCAL_RANK,
@@ -14,6 +14,8 @@ clipping, checkpoints and their resume. Two things differ from GPUs, and only in
 Scenarios:
 - `resume`: 4 steps saving every 2, then a new trainer resumes from checkpoint-2 to step 4; rank 0 writes the gathered
   heads and logged losses of both, and checkpoint-2's files, to <work>/resume.pt;
+- `resume_only_model`: the same, the resumed trainer with `resume_only_model` (heads and step from checkpoint-2, a
+  fresh optimizer and schedule); rank 0 writes both runs' losses and learning rates to <work>/resume_only_model.pt;
 - `best`: `load_best_model_at_end`, the first of two checkpoints the best; rank 0 writes the gathered heads after
   training and the best checkpoint's path to <work>/best.pt;
 - `recipe`: `causalqwen train`'s `run` (causalqwen_adapter/cli/train.py) to its last line (train, card, save, digest, barrier, `trainer.end()`).
@@ -88,6 +90,19 @@ def check_resumed_as_uninterrupted(base: Path, work: Path) -> dict:
         # Adam divides by √v: float rounding of the gradient reduction shows up at 1e-6 relative in the smallest steps
         torch.testing.assert_close(full["heads"][key], value, rtol=1e-4, atol=1e-5, msg=key)
     return result["checkpoint"]
+
+
+def check_resumed_only_model(work: Path) -> None:
+    """The `resume_only_model` scenario's result: step 3 scores checkpoint-2's heads (the uninterrupted run's loss),
+    at the fresh schedule's first rate (the uninterrupted run was halfway down), and step 4 follows a fresh Adam step."""
+    import pytest
+
+    logged = torch.load(work / "resume_only_model.pt", weights_only=False)
+    full, resumed = logged["full"], logged["resumed"]
+    assert sorted(resumed["loss"]) == [1, 2, 3, 4]
+    assert resumed["loss"][3] == pytest.approx(full["loss"][3], rel=1e-6)
+    assert resumed["loss"][4] != pytest.approx(full["loss"][4], rel=1e-6)
+    assert full["learning_rate"][3] == pytest.approx(0.5e-2) and resumed["learning_rate"][3] == pytest.approx(1e-2)
 
 
 def check_recipe_ran(results: list[tuple[int, str, str]], work: Path) -> None:
@@ -184,6 +199,23 @@ def resume(base: str, work: Path, device_args: dict) -> None:
     resumed.accelerator.wait_for_everyone()
 
 
+def resume_only_model(base: str, work: Path, device_args: dict) -> None:
+    """`resume_only_model`: 4 steps saving every 2, then a new trainer resumes checkpoint-2's heads with a fresh
+    optimizer and schedule; rank 0 writes both runs' losses and learning rates to <work>/resume_only_model.pt."""
+    import ddp_worker
+
+    options = dict(max_steps=4, save_strategy="steps", save_steps=2, **device_args)
+    full = ddp_worker.build(base, work / "run", "ovr", **options)
+    full.train()
+    resumed = ddp_worker.build(base, work / "run", "ovr", resume_only_model=True, **options)
+    resumed.train(resume_from_checkpoint=str(work / "run" / "checkpoint-2"))
+    logged = {name: {key: {h["step"]: h[key] for h in trainer.state.log_history if key in h}
+                     for key in ("loss", "learning_rate")} for name, trainer in (("full", full), ("resumed", resumed))}
+    if resumed.accelerator.is_main_process:
+        torch.save(logged, work / "resume_only_model.pt")
+    resumed.accelerator.wait_for_everyone()
+
+
 def best(base: str, work: Path, device_args: dict) -> None:
     """`load_best_model_at_end` with the first checkpoint the best (greater eval loss is better, and it falls)."""
     import ddp_worker
@@ -219,7 +251,7 @@ if __name__ == "__main__":
     else:
         device_args = deepspeed_on_cpu()
     record_base_partitioning()
-    {"resume": resume, "best": best, "recipe": recipe}[scenario](sys.argv[1], Path(sys.argv[2]), device_args)
+    {"resume": resume, "resume_only_model": resume_only_model, "best": best, "recipe": recipe}[scenario](sys.argv[1], Path(sys.argv[2]), device_args)
     # Skip interpreter finalization, as tests/fsdp_worker.py does: a gloo thread may still hold work at exit.
     sys.stdout.flush()
     sys.stderr.flush()

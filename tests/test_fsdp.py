@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.training.resume import missing_optimizer_state
 
 from conftest import TINY_VOCAB, run_processes
 
@@ -150,6 +151,13 @@ def test_fsdp2_trainer_resumes_as_an_uninterrupted_run_and_checkpoints_no_base(s
     files = sharded_trainer_worker.check_resumed_as_uninterrupted(sft_base, tmp_path)
     assert not [name for name in files if name.startswith("pytorch_model")], files
     assert {"model.safetensors", "optimizer.bin", "scheduler.pt", "trainer_state.json"} <= set(files)
+    assert missing_optimizer_state(tmp_path / "run" / "checkpoint-2", "fsdp") == []  # what a resume checks for
+
+
+def test_fsdp2_resume_only_model_takes_the_heads_and_starts_the_optimizer_fresh(sft_base, tmp_path):
+    """`resume_only_model` under the Trainer's FSDP2 path: checkpoint-2's heads, a fresh optimizer and schedule."""
+    sharded_trainer_worker.run_ranks(sft_base, tmp_path, "fsdp2", "resume_only_model")
+    sharded_trainer_worker.check_resumed_only_model(tmp_path)
 
 
 def test_fsdp2_recipe_runs_to_its_last_line(sft_base, tmp_path):

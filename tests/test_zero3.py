@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.training.resume import missing_optimizer_state
 
 from conftest import TINY_VOCAB, run_processes
 
@@ -66,9 +67,16 @@ def test_zero3_trainer_builds_fresh_heads_resumes_exactly_and_checkpoints_no_bas
     assert torch.load(tmp_path / "resume.pt", weights_only=False)["full"]["base_partitioned_at_load"] is True
     states = [name for name in files if name.endswith("model_states.pt")]
     assert len(states) == 2 and "scheduler.pt" in files and "model.safetensors" in files, files
+    assert missing_optimizer_state(tmp_path / "run" / "checkpoint-2", "deepspeed") == []  # what a resume checks for
     for name in states:
         saved = torch.load(tmp_path / "run" / "checkpoint-2" / name, weights_only=False, map_location="cpu")
         assert not saved.get("frozen_param_fragments"), name
+
+
+def test_zero3_resume_only_model_takes_the_heads_and_starts_the_optimizer_fresh(sft_base, tmp_path):
+    """`resume_only_model` under the Trainer's ZeRO-3 path: checkpoint-2's heads, a fresh optimizer and schedule."""
+    sharded_trainer_worker.run_ranks(sft_base, tmp_path, "zero3", "resume_only_model")
+    sharded_trainer_worker.check_resumed_only_model(tmp_path)
 
 
 def test_zero3_with_the_base_loaded_whole_trains_the_same(sft_base, tmp_path):

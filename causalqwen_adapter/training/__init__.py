@@ -7,8 +7,10 @@ checkpoints and metrics by name. One role per module:
   `CausalQwenForCausalLM`, with the head parameters its configured loss can never reach frozen
   (`unreachable_parameters`); `configure_backbone`: frozen, or with LoRA;
 - `checkpoints.py`: `AdapterCheckpointMixin`, checkpoints, `save_model`, pushes, resuming and the model card as
-  adapter folders; only finite heads are checkpointed, and only complete checkpoints resumed (`check_output_dir`,
-  `last_complete_checkpoint`);
+  adapter folders; only finite heads are checkpointed (`check_output_dir`);
+- `resume.py`: what a run resumes from: only complete checkpoints (`last_complete_checkpoint`), never an adapter
+  folder, and with their optimizer and schedule unless `resume_only_model` (`check_resumable`,
+  `missing_optimizer_state`);
 - `mixins.py`: `LossMetricsMixin`, the metrics the model's loss returns, averaged per logging window across ranks;
   `HeadLearningRatesMixin`, the heads' learning rates by role;
 - `calibration.py`: absolute thresholds of fresh heads calibrated on data (`calibrate_threshold`).
@@ -18,13 +20,7 @@ The names below are the package's API; the trainers import the rest from the mod
 
 from .arguments import CausalHeadArguments, head_options
 from .calibration import calibrate_threshold, calibrate_threshold_on_features
-from .checkpoints import (
-    AdapterCheckpointMixin,
-    check_output_dir,
-    check_resumable,
-    last_complete_checkpoint,
-    resume_advice,
-)
+from .checkpoints import AdapterCheckpointMixin, check_output_dir
 from .mixins import HeadLearningRatesMixin, LossMetricsMixin, learning_rate_ratio
 from .model_setup import (
     configure_backbone,
@@ -32,6 +28,7 @@ from .model_setup import (
     prepare_causal_model,
     unreachable_parameters,
 )
+from .resume import check_resumable, last_complete_checkpoint, resume_advice
 
 __all__ = [
     "AdapterCheckpointMixin", "CausalHeadArguments", "HeadLearningRatesMixin", "LossMetricsMixin", "calibrate_threshold",

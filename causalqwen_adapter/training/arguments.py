@@ -1,10 +1,16 @@
 """The head options of the trainers' configs (`CausalHeadArguments`), each described once, in `CausalQwenConfig`'s
-docstring (`config_argument`), the config fields they set for fresh heads (`head_options`), and the Trainer flags a
-causal-heads trainer refuses (`check_unsupported_flags`)."""
+docstring (`config_argument`), the config fields they set for fresh heads (`head_options`), the Trainer flags a
+causal-heads trainer refuses (`check_unsupported_flags`), and the `deepspeed` value both configs check before
+TrainingArguments reads it (`check_deepspeed_config`)."""
 
+import base64
+import binascii
 import inspect
+import json
+import os
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from ..configuration_causalqwen import (
     CONFIG_CHOICES,
@@ -42,7 +48,10 @@ def config_argument(name: str, note: str = "", default=None):
 class CausalHeadArguments:
     """The head options of the trainers' configs: `CausalQwenConfig` fields, used when a trainer builds fresh heads
     (when `model` is a base; an adapter brings its own). Unset (None) means the config's value; each option is
-    described once, in `CausalQwenConfig`'s docstring. The loss options and `ovr_distribution` apply to adapters too."""
+    described once, in `CausalQwenConfig`'s docstring. The loss options and `ovr_distribution` apply to adapters too.
+    `resume_only_model` is the trainers' own, not a head option."""
+
+    _cli_command = "train"  # the `causalqwen` command that trains with these arguments
 
     causal_size: int | None = config_argument("causal_size")
     gamma_init: float | None = config_argument("gamma_init")
@@ -81,7 +90,17 @@ class CausalHeadArguments:
                   "load. Required when the base is a local folder; output_dir keeps naming the folder."},
     )
 
+    resume_only_model: bool = field(
+        default=False,
+        metadata={"help": "With resume_from_checkpoint: resume the heads and the step count only, starting the "
+                  "optimizer and the learning-rate schedule fresh (warmup included). Needed to resume from a "
+                  "checkpoint without optimizer.pt/scheduler.pt (one written with save_only_model), which is "
+                  "otherwise refused."},
+    )
+
     def __post_init__(self):
+        # before TrainingArguments' own parse, which fails on a YAML with a bare JSONDecodeError
+        check_deepspeed_config(getattr(self, "deepspeed", None), self._cli_command)
         # Up front, naming the field: a bad value would otherwise surface after the model is loaded (the config's own
         # checks), or steps into training (a NaN rate, a negative one that ascends the gradient).
         for name in ("learning_rate", "location_lr_ratio", "threshold_lr_ratio"):
@@ -98,6 +117,48 @@ class CausalHeadArguments:
             if getattr(self, name, None) is not None:
                 check_choice(name, getattr(self, name), choices)
         super().__post_init__()
+
+
+def check_deepspeed_config(value, command: str = "train") -> None:
+    """`deepspeed` as TrainingArguments takes it (a DeepSpeed JSON config file, a dict, or that JSON inline), or a
+    clear refusal: an accelerate YAML config (`recipes/configs/*.yaml`) gave a bare JSONDecodeError."""
+    if value is None or isinstance(value, dict) or _inline_config(str(value)) is not None:
+        return
+    takes = ("--deepspeed (deepspeed=) takes a DeepSpeed JSON config file, such as "
+             "recipes/configs/deepspeed_zero3.json, or a dict")
+    path = Path(value)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            accelerate = "distributed_type" in path.read_text(encoding="utf-8")
+        except OSError:
+            accelerate = False
+        instead = (f"it is an accelerate config: launch with it instead, accelerate launch --config_file {path} -m "
+                   f"causalqwen_adapter.cli {command} <the other flags, without --deepspeed>" if accelerate else
+                   "write the DeepSpeed config as JSON")
+        raise ValueError(f"deepspeed={str(value)!r} is a YAML file: {takes}; {instead}")
+    if os.path.isfile(path):  # os.path's: False, not OSError, for a name too long
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as err:
+            raise ValueError(f"deepspeed={str(value)!r} cannot be read ({err}): {takes}") from None
+        except ValueError as err:
+            raise ValueError(f"deepspeed={str(value)!r} is not valid JSON ({err}): {takes}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"deepspeed={str(value)!r} holds a JSON {type(config).__name__}, not an object: {takes}")
+        return
+    raise ValueError(f"deepspeed={str(value)!r}: {'a folder' if os.path.isdir(path) else 'no such file'}. {takes}")
+
+
+def _inline_config(text: str) -> dict | None:
+    """A DeepSpeed config given as JSON text or base64 of it (accelerate's `HfDeepSpeedConfig` takes both)."""
+    for decode in (lambda t: t, lambda t: base64.urlsafe_b64decode(t).decode("utf-8")):
+        try:
+            config = json.loads(decode(text))
+        except (ValueError, UnicodeDecodeError, binascii.Error):
+            continue
+        if isinstance(config, dict):
+            return config
+    return None
 
 
 def check_unsupported_flags(args) -> None:

@@ -1,18 +1,16 @@
 """Adapter checkpoints: `AdapterCheckpointMixin` (checkpoints, `save_model`, pushes, resuming and the model card as
-adapter folders; only finite heads are checkpointed), the checks of `output_dir` and of a checkpoint to resume from
-(`check_output_dir`, `last_complete_checkpoint`, `check_resumable`), and loading a checkpoint's tensors
-(`load_adapter_tensors`, `load_backbone_lora`)."""
+adapter folders; only finite heads are checkpointed; resuming only from a checkpoint `resume.py` finds whole), the
+check of `output_dir` (`check_output_dir`), and loading a checkpoint's tensors (`load_adapter_tensors`,
+`load_backbone_lora`)."""
 
 import copy
-import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 from transformers.utils.hub import PushInProgress
@@ -31,6 +29,14 @@ from ..model_card import write_model_card
 from ..modeling_causalqwen import CausalQwenForCausalLM
 from ..sharding import distribute_like, local_shard
 from ..tokenization_causalqwen import TOKENIZER_CONFIG_NAME
+from .resume import (
+    check_resumable,
+    complete_checkpoints,
+    from_the_heads,
+    last_complete_checkpoint,
+    missing_optimizer_state,
+    resume_advice,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -239,12 +245,15 @@ class AdapterCheckpointMixin:
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """The Trainer's, resuming only from a complete checkpoint (see `last_complete_checkpoint`): `True` takes the
-        last complete one in `output_dir`, logging the incomplete ones after it; a path to an incomplete one is
-        refused, naming what to pass instead."""
+        last complete one in `output_dir`, logging the incomplete ones after it; a path to an incomplete one, or to
+        an adapter folder, is refused, naming what to pass instead. So is a checkpoint without the optimizer and
+        schedule unless `resume_only_model` (`_check_optimizer_state`)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = self._last_complete_checkpoint()
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            check_resumable(Path(resume_from_checkpoint))
+            check_resumable(Path(resume_from_checkpoint), type(self).__name__)
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+            self._check_optimizer_state(Path(resume_from_checkpoint))  # not a folder: the Trainer's error
         self._failed_pushes = []
         output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)  # waits for the pushes in flight
         if self._failed_pushes:
@@ -261,10 +270,50 @@ class AdapterCheckpointMixin:
         from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
-        deepspeed_load_checkpoint(self.model_wrapped, resume_from_checkpoint, load_module_strict=False)
+        if self.args.resume_only_model:  # the heads from DeepSpeed's files, without its optimizer and schedule
+            self.model_wrapped.load_checkpoint(resume_from_checkpoint, load_module_strict=False,
+                                               load_optimizer_states=False, load_lr_scheduler_states=False)
+        else:
+            deepspeed_load_checkpoint(self.model_wrapped, resume_from_checkpoint, load_module_strict=False)
         self._load_optimizer_and_scheduler(resume_from_checkpoint)
         self._load_scaler(resume_from_checkpoint)
         return model, train_dataloader
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's, unless `resume_only_model`: then the optimizer and schedule start fresh."""
+        if not self.args.resume_only_model:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _check_optimizer_state(self, checkpoint: Path) -> None:
+        """Before a resume: the Trainer starts a fresh optimizer and schedule, silently, from a checkpoint without
+        theirs (a `save_only_model` run's, files deleted). Refused unless `resume_only_model` asks for that."""
+        sharding = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
+        missing = missing_optimizer_state(checkpoint, sharding, self._deepspeed_schedules())
+        if self.args.resume_only_model:
+            lacks = f" (it has no {', '.join(missing)})" if missing else ""
+            logger.warning(f"resume_only_model: resuming the heads and step count of {checkpoint}{lacks}; the "
+                           "optimizer (its moments) and the learning-rate schedule start fresh, warmup included")
+            if sharding == "deepspeed" and not any(checkpoint.glob("global_step*")):
+                raise ValueError(f"{checkpoint} has no DeepSpeed global_step*/ folder, where a run under DeepSpeed "
+                                 f"resumes the heads from: {from_the_heads(checkpoint, type(self).__name__)}")
+            return
+        if not missing:
+            return
+        others = [p for p in complete_checkpoints(checkpoint.parent) if p != checkpoint
+                  and not missing_optimizer_state(p, sharding, self._deepspeed_schedules())]
+        another = (f"Resume from {others[-1]}, which has them, or s" if others else
+                   f"No other checkpoint in {checkpoint.parent} has them: s")
+        raise ValueError(
+            f"{checkpoint} has no {' and no '.join(missing)}: resuming from it would restart the optimizer and the "
+            f"learning-rate schedule (a run with save_only_model=True writes checkpoints so). {another}et "
+            "resume_only_model=True (--resume_only_model) to resume its heads and step count with a fresh "
+            "optimizer and schedule"
+        )
+
+    def _deepspeed_schedules(self) -> bool:
+        """Whether the DeepSpeed config names the scheduler: DeepSpeed's files then hold it, not `scheduler.pt`."""
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return plugin is not None and "scheduler" in plugin.deepspeed_config
 
     def _last_complete_checkpoint(self) -> str | bool:
         output_dir = self.args.output_dir
@@ -377,54 +426,6 @@ def check_output_dir(output_dir) -> None:
     if target.is_dir():
         check_not_foreign(target, (TRAINING_ARGS_NAME,))
     check_can_write(target, "the checkpoints and the adapter")  # not at the final save, hours later
-
-
-def checkpoint_problem(folder: Path) -> str | None:
-    """Why a run cannot resume from `folder`, or None. The Trainer writes a checkpoint's `trainer_state.json` last, so
-    a run killed while saving leaves the adapter files (or some of them) without it."""
-    for name in ("config.json", SAFE_WEIGHTS_NAME, TRAINER_STATE_NAME):
-        if not (folder / name).is_file():
-            return f"no {name}"
-    try:
-        json.loads((folder / TRAINER_STATE_NAME).read_text())
-    except (OSError, ValueError):
-        return f"{TRAINER_STATE_NAME} is unreadable"
-    return None
-
-
-def last_complete_checkpoint(output_dir) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The `checkpoint-N` folder of `output_dir` with the highest N that a run can resume from (None if there is
-    none), and the incomplete ones after it with what they lack."""
-    pattern = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
-    found = [p for p in Path(output_dir).iterdir() if pattern.fullmatch(p.name) and p.is_dir()] \
-        if os.path.isdir(output_dir) else []
-    incomplete = []
-    for path in sorted(found, key=lambda p: int(pattern.fullmatch(p.name).group(1)), reverse=True):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path, incomplete[::-1]
-        incomplete.append((path, problem))
-    return None, incomplete[::-1]
-
-
-def resume_advice(output_dir) -> str:
-    """What to resume from after training stopped: the last checkpoint a run can resume from, or that there is none."""
-    last, _ = last_complete_checkpoint(output_dir)
-    if last is None:
-        return f"train again: there is no checkpoint to resume from in {output_dir}"
-    return f"resume from {last} (resume_from_checkpoint={str(last)!r})"
-
-
-def check_resumable(checkpoint: Path) -> None:
-    """Refuse an explicit `resume_from_checkpoint` that a killed run left incomplete, naming what to pass."""
-    problem = checkpoint_problem(checkpoint) if checkpoint.is_dir() else None
-    if problem is None:
-        return  # a complete checkpoint, or not a folder at all (the Trainer's and `_load_from_checkpoint`'s errors)
-    last, _ = last_complete_checkpoint(checkpoint.parent)
-    what = (f"pass resume_from_checkpoint={last}, the last complete checkpoint in {checkpoint.parent}" if last else
-            f"{checkpoint.parent} holds no complete checkpoint: train without resume_from_checkpoint")
-    raise ValueError(f"{checkpoint} is incomplete ({problem}): it is not a checkpoint the trainer finished writing (a "
-                     f"run stopped while saving leaves it so), so training cannot resume from it; {what}")
 
 
 def load_adapter_tensors(model: CausalQwenForCausalLM, weights_file: str) -> None:

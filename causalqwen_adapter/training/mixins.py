@@ -5,7 +5,7 @@ per logging window across ranks (`LossMetricsMixin`), and the heads' learning ra
 import torch
 from transformers.utils import logging
 
-from .checkpoints import resume_advice
+from .resume import resume_advice
 
 logger = logging.get_logger(__name__)
 
