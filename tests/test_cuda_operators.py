@@ -261,3 +261,55 @@ def test_the_loss_bench_runs_the_torch_code_for_the_remote_code_variant(triton_o
     torch.testing.assert_close(results["r"][0], results["d"][0], rtol=1e-5, atol=1e-6)
     for got, want in zip(results["r"][1], results["d"][1]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture
+def fp32_precision():
+    """Sets torch's float32 precision through its new API (torch ≥ 2.9) as the test asks, restored after: "none"
+    everywhere is also what clears the state where reading the legacy `allow_tf32` raises."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has no fp32_precision API")
+    saved = torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+
+    def set_precision(generic, matmul="none"):
+        torch.backends.fp32_precision = generic
+        torch.backends.cuda.matmul.fp32_precision = matmul
+
+    yield set_precision
+    torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
+
+
+@pytest.mark.parametrize("setting, expected", [
+    (("tf32",), "tf32"),  # transformers' TrainingArguments(tf32=True) on torch ≥ 2.9
+    (("none", "tf32"), "tf32"),
+    (("tf32", "ieee"), "ieee"),
+    (("none", "none"), "ieee"),
+])
+def test_products_under_the_new_tf32_api_pick_torchs_precision(triton_operators, fp32_precision, monkeypatch,
+                                                               setting, expected):
+    """Once torch.backends' new fp32_precision API is set, reading the legacy `allow_tf32` raises ("mix of the legacy
+    and new APIs"): the float32 products ask the new API, run (the operators through dispatch), give float64's numbers
+    and launch with torch's precision for CUDA matmuls."""
+    matmul = sys.modules["causalqwen_adapter._kernels_interpreted.abs_matmul"]
+    chosen = []
+
+    def recorded(dtype, _precision=matmul._precision):
+        chosen.append(_precision(dtype))
+        return chosen[-1]
+
+    monkeypatch.setattr(matmul, "_precision", recorded)
+    fp32_precision(*setting)
+    g = torch.Generator().manual_seed(3)
+    loc_U, scale_U = torch.randn(2, 16, generator=g), torch.rand(2, 16, generator=g)
+    weight, bias = torch.randn(70, 16, generator=g), torch.randn(70, generator=g)
+    loc_S, scale_S = dispatch.run_operator("cauchy_linear", loc_U, scale_U, weight, bias)
+    out = torch.empty(2, 70)
+    dispatch.lookup_operator("abs_linear", out)(scale_U, weight, out)  # as lm_loss looks it up
+    w64 = weight.double()
+    # tf32 has 10 bits of mantissa: the interpreter computes float32 either way, a GPU within tf32's rounding
+    tol = dict(rtol=2e-3, atol=2e-3) if expected == "tf32" else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loc_S.double(), loc_U.double() @ w64.T + bias.double(), **tol)
+    torch.testing.assert_close(scale_S.double(), scale_U.double() @ w64.abs().T, **tol)
+    torch.testing.assert_close(out.double(), scale_U.double() @ w64.abs().T, **tol)
+    assert chosen == [expected, expected]
+    assert triton_operators["cauchy_linear_triton"] == triton_operators["abs_linear_triton"] == 1

@@ -174,10 +174,20 @@ def _segments(width: int, blocks_across: int, block: int, device, segments: int 
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's precision for float32 operands: torch's (TF32 only where torch allows it for its matmuls)."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+    """tl.dot's precision for float32 operands: torch's for its CUDA matmuls (TF32 only where torch allows it), asked
+    through torch's current API. Never `torch.backends.cuda.matmul.allow_tf32`: on torch ≥ 2.9 reading it raises
+    ("mix of the legacy and new APIs") once `torch.backends.fp32_precision` or its CUDA matmul's is set, as
+    transformers' `TrainingArguments(tf32=True)` does."""
+    if dtype != torch.float32:
+        return "tf32"  # bf16 operands: the precision is not used
+    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch ≥ 2.9: "ieee", "tf32", "none"...
+    if matmul is not None:
+        # "none" (nothing set here) is the parent's, torch.backends.fp32_precision, whose "none" is torch's default
+        # (IEEE); the legacy setters are reflected in these too
+        if matmul == "none":
+            matmul = getattr(torch.backends, "fp32_precision", "none")
+        return "tf32" if matmul in ("tf32", "bf16") else "ieee"
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _row_major(t: torch.Tensor) -> bool:
