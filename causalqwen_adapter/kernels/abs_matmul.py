@@ -4,7 +4,19 @@
 
 import torch
 
-from .triton_utils import DTYPES, INTERPRETED, _jit, _precision, _row_major, _runs_on, _segments, _store, available, tl
+from .triton_utils import (
+    DTYPES,
+    INTERPRETED,
+    _jit,
+    _on_tensors_device,
+    _precision,
+    _row_major,
+    _runs_on,
+    _segments,
+    _store,
+    available,
+    tl,
+)
 
 __all__ = ["abs_linear_triton", "abs_matmul_triton", "cauchy_linear_triton"]
 
@@ -95,6 +107,7 @@ def _matmul_blocks(rows: int) -> tuple[int, int, int]:
     return (16, 64, 64) if rows <= 16 else (64, 64, 32)
 
 
+@_on_tensors_device
 def cauchy_linear_triton(loc_U, scale_U, weight, bias):
     """`cauchy.cauchy_linear` (no gradient) on the GPU in one read of ``weight``: loc_S = loc_U Wᵀ + b and
     scale_S = scale_U |W|ᵀ, the sign bits cleared as each W tile is loaded, float32 accumulation, results in W's
@@ -134,6 +147,7 @@ def cauchy_linear_triton(loc_U, scale_U, weight, bias):
     return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
 
 
+@_on_tensors_device
 def abs_linear_triton(x, weight, out=None):
     """x @ |W|ᵀ on the GPU without a |W| tensor (the loss's scale_S = scale_U |W_A|ᵀ): ``x`` [M, K] and ``weight``
     [V, K] of one dtype (bf16 or float32), both contiguous, float32 accumulation; the result [M, V] in that dtype,
@@ -165,6 +179,7 @@ def abs_linear_triton(x, weight, out=None):
     return out
 
 
+@_on_tensors_device
 def abs_matmul_triton(a, weight, out=None, *, segments=None):
     """a @ |W| on the GPU without a |W| tensor: ``a`` [M, V] and ``weight`` [V, K] of one dtype (bf16 or float32;
     a's rows of unit column stride), float32 accumulation. Returns a float32 [M, K]; with ``out`` (float32 [M, K],

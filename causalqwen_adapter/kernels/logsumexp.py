@@ -10,6 +10,7 @@ from .triton_utils import (
     _add,
     _jit,
     _max,
+    _on_tensors_device,
     _row_major,
     _runs_on,
     _segments,
@@ -93,6 +94,7 @@ def _row_lse_partials(loc, bias, store_bias, segments=None):
     return part, seg, n_seg
 
 
+@_on_tensors_device
 def block_logsumexp_triton(loc, bias, store_bias: bool, lse_out, *, segments=None):
     """`causalqwen::block_logsumexp` on the GPU: lse_out[i] = log Σ_j exp(loc[i, j] + bias[j]) over a [r, w] block
     (any width, the whole vocabulary included). ``loc``: bf16 or float32, rows of unit column stride; ``bias``: [w]

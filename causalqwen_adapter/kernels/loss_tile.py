@@ -19,6 +19,7 @@ from .triton_utils import (
     _add,
     _jit,
     _log1p_small,
+    _on_tensors_device,
     _row_major,
     _runs_on,
     _segments,
@@ -151,6 +152,7 @@ class LossTileOut(NamedTuple):
     col_t: torch.Tensor | None
 
 
+@_on_tensors_device
 def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d=None, g=None,
                      rows_out=None, col_d=None, col_t=None, *, segments=None):
     """The `causalqwen::loss_tile` operator (`ops.py`) on the GPU: one (token × vocabulary) tile of the training loss,

@@ -11,6 +11,7 @@ from .triton_utils import (
     _add,
     _jit,
     _log1p_small,
+    _on_tensors_device,
     _runs_on,
     _segments,
     _small_angle,
@@ -98,6 +99,7 @@ def _accept_once_kernel(loc_ptr, part_ptr, out_ptr, rej_ptr, n_rows, V, seg, n_s
         tl.store(out_ptr + base + cols, ((lv - top) - log_total) + tl.log(rejected + p), mask=msk)
 
 
+@_on_tensors_device
 def ovr_scores_triton(loc_S, scale_S, threshold, relative: bool, distribution: str, *, segments=None):
     """`cauchy.ovr_decision_scores` (no gradient) of bf16 or float32 loc_S, scale_S [..., V] on the GPU: float32
     scores [..., V], or None where the kernel does not apply (the caller runs the torch or compiled code).

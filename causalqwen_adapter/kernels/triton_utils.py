@@ -6,6 +6,8 @@ range reductions as the C decode kernels), so that a small P keeps its digits (`
 every backend; exp and log of values away from 1 are Triton's.
 """
 
+import functools
+
 import torch
 
 try:
@@ -188,6 +190,23 @@ def _precision(dtype: torch.dtype) -> str:
             matmul = getattr(torch.backends, "fp32_precision", "none")
         return "tf32" if matmul in ("tf32", "bf16") else "ieee"
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _on_tensors_device(fn):
+    """Runs ``fn`` with its first tensor argument's CUDA device current: Triton launches on
+    `torch.cuda.current_device()`, and an operator registered with torch.library from Python gets no DeviceGuard, so
+    a kernel given tensors on cuda:1 while cuda:0 is current would launch on the wrong device. Entering
+    `torch.cuda.device` costs a device query where it is already current; nothing off CUDA (the interpreter)."""
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        tensor = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+        if tensor is None or tensor.device.type != "cuda":
+            return fn(*args, **kwargs)
+        with torch.cuda.device(tensor.device):
+            return fn(*args, **kwargs)
+
+    return guarded
 
 
 def _row_major(t: torch.Tensor) -> bool:
