@@ -690,3 +690,21 @@ def test_every_launch_runs_on_its_tensors_device(monkeypatch):
     assert {kernel.fn.__name__ for kernel, _, _, _ in launches} == set(KERNELS)
     assert [where for _, _, _, where in launches] == [torch.device("cuda", 1)] * len(launches)
     assert current == [torch.device("cuda", 0)]  # restored after each
+
+
+def test_every_program_id_is_widened_to_int64():
+    """A program id times a stride passes 2³¹ on real shapes (a row block's column sums of the loss tile at
+    pid_r · V: from 56,537 rows at V = 151,936), where int32 arithmetic wraps into another row's memory; the numeric
+    tests cannot reach such sizes, so every `tl.program_id(i)` of every kernel is cast to int64 where it is read
+    (alongside them: the cast changes no number)."""
+    import ast
+
+    narrow = []
+    for path in TRITON_FILES:
+        tree = ast.parse(path.read_text())
+        widened = {id(node.func.value) for node in ast.walk(tree)
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to"
+                   and ast.unparse(node.args[0]) == "tl.int64"}
+        narrow += [(path.name, node.lineno) for node in ast.walk(tree)
+                   if isinstance(node, ast.Call) and ast.unparse(node.func) == "tl.program_id" and id(node) not in widened]
+    assert narrow == [], f"program ids used in int32 (file, line): {narrow}"

@@ -32,8 +32,8 @@ def _cauchy_linear_kernel(xl_ptr, xs_ptr, w_ptr, b_ptr, loc_ptr, scale_ptr, M, V
     """loc = x_loc Wᵀ + b and scale = x_scale |W|ᵀ, [M, V], from one load of each W tile; float32 accumulation.
     Without HAS_LOC, scale alone. Row blocks are the grid's fast axis: the programs that run together share their W
     tile (read from memory once, then from L2)."""
-    pid_m = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_v = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, BLOCK_K)
@@ -73,9 +73,9 @@ def _abs_matmul_kernel(a_ptr, a_stride, w_ptr, out_ptr, out_stride, part_stride,
                        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """a @ |W| over one segment of V (split-K: V is the long side): a [M, V], W [V, K]; the float32 [M, K] result
     added into ``out`` (ACCUMULATE) or written into the segment's slice ``out + pid_s·part_stride``."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    pid_s = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_v = tl.arange(0, BLOCK_V)

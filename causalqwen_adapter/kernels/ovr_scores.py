@@ -36,8 +36,8 @@ _DISTRIBUTIONS = {"normalize": 0, "accept": 1, "accept_once": 2}  # as csrc/kern
 def _scores_kernel(loc_ptr, scale_ptr, thr_ptr, part_ptr, out_ptr, rej_ptr, n_rows, V, seg, n_seg,
                    THR_PER_TOKEN: tl.constexpr, RELATIVE: tl.constexpr, DIST: tl.constexpr,
                    NEED_LSE: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    row = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
     if NEED_LSE:
         top, log_total = _lse_combine(part_ptr, n_seg, n_rows, row)
     else:
@@ -82,8 +82,8 @@ def _scores_kernel(loc_ptr, scale_ptr, thr_ptr, part_ptr, out_ptr, rej_ptr, n_ro
 
 @_jit(do_not_specialize=["n_rows", "V", "seg", "n_seg"])
 def _accept_once_kernel(loc_ptr, part_ptr, out_ptr, rej_ptr, n_rows, V, seg, n_seg, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    row = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
     top, log_total = _lse_combine(part_ptr, n_seg, n_rows, row)
     rejected = 0.0
     for k in range(0, n_seg):
