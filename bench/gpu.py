@@ -24,7 +24,10 @@ wheels; datasets with dill and multiprocess) into a folder on PYTHONPATH, with t
    of memory says so.
 
 Every comparison runs its variants interleaved, --rounds rounds, and prints ratios as median (min–max) over the rounds
-(bench/stats.py). `--parts` picks what runs.
+(bench/stats.py). `--parts` picks what runs. The whole run has one deadline (`--deadline`, 480 s by default, inside a
+lent GPU's minutes): each part's subprocesses get at most what is left, a part or loss size that would start past it
+is skipped, and everything skipped (past the deadline, Liger-Kernel or DeepSpeed missing or off CUDA) is printed with
+its reason, in the run and again at the end. `pip install .[gpu]` installs Liger-Kernel and DeepSpeed with Triton.
 
 `--device cpu` runs the same code on the CPU at whatever sizes are given, with the CUDA-only figures (peak memory,
 kernels) left out and the launches under accelerate's `--cpu` (one process, where accelerate may not shard: they check
@@ -100,6 +103,33 @@ def random_base(folder: Path, device: torch.device) -> Path:
     return folder
 
 
+class Deadline:
+    """The run's one deadline (seconds from now), and what was skipped, with why."""
+
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+        self.seconds = seconds
+        self.skipped = []
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.perf_counter())
+
+    def skip(self, what: str, why: str) -> None:
+        self.skipped.append(f"{what}: {why}")
+        print(f"skipped {what}: {why}", flush=True)
+
+    def allows(self, what: str) -> bool:
+        """Whether ``what`` may start; if not, it is recorded as skipped."""
+        if self.left() > 0:
+            return True
+        self.skip(what, f"the --deadline of {self.seconds:.0f} s is spent")
+        return False
+
+    def timeout(self, limit: float) -> float:
+        """A subprocess's timeout: ``limit``, or what is left of the run if less."""
+        return max(1.0, min(limit, self.left()))
+
+
 def section(title: str) -> float:
     print(f"\n=== {title}", flush=True)
     return time.perf_counter()
@@ -142,7 +172,8 @@ def gpu_tests(timeout: float) -> None:
 # --------------------------------------------------------------------------------------- 2. sharded steps
 
 
-def sharded_steps(base: Path, work: Path, timeout: float, device: torch.device) -> None:
+def sharded_steps(base: Path, work: Path, timeout: float, device: torch.device, deadline: Deadline | None = None) -> None:
+    deadline = deadline or Deadline(float("inf"))
     start = section(f"one sft_ovr.py step per launch configuration, 1 process on {device.type}")
     data = work / "sharded.jsonl"
     data.write_text("".join(json.dumps({"text": p * 4}) + "\n" for p in PROMPTS * 2))
@@ -152,16 +183,19 @@ def sharded_steps(base: Path, work: Path, timeout: float, device: torch.device) 
 
         configs.append("deepspeed_zero3.yaml")
     except Exception as err:  # ImportError, or a DeepSpeed that cannot build its ops here
-        print(f"deepspeed_zero3.yaml: skipped, deepspeed does not import ({type(err).__name__}: {err})")
+        deadline.skip("deepspeed_zero3.yaml", f"deepspeed does not import ({type(err).__name__}: {err}); "
+                      "pip install .[gpu]")
     cpu = ["--cpu", "--mixed_precision", "no"] if device.type == "cpu" else []  # no nccl, no bf16 autocast
     for config in configs:
+        if not deadline.allows(config):
+            continue
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
                "--num_processes", "1", *cpu, str(REPO_ROOT / "recipes" / "sft_ovr.py"),
                "--model_name_or_path", str(base), "--dataset_name", str(data), "--output_dir", str(work / config),
                "--max_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "128", "--logging_steps", "1",
                "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
-        code, tail = run_logged(cmd, timeout)
+        code, tail = run_logged(cmd, deadline.timeout(timeout))
         saved = (work / config / "model.safetensors").is_file()
         losses = [line for line in tail.splitlines() if "'loss'" in line]
         status = "ok" if code == 0 and saved else f"FAILED (exit {code}, adapter saved: {saved})"
@@ -203,7 +237,9 @@ def memory_allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated() if device.type == "cuda" else 0
 
 
-def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, device: torch.device) -> None:
+def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, device: torch.device,
+           deadline: Deadline | None = None) -> None:
+    deadline = deadline or Deadline(float("inf"))
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     from causalqwen_adapter import CausalQwenForCausalLM
@@ -216,6 +252,8 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, de
     model = CausalQwenForCausalLM.from_base(base).eval()
     print(HEADER)
     for batch_size in batches:
+        if not deadline.allows(f"decode batch {batch_size}"):
+            continue
         print_rows(batch_size, measure(base, model, tokenizer, batch_size, new_tokens, rounds,
                                        synchronize=lambda: synchronize(device)))
     print(f"\nbatch 1, per variant: peak memory of a {new_tokens}-token generate, CUDA kernels per decode step "
@@ -223,6 +261,8 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, de
     batch = tokenizer(PROMPTS[:1], return_tensors="pt").to(device)
     with torch.inference_mode():
         for variant in ("base", "compatible", "standard", "standard (eager)", "causal", "sampling"):
+            if not deadline.allows(f"decode peak memory and kernels of {variant}"):
+                continue
             empty_cache(device)
             reset_peak_memory(device)
             run_variant(base, model, variant, batch, new_tokens)
@@ -238,18 +278,28 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, de
 # --------------------------------------------------------------------------------------- 4. loss
 
 
-def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype: str = "bfloat16") -> None:
-    variants = ["a", "d", "v"] + (["r"] if device.type != "cpu" else [])  # (r) is (d) on the CPU
+def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype: str = "bfloat16",
+         deadline: Deadline | None = None) -> None:
+    deadline = deadline or Deadline(float("inf"))
+    variants = ["a", "d", "v"]
+    if device.type == "cpu":
+        deadline.skip("loss (r)", "on the CPU it is (d): no Triton kernels to leave out")
+    else:
+        variants.append("r")
     try:
         import liger_kernel  # noqa: F401
-
+    except ImportError as err:
+        deadline.skip("loss (l) Liger-Kernel", f"liger_kernel does not import ({err}); pip install .[gpu]")
+    else:
         if device.type == "cuda":  # Triton kernels: a GPU
             variants.append("l")
-    except ImportError:
-        print("(l) skipped: liger_kernel does not import")
+        else:
+            deadline.skip("loss (l) Liger-Kernel", f"its Triton kernels need a CUDA device, not {device.type}")
     start = section(f"loss forward + backward, {dtype} weights, V × C = 151936 × 896, {rounds} interleaved rounds, "
                     f"the fastest of {repeat} steps per round")
     for n in sizes:
+        if not deadline.allows(f"loss N={n}"):
+            continue
         # (d) is the default loss: the cross-entropy's pass, which finds the candidates, through the Triton kernels;
         # (r) the same pass through the torch code
         for v, operator in (("d", device.type == "cuda"), ("r", False)):
@@ -280,6 +330,8 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
             value.backward()
 
         for r in range(rounds):
+            if r > 0 and not deadline.allows(f"loss N={n} rounds {r + 1}-{rounds}"):
+                break
             for v in list(steps):
                 try:
                     if r == 0:  # warm-up (Triton/cuBLAS set-up), peak memory above the inputs, kernels per step
@@ -341,6 +393,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[8192, 32768], help="loss: target tokens")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every comparison")
     parser.add_argument("--repeat", type=int, default=2, help="loss: timed steps per round (the fastest counts)")
+    parser.add_argument("--deadline", type=float, default=480, help="seconds for the whole run: what would start "
+                        "after it is skipped (and said so), subprocesses get at most what is left")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for pytest -m gpu")
     parser.add_argument("--launch-timeout", type=float, default=150, help="seconds per accelerate launch")
     parser.add_argument("--loss-dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -358,22 +412,24 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     begin = time.perf_counter()
+    deadline = Deadline(args.deadline)
     with tempfile.TemporaryDirectory(prefix="causalqwen-gpu-bench-") as tmp:
         work = Path(tmp)
         base = Path(args.base) if args.base else None
         if base is None and {"sharded", "decode"} & set(args.parts):
             base = random_base(work / "random-qwen2.5-0.5b", device)
             print(f"base: a random Qwen2.5-0.5B-shaped model ({base})")
-        if "tests" in args.parts:
-            gpu_tests(args.tests_timeout)
-        if "sharded" in args.parts:
-            sharded_steps(base, work, args.launch_timeout, device)
-        if "decode" in args.parts:
-            decode(base, args.batch, args.new_tokens, args.rounds, device)
+        if "tests" in args.parts and deadline.allows("tests"):
+            gpu_tests(deadline.timeout(args.tests_timeout))
+        if "sharded" in args.parts and deadline.allows("sharded"):
+            sharded_steps(base, work, args.launch_timeout, device, deadline)
+        if "decode" in args.parts and deadline.allows("decode"):
+            decode(base, args.batch, args.new_tokens, args.rounds, device, deadline)
             empty_cache(device)  # the decode models are gone
-        if "loss" in args.parts:
-            loss(args.n, args.rounds, args.repeat, device, args.loss_dtype)
-    print(f"\nall parts: {time.perf_counter() - begin:.0f} s")
+        if "loss" in args.parts and deadline.allows("loss"):
+            loss(args.n, args.rounds, args.repeat, device, args.loss_dtype, deadline)
+    print(f"\nall parts: {time.perf_counter() - begin:.0f} s (deadline {args.deadline:.0f} s)")
+    print("skipped: " + ("; ".join(deadline.skipped) if deadline.skipped else "nothing"))
 
 
 if __name__ == "__main__":

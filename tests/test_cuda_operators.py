@@ -261,3 +261,131 @@ def test_the_loss_bench_runs_the_torch_code_for_the_remote_code_variant(triton_o
     torch.testing.assert_close(results["r"][0], results["d"][0], rtol=1e-5, atol=1e-6)
     for got, want in zip(results["r"][1], results["d"][1]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture
+def fp32_precision():
+    """Sets torch's float32 precision through its new API (torch ≥ 2.9) as the test asks, restored after: "none"
+    everywhere is also what clears the state where reading the legacy `allow_tf32` raises."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has no fp32_precision API")
+    saved = torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+
+    def set_precision(generic, matmul="none"):
+        torch.backends.fp32_precision = generic
+        torch.backends.cuda.matmul.fp32_precision = matmul
+
+    yield set_precision
+    torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
+
+
+@pytest.mark.parametrize("setting, expected", [
+    (("tf32",), "tf32"),  # transformers' TrainingArguments(tf32=True) on torch ≥ 2.9
+    (("none", "tf32"), "tf32"),
+    (("tf32", "ieee"), "ieee"),
+    (("none", "none"), "ieee"),
+])
+def test_products_under_the_new_tf32_api_pick_torchs_precision(triton_operators, fp32_precision, monkeypatch,
+                                                               setting, expected):
+    """Once torch.backends' new fp32_precision API is set, reading the legacy `allow_tf32` raises ("mix of the legacy
+    and new APIs"): the float32 products ask the new API, run (the operators through dispatch), give float64's numbers
+    and launch with torch's precision for CUDA matmuls."""
+    matmul = sys.modules["causalqwen_adapter._kernels_interpreted.abs_matmul"]
+    chosen = []
+
+    def recorded(dtype, _precision=matmul._precision):
+        chosen.append(_precision(dtype))
+        return chosen[-1]
+
+    monkeypatch.setattr(matmul, "_precision", recorded)
+    fp32_precision(*setting)
+    g = torch.Generator().manual_seed(3)
+    loc_U, scale_U = torch.randn(2, 16, generator=g), torch.rand(2, 16, generator=g)
+    weight, bias = torch.randn(70, 16, generator=g), torch.randn(70, generator=g)
+    loc_S, scale_S = dispatch.run_operator("cauchy_linear", loc_U, scale_U, weight, bias)
+    out = torch.empty(2, 70)
+    dispatch.lookup_operator("abs_linear", out)(scale_U, weight, out)  # as lm_loss looks it up
+    w64 = weight.double()
+    # tf32 has 10 bits of mantissa: the interpreter computes float32 either way, a GPU within tf32's rounding
+    tol = dict(rtol=2e-3, atol=2e-3) if expected == "tf32" else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loc_S.double(), loc_U.double() @ w64.T + bias.double(), **tol)
+    torch.testing.assert_close(scale_S.double(), scale_U.double() @ w64.abs().T, **tol)
+    torch.testing.assert_close(out.double(), scale_U.double() @ w64.abs().T, **tol)
+    assert chosen == [expected, expected]
+    assert triton_operators["cauchy_linear_triton"] == triton_operators["abs_linear_triton"] == 1
+
+
+def _operator_calls():
+    """(name, args) of every causalqwen operator, as lm_loss, losses and heads call them (small shapes)."""
+    g = torch.Generator().manual_seed(4)
+    r, w, c = 5, 37, 16
+    loc = torch.randn(r, w, generator=g)
+    scale = torch.rand(r, w, generator=g) + 0.1
+    lse = torch.logsumexp(loc, 1)
+    col = torch.randint(-1, w, (r,), generator=g)
+    flags = (dispatch.TILE_OVR | dispatch.TILE_D | dispatch.TILE_OVR_GRADS | dispatch.TILE_OVR_LOCATES
+             | dispatch.TILE_COL_D | dispatch.TILE_COL_T)
+    weight = torch.randn(w, c, generator=g)
+    loc_U, scale_U = torch.randn(2, 3, c, generator=g), torch.rand(2, 3, c, generator=g)
+    return [
+        ("cauchy_linear", (loc_U, scale_U, weight, torch.randn(w, generator=g))),
+        ("cauchy_linear", (loc_U.bfloat16(), scale_U.bfloat16(), weight.bfloat16(), None)),
+        ("ovr_scores", (loc.bfloat16(), scale.bfloat16(), torch.tensor(0.5), True, "accept_once")),
+        ("loss_tile", (loc, torch.randn(w, generator=g), lse, torch.randn(w, generator=g), True, scale, col, None,
+                       0.5, 0.25, flags, torch.empty(r, w), torch.empty(r, w), torch.empty(4 * r), torch.zeros(1, w),
+                       torch.zeros(1, w), 1)),
+        ("block_logsumexp", (loc.clone(), torch.randn(w, generator=g), True, torch.empty(r), 1)),
+        ("abs_linear", (scale_U[0], weight, torch.empty(3, w))),
+        ("abs_matmul_add", (loc, weight, torch.zeros(r, c))),
+    ]
+
+
+def _meta(value):
+    return [(t.shape, t.dtype, t.stride()) for t in (value if isinstance(value, tuple) else (value,))
+            if torch.is_tensor(t)] if value is not None else None
+
+
+def test_every_operator_has_a_fake_kernel_matching_the_real_one(triton_operators):
+    """FakeTensorMode (what torch.compile traces with) runs every operator: its outputs have the shapes, dtypes and
+    strides of the real kernel's (the Triton kernels in the interpreter), and the in-place operators return none as
+    they do. torch.library.opcheck: the schema (only the arguments marked mutable are written), the fake kernel, and
+    the operator under AOT dispatch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for name, args in _operator_calls():
+        op = getattr(torch.ops.causalqwen, name)
+        real = op(*[a.clone() if torch.is_tensor(a) else a for a in args])
+        mode = FakeTensorMode()
+        fake_args = [mode.from_tensor(a) if torch.is_tensor(a) else a for a in args]
+        with mode:
+            fake = op(*fake_args)
+        assert _meta(fake) == _meta(real), name
+        assert all(torch.is_tensor(t) and t.device.type == "cpu" for t in (fake if isinstance(fake, tuple) else ()))
+        torch.library.opcheck(op, [a.clone() if torch.is_tensor(a) else a for a in args],
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    assert all(triton_operators.values())  # every kernel ran
+
+
+def test_fake_queries_answer_as_the_devices_own(monkeypatch):
+    """`<name>_applies` on fake tensors answers what the device's query answers on real ones (the package's CPU
+    registration here), and False for a device no query is registered for."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from causalqwen_adapter.kernels import ops
+
+    asked, queries = [], dict(ops.QUERIES)
+    for (name, device), query in queries.items():
+        monkeypatch.setitem(ops.QUERIES, (name, device), lambda *a, _q=query: asked.append(a) or _q(*a))
+    for name, args in _operator_calls():
+        query = queries.get((name, "cpu"))
+        if query is None:  # the loss's operators: no CPU kernel, and a query of the products alone
+            query, args = (lambda *a: False), args[:1]
+        want = bool(query(*args))
+        mode = FakeTensorMode()
+        with mode:
+            fake_args = [mode.from_tensor(a) if torch.is_tensor(a) else a for a in args]
+            assert getattr(torch.ops.causalqwen, f"{name}_applies")(*fake_args) is want, name
+        meta = [a.to("meta") if torch.is_tensor(a) else a for a in args]  # no query for the meta device
+        assert getattr(torch.ops.causalqwen, f"{name}_applies")(*meta) is False
+    # the decode operators' CPU queries, asked with the fake tensors
+    assert len(asked) == 3 and all(isinstance(a[0], FakeTensor) for a in asked)

@@ -33,7 +33,36 @@ def test_loss_part_times_every_variant_and_their_ratios(monkeypatch, capsys):
     for variant in ("a", "d", "v"):
         assert f"N=32 ({variant}) " in out
     assert "N=32 d/a time " in out and "N=32 v/a time " in out
-    assert "(l)" not in out.split("===")[-1]  # Liger's Triton kernels only on a GPU
+    assert "(l)" not in out.split("===")[-1]  # Liger's Triton kernels only on a GPU: never silently left out
+    assert "skipped loss (l) Liger-Kernel: " in out.split("===")[0]
+
+
+def test_the_run_has_one_deadline_and_says_what_it_skipped(monkeypatch, capsys):
+    """--deadline bounds the whole run: parts (and loss sizes, rounds, launches) that would start after it are
+    skipped and listed with their reason at the end, and subprocesses get at most what is left."""
+    deadline = gpu.Deadline(5)
+    assert 1 <= deadline.timeout(240) <= 5 and deadline.allows("anything") and not deadline.skipped
+    spent = gpu.Deadline(0)
+    gpu.loss([32], rounds=2, repeat=1, device=torch.device("cpu"), dtype="float32", deadline=spent)
+    out = capsys.readouterr().out
+    assert "skipped loss N=32: the --deadline of 0 s is spent" in out and "N=32 (a)" not in out
+    assert any(s.startswith("loss (l) Liger-Kernel: ") for s in spent.skipped)
+
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--device", "cpu", "--parts", "sharded", "loss", "--deadline", "0",
+                                      "--base", "unused"])
+    gpu.main()
+    out = capsys.readouterr().out
+    assert "skipped sharded: the --deadline of 0 s is spent" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("skipped: ") and "sharded: the --deadline" in summary and "loss: the --deadline" in summary
+
+
+def test_the_gpu_extra_installs_the_comparison_targets():
+    """`pip install .[gpu]` brings Liger-Kernel (the loss comparison) and DeepSpeed (the ZeRO-3 step) with Triton."""
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"triton", "liger-kernel", "deepspeed"} <= set(extras["gpu"])
 
 
 @pytest.mark.slow

@@ -533,11 +533,11 @@ TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
                 torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}
 
 
-def _gpu_launches():
-    """Every kernel launch the functions make on a GPU, for float32 and bf16 operands and each flag, distribution and
-    shape class the tests above use: a copy of the modules as a GPU imports them (GPU block sizes, no interpreter),
-    told that they can run on these CPU tensors, whose kernels record their launches instead of running."""
-    module, modules = _package_copy("_kernels_recorded", "0")
+def _recording_copy(name, state=lambda: None):
+    """(functions, modules, launches): a copy of the modules as a GPU imports them (GPU block sizes, no interpreter),
+    told that they can run on any one device, whose kernels record their launches instead of running, as
+    (kernel, args, kwargs, ``state()`` at the launch)."""
+    module, modules = _package_copy(name, "0")
     assert not module.INTERPRETED
     launches = []
 
@@ -546,7 +546,7 @@ def _gpu_launches():
             self.kernel = kernel
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs, state()))
 
     for each in modules:  # where each function looks these up: its own module's names
         for kernel in KERNELS:
@@ -555,7 +555,13 @@ def _gpu_launches():
         if "_runs_on" in vars(each):
             each.available = lambda: True
             each._runs_on = lambda *tensors: len({t.device for t in tensors if t is not None}) == 1
+    return module, modules, launches
 
+
+def _gpu_launches():
+    """Every kernel launch the functions make on a GPU, for float32 and bf16 operands and each flag, distribution and
+    shape class the tests above use (`_recording_copy`, on these CPU tensors)."""
+    module, _, launches = _recording_copy("_kernels_recorded")
     for dtype in DTYPES:
         for relative in (True, False):
             for per_token in (True, False):
@@ -624,11 +630,11 @@ def test_every_kernel_compiles_for_a_hopper_gpu(monkeypatch, tmp_path):
         pytest.skip("this Triton has no CUDA backend")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # the compiled kernels stay in the test's folder
     module, launches = _gpu_launches()
-    assert {kernel.fn.__name__ for kernel, _, _ in launches} == set(KERNELS)
+    assert {kernel.fn.__name__ for kernel, _, _, _ in launches} == set(KERNELS)
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     seen, to_cubin = set(), set(KERNELS)
-    for kernel, args, kwargs in launches:
+    for kernel, args, kwargs, _ in launches:
         signature, constexprs, options = _signature(kernel, args, kwargs)
         key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
         if key in seen:
@@ -646,3 +652,59 @@ def test_every_kernel_compiles_for_a_hopper_gpu(monkeypatch, tmp_path):
         ir = source.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
         assert "f64" not in str(ir), f"{kernel.fn.__name__} {constexprs}: float64 arithmetic on the GPU"
     assert len(seen) > 20, len(seen)
+
+
+def test_every_launch_runs_on_its_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device, and an operator registered from Python gets no DeviceGuard: each
+    function makes its tensors' device current around its launches (`torch.cuda.device`), so that tensors on cuda:1
+    while cuda:0 is current are computed on cuda:1. No GPU here: fake tensors claiming cuda:1, `torch.cuda.device`
+    recorded, every kernel's launch recorded with the device current then."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    current = [torch.device("cuda", 0)]
+
+    class Device:  # torch.cuda.device, without a GPU
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        def __enter__(self):
+            current.append(self.device)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    module, modules, launches = _recording_copy("_kernels_guarded", state=lambda: current[-1])
+    monkeypatch.setattr(modules[0], "_target_programs", lambda device: 132)  # triton_utils: no device to ask
+    loc, bias, lse, thr, scale, col = _tile_inputs(torch.bfloat16, 6, 300, True, True, seed=1)
+    weight, b, loc_U, scale_U = _linear_inputs(torch.bfloat16, 3, 300, 40, seed=3)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        loc, bias, lse, thr, scale, col, weight, b, loc_U, scale_U = (
+            t.to("cuda:1") for t in (loc, bias, lse, thr, scale, col, weight, b, loc_U, scale_U))
+        assert module.loss_tile_triton(loc, bias, lse, thr, True, scale, col, None, 0.5, 0.25, ALL_FLAGS) is not None
+        assert module.block_logsumexp_triton(loc, bias, True, torch.empty(6, device="cuda:1")) is not None
+        assert module.ovr_scores_triton(loc, scale, thr, True, "accept_once") is not None
+        assert module.cauchy_linear_triton(loc_U, scale_U, weight, b) is not None
+        assert module.abs_linear_triton(scale_U, weight) is not None
+        assert module.abs_matmul_triton(torch.randn(3, 300, device="cuda:1").bfloat16(), weight, segments=1) is not None
+    assert {kernel.fn.__name__ for kernel, _, _, _ in launches} == set(KERNELS)
+    assert [where for _, _, _, where in launches] == [torch.device("cuda", 1)] * len(launches)
+    assert current == [torch.device("cuda", 0)]  # restored after each
+
+
+def test_every_program_id_is_widened_to_int64():
+    """A program id times a stride passes 2³¹ on real shapes (a row block's column sums of the loss tile at
+    pid_r · V: from 56,537 rows at V = 151,936), where int32 arithmetic wraps into another row's memory; the numeric
+    tests cannot reach such sizes, so every `tl.program_id(i)` of every kernel is cast to int64 where it is read
+    (alongside them: the cast changes no number)."""
+    import ast
+
+    narrow = []
+    for path in TRITON_FILES:
+        tree = ast.parse(path.read_text())
+        widened = {id(node.func.value) for node in ast.walk(tree)
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to"
+                   and ast.unparse(node.args[0]) == "tl.int64"}
+        narrow += [(path.name, node.lineno) for node in ast.walk(tree)
+                   if isinstance(node, ast.Call) and ast.unparse(node.func) == "tl.program_id" and id(node) not in widened]
+    assert narrow == [], f"program ids used in int32 (file, line): {narrow}"

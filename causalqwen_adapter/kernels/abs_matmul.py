@@ -4,7 +4,19 @@
 
 import torch
 
-from .triton_utils import DTYPES, INTERPRETED, _jit, _precision, _row_major, _runs_on, _segments, _store, available, tl
+from .triton_utils import (
+    DTYPES,
+    INTERPRETED,
+    _jit,
+    _on_tensors_device,
+    _precision,
+    _row_major,
+    _runs_on,
+    _segments,
+    _store,
+    available,
+    tl,
+)
 
 __all__ = ["abs_linear_triton", "abs_matmul_triton", "cauchy_linear_triton"]
 
@@ -20,8 +32,8 @@ def _cauchy_linear_kernel(xl_ptr, xs_ptr, w_ptr, b_ptr, loc_ptr, scale_ptr, M, V
     """loc = x_loc Wᵀ + b and scale = x_scale |W|ᵀ, [M, V], from one load of each W tile; float32 accumulation.
     Without HAS_LOC, scale alone. Row blocks are the grid's fast axis: the programs that run together share their W
     tile (read from memory once, then from L2)."""
-    pid_m = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_v = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, BLOCK_K)
@@ -61,9 +73,9 @@ def _abs_matmul_kernel(a_ptr, a_stride, w_ptr, out_ptr, out_stride, part_stride,
                        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """a @ |W| over one segment of V (split-K: V is the long side): a [M, V], W [V, K]; the float32 [M, K] result
     added into ``out`` (ACCUMULATE) or written into the segment's slice ``out + pid_s·part_stride``."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    pid_s = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_v = tl.arange(0, BLOCK_V)
@@ -95,6 +107,7 @@ def _matmul_blocks(rows: int) -> tuple[int, int, int]:
     return (16, 64, 64) if rows <= 16 else (64, 64, 32)
 
 
+@_on_tensors_device
 def cauchy_linear_triton(loc_U, scale_U, weight, bias):
     """`cauchy.cauchy_linear` (no gradient) on the GPU in one read of ``weight``: loc_S = loc_U Wᵀ + b and
     scale_S = scale_U |W|ᵀ, the sign bits cleared as each W tile is loaded, float32 accumulation, results in W's
@@ -134,6 +147,7 @@ def cauchy_linear_triton(loc_U, scale_U, weight, bias):
     return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
 
 
+@_on_tensors_device
 def abs_linear_triton(x, weight, out=None):
     """x @ |W|ᵀ on the GPU without a |W| tensor (the loss's scale_S = scale_U |W_A|ᵀ): ``x`` [M, K] and ``weight``
     [V, K] of one dtype (bf16 or float32), both contiguous, float32 accumulation; the result [M, V] in that dtype,
@@ -165,6 +179,7 @@ def abs_linear_triton(x, weight, out=None):
     return out
 
 
+@_on_tensors_device
 def abs_matmul_triton(a, weight, out=None, *, segments=None):
     """a @ |W| on the GPU without a |W| tensor: ``a`` [M, V] and ``weight`` [V, K] of one dtype (bf16 or float32;
     a's rows of unit column stride), float32 accumulation. Returns a float32 [M, K]; with ``out`` (float32 [M, K],

@@ -218,3 +218,4 @@ for _name, _kernel, _query in (("cauchy_linear", cauchy_linear, cauchy_linear_ap
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"causalqwen::{_name}_applies", "CPU"):
         ops.library.impl(f"{_name}_applies", _query, "CPU")
         ops.library.impl(_name, _kernel, "CPU")
+        ops.add_query(_name, "cpu", _query)

@@ -10,6 +10,7 @@ from .triton_utils import (
     _add,
     _jit,
     _max,
+    _on_tensors_device,
     _row_major,
     _runs_on,
     _segments,
@@ -31,8 +32,8 @@ __all__ = ["block_logsumexp_triton"]
 @_jit(do_not_specialize=["n_rows", "w", "seg", "loc_stride"])
 def _lse_partial_kernel(loc_ptr, loc_stride, bias_ptr, part_ptr, n_rows, w, seg,
                         HAS_BIAS: tl.constexpr, STORE_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    row = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
     base = loc_ptr + row.to(tl.int64) * loc_stride
     j_start = pid_s * seg
     j_end = tl.minimum(j_start + seg, w)
@@ -63,6 +64,7 @@ def _lse_partial_kernel(loc_ptr, loc_stride, bias_ptr, part_ptr, n_rows, w, seg,
 def _lse_combine(part_ptr, n_seg, n_rows, row):
     """(max, log Σ exp(· − max)) of a row from its segments' partials: kept apart, as their float sum would round."""
     top = float("-inf")
+    n_rows = n_rows.to(tl.int64)  # k · 2 · n_rows in int64, as the row (a program id) is
     for k in range(0, n_seg):
         top = tl.maximum(top, tl.load(part_ptr + k * 2 * n_rows + row))
     total = 0.0
@@ -75,7 +77,7 @@ def _lse_combine(part_ptr, n_seg, n_rows, row):
 
 @_jit(do_not_specialize=["n_seg", "n_rows", "out_stride"])
 def _lse_finish_kernel(part_ptr, n_seg, n_rows, out_ptr, out_stride):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     top, log_total = _lse_combine(part_ptr, n_seg, n_rows, row)
     tl.store(out_ptr + row.to(tl.int64) * out_stride, top + log_total)
 
@@ -93,6 +95,7 @@ def _row_lse_partials(loc, bias, store_bias, segments=None):
     return part, seg, n_seg
 
 
+@_on_tensors_device
 def block_logsumexp_triton(loc, bias, store_bias: bool, lse_out, *, segments=None):
     """`causalqwen::block_logsumexp` on the GPU: lse_out[i] = log Σ_j exp(loc[i, j] + bias[j]) over a [r, w] block
     (any width, the whole vocabulary included). ``loc``: bf16 or float32, rows of unit column stride; ``bias``: [w]

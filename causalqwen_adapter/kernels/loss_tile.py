@@ -19,6 +19,7 @@ from .triton_utils import (
     _add,
     _jit,
     _log1p_small,
+    _on_tensors_device,
     _row_major,
     _runs_on,
     _segments,
@@ -54,11 +55,11 @@ def _loss_tile_kernel(
     LOCATES: tl.constexpr, COL_D: tl.constexpr, COL_T: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    # program ids in int64: pid_r · ct_stride (a row block's column sums) passes 2³¹ from 56,537 rows at V = 151,936
+    pid_r = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < r
-    rows64 = rows.to(tl.int64)
     lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
     target = tl.load(col_ptr + rows, mask=rmask, other=-1).to(tl.int64)
     if RELATIVE:
@@ -78,7 +79,7 @@ def _loss_tile_kernel(
         cmask = cols < j_end
         m = rmask[:, None] & cmask[None, :]
         hit = (cols[None, :].to(tl.int64) == target[:, None]) & m
-        x = tl.load(loc_ptr + rows64[:, None] * loc_stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = tl.load(loc_ptr + rows[:, None] * loc_stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
             x += tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
         acc_t += tl.reduce(tl.where(hit, x, 0.0), 1, _add)
@@ -88,7 +89,7 @@ def _loss_tile_kernel(
                 e = tl.exp(x - lse[:, None])
                 dv = (e - tl.where(hit, 1.0, 0.0)) * ce
         if OVR:
-            s = tl.load(scale_ptr + rows64[:, None] * scale_stride + cols[None, :], mask=m, other=1.0)
+            s = tl.load(scale_ptr + rows[:, None] * scale_stride + cols[None, :], mask=m, other=1.0)
             # float32's smallest normal, 2⁻¹²⁶ in full: Triton types a literal below it float64
             s = tl.maximum(s.to(tl.float32), 1.1754943508222875e-38)
             if THR_PER_TOKEN:
@@ -116,7 +117,7 @@ def _loss_tile_kernel(
                     t = tl.where(dg[None, :], 0.0, t)
                     z = tl.where(dg[None, :], 0.0, z)
                 gv = z * t  # −π ∂ℓ/∂scale_S
-                _store(g_ptr + rows64[:, None] * g_stride + cols[None, :], gv, m)
+                _store(g_ptr + rows[:, None] * g_stride + cols[None, :], gv, m)
                 t = tl.where(hit, -t, t)  # π ∂ℓ/∂loc_S
                 if COL_T:  # Σ_rows −π ∂ℓ/∂loc_S = π ∂ℓ/∂C
                     ct = ct_ptr + pid_r * ct_stride + cols
@@ -124,7 +125,7 @@ def _loss_tile_kernel(
                 if LOCATES:
                     dv = dv + t * of
         if STORE_D:
-            _store(d_ptr + rows64[:, None] * d_stride + cols[None, :], dv, m)
+            _store(d_ptr + rows[:, None] * d_stride + cols[None, :], dv, m)
             if COL_D:
                 cd = cd_ptr + pid_r * cd_stride + cols
                 tl.store(cd, tl.load(cd, mask=cmask, other=0.0) + tl.reduce(tl.where(m, dv, 0.0), 0, _add), mask=cmask)
@@ -151,6 +152,7 @@ class LossTileOut(NamedTuple):
     col_t: torch.Tensor | None
 
 
+@_on_tensors_device
 def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, of, flags, d=None, g=None,
                      rows_out=None, col_d=None, col_t=None, *, segments=None):
     """The `causalqwen::loss_tile` operator (`ops.py`) on the GPU: one (token × vocabulary) tile of the training loss,

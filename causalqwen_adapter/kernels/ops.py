@@ -15,6 +15,11 @@ and `<name>_applies`, registered beside a device's kernel where it serves only s
 the arguments `dispatch.lookup` is given (the operator's own arguments; for the loss's operators a tensor of the
 products' dtype and device). A device's kernels register with `torch.library.register_kernel` or C++'s `TORCH_LIBRARY_IMPL`.
 
+Every operator has a fake (meta) kernel (`torch.library.register_fake`), so that FakeTensorMode and
+`torch.compile(fullgraph=True)` trace them: the outputs' shapes and dtypes (none for the in-place operators), and a
+query's answer from the device's own query (`add_query`: they read shapes, dtypes and devices only), False for a
+device with none.
+
 Package only, never remote code: the namespace is process-wide, so the operators are defined once, by the package.
 """
 
@@ -51,3 +56,44 @@ def _defined(name: str) -> bool:
 for _schema in SCHEMAS:
     if not _defined(_schema.split("(", 1)[0]):  # a second import of this file (another sys.path entry) adds nothing
         library.define(_schema)
+
+
+# the queries registered per (operator, device type), which the fake `<name>_applies` asks
+QUERIES = {}
+
+
+def add_query(name: str, device_type: str, query) -> None:
+    """Records ``query``, registered as `causalqwen::<name>_applies` for ``device_type``, for the fake query."""
+    QUERIES[(name, device_type)] = query
+
+
+def _fake_query(name: str):
+    def fake(*args):
+        tensor = next(a for a in args if torch.is_tensor(a))
+        query = QUERIES.get((name, tensor.device.type))
+        return bool(query(*args)) if query is not None else False
+
+    return fake
+
+
+def _fake_cauchy_linear(loc_U, scale_U, weight, bias):
+    shape = (*loc_U.shape[:-1], weight.shape[0])
+    return (weight.new_empty(shape), weight.new_empty(shape))  # W's dtype, contiguous, as every kernel's
+
+
+def _fake_ovr_scores(loc_S, scale_S, threshold, relative, distribution):
+    return loc_S.new_empty(loc_S.shape, dtype=torch.float32)
+
+
+def _fake_in_place(*args):
+    return None  # the outputs are arguments, written in place
+
+
+FAKES = {"cauchy_linear": _fake_cauchy_linear, "ovr_scores": _fake_ovr_scores, "loss_tile": _fake_in_place,
+         "block_logsumexp": _fake_in_place, "abs_linear": _fake_in_place, "abs_matmul_add": _fake_in_place}
+
+for _name, _fake in FAKES.items():
+    for _op, _impl in ((_name, _fake), (f"{_name}_applies", _fake_query(_name))):
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"causalqwen::{_op}", "Meta"):  # a second import
+            continue
+        torch.library.register_fake(f"causalqwen::{_op}", _impl, lib=library)

@@ -11,6 +11,7 @@ from .triton_utils import (
     _add,
     _jit,
     _log1p_small,
+    _on_tensors_device,
     _runs_on,
     _segments,
     _small_angle,
@@ -35,8 +36,8 @@ _DISTRIBUTIONS = {"normalize": 0, "accept": 1, "accept_once": 2}  # as csrc/kern
 def _scores_kernel(loc_ptr, scale_ptr, thr_ptr, part_ptr, out_ptr, rej_ptr, n_rows, V, seg, n_seg,
                    THR_PER_TOKEN: tl.constexpr, RELATIVE: tl.constexpr, DIST: tl.constexpr,
                    NEED_LSE: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    row = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
     if NEED_LSE:
         top, log_total = _lse_combine(part_ptr, n_seg, n_rows, row)
     else:
@@ -81,8 +82,8 @@ def _scores_kernel(loc_ptr, scale_ptr, thr_ptr, part_ptr, out_ptr, rej_ptr, n_ro
 
 @_jit(do_not_specialize=["n_rows", "V", "seg", "n_seg"])
 def _accept_once_kernel(loc_ptr, part_ptr, out_ptr, rej_ptr, n_rows, V, seg, n_seg, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    row = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
     top, log_total = _lse_combine(part_ptr, n_seg, n_rows, row)
     rejected = 0.0
     for k in range(0, n_seg):
@@ -98,6 +99,7 @@ def _accept_once_kernel(loc_ptr, part_ptr, out_ptr, rej_ptr, n_rows, V, seg, n_s
         tl.store(out_ptr + base + cols, ((lv - top) - log_total) + tl.log(rejected + p), mask=msk)
 
 
+@_on_tensors_device
 def ovr_scores_triton(loc_S, scale_S, threshold, relative: bool, distribution: str, *, segments=None):
     """`cauchy.ovr_decision_scores` (no gradient) of bf16 or float32 loc_S, scale_S [..., V] on the GPU: float32
     scores [..., V], or None where the kernel does not apply (the caller runs the torch or compiled code).

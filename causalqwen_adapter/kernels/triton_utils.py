@@ -6,6 +6,8 @@ range reductions as the C decode kernels), so that a small P keeps its digits (`
 every backend; exp and log of values away from 1 are Triton's.
 """
 
+import functools
+
 import torch
 
 try:
@@ -174,10 +176,37 @@ def _segments(width: int, blocks_across: int, block: int, device, segments: int 
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's precision for float32 operands: torch's (TF32 only where torch allows it for its matmuls)."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+    """tl.dot's precision for float32 operands: torch's for its CUDA matmuls (TF32 only where torch allows it), asked
+    through torch's current API. Never `torch.backends.cuda.matmul.allow_tf32`: on torch ≥ 2.9 reading it raises
+    ("mix of the legacy and new APIs") once `torch.backends.fp32_precision` or its CUDA matmul's is set, as
+    transformers' `TrainingArguments(tf32=True)` does."""
+    if dtype != torch.float32:
+        return "tf32"  # bf16 operands: the precision is not used
+    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch ≥ 2.9: "ieee", "tf32", "none"...
+    if matmul is not None:
+        # "none" (nothing set here) is the parent's, torch.backends.fp32_precision, whose "none" is torch's default
+        # (IEEE); the legacy setters are reflected in these too
+        if matmul == "none":
+            matmul = getattr(torch.backends, "fp32_precision", "none")
+        return "tf32" if matmul in ("tf32", "bf16") else "ieee"
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _on_tensors_device(fn):
+    """Runs ``fn`` with its first tensor argument's CUDA device current: Triton launches on
+    `torch.cuda.current_device()`, and an operator registered with torch.library from Python gets no DeviceGuard, so
+    a kernel given tensors on cuda:1 while cuda:0 is current would launch on the wrong device. Entering
+    `torch.cuda.device` costs a device query where it is already current; nothing off CUDA (the interpreter)."""
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        tensor = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+        if tensor is None or tensor.device.type != "cuda":
+            return fn(*args, **kwargs)
+        with torch.cuda.device(tensor.device):
+            return fn(*args, **kwargs)
+
+    return guarded
 
 
 def _row_major(t: torch.Tensor) -> bool:
