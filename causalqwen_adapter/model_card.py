@@ -49,7 +49,6 @@ _VERSIONED = ("causalqwen-adapter", "torch", "transformers", "huggingface_hub", 
 # `hub.point_at_hub_base`, which removes this note by its exact text).
 LOCAL_BASE_NOTE = ("The base is named by the absolute path of a local folder on the machine that saved it: elsewhere, "
                    "pass `base_model=` (a folder or Hub id of the same base) to `from_pretrained`.")
-PROJECT_URL = "https://pypi.org/project/causalqwen-adapter/"
 # A local data file named in the training record is never a Hub dataset id, wherever the card is rendered.
 _DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt", ".gz", ".zst")
 
@@ -149,7 +148,7 @@ def render_model_card(folder, config: dict, *, model_id: str, training_summary: 
             lora_size=_human_bytes(lora_bytes) if lora_bytes is not None else None,
             local_base_note=LOCAL_BASE_NOTE,
             transformers_range=TRANSFORMERS_SUPPORTED,  # what the modeling code checks at load
-            project_url=PROJECT_URL,
+            project_url=_project_url(),
             training=training,
             versions=_framework_versions(),
         )
@@ -180,6 +179,17 @@ def card_with_base(text: str, old: str, new: str) -> str:
     if old:
         body = body.replace(f"[{old}](https://huggingface.co/{old})", linked).replace(f"`{old}`", linked)
     return f"---\n{card.data.to_yaml()}\n---\n{body}"
+
+
+def _project_url() -> str | None:
+    """The project's home page as the installed package's metadata gives it (`[project.urls]`), else None: the card
+    names the package without a link rather than one to a page that does not exist."""
+    try:
+        urls = importlib.metadata.metadata("causalqwen-adapter").get_all("Project-URL") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = dict(url.split(", ", 1) for url in urls if ", " in url)
+    return found.get("Homepage") or found.get("Repository") or next(iter(found.values()), None)
 
 
 def _template_path() -> Path:
