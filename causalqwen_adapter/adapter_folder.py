@@ -52,8 +52,7 @@ def check_weights_header(weights_file: str, config, model_class) -> None:
     except (SafetensorError, OSError, ValueError) as err:
         raise OSError(f"cannot read adapter weights {weights_file}: {err}. The file is corrupt; save the adapter "
                       "again.") from err
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in model_class(config)._adapter_tensors().items()}
+    expected = model_class.adapter_tensor_shapes(config)
     check_keys(set(found), set(expected), weights_file)
     wrong = {k: (found[k], expected[k]) for k in expected if found[k] != expected[k]}
     if wrong:

@@ -136,12 +136,8 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
                 module._is_hf_initialized = True
         self.model = backbone if backbone is not None else AutoModel.from_config(text)
         self.model.requires_grad_(False)  # frozen by default: the heads are what trains
-        self.abduction = AbductionNetwork(text.hidden_size, config.causal_size)
-        self.action = ActionNetwork(config.causal_size, text.vocab_size, config.action_weight, config.action_lora_rank)
-        self.ovr = OvRClassifier(text.vocab_size, config.ovr_threshold_init, config.learnable_threshold,
-                                 config.ovr_relative_threshold)
-        if config.numeric:
-            self.numeric = NumericHead(text.hidden_size, config.causal_size)
+        for name, head in self.build_heads(config).items():
+            setattr(self, name, head)
         if config.action_weight != "full":
             # W_base is the base's output embedding: the input embedding when tied, else its lm_head (frozen, not saved).
             if base_is_tied(text):
@@ -152,6 +148,29 @@ class CausalQwenModel(CausalAdapterMixin, CausalQwenPreTrainedModel):
                 owner = self.lm_head
             self.action.bind_base_weight(owner)
         self.post_init()
+
+    @staticmethod
+    def build_heads(config: CausalQwenConfig) -> dict[str, nn.Module]:
+        """The head modules `config` describes, by attribute name (what an adapter file holds, `adapter_keys`)."""
+        text = config.text_config
+        heads = {
+            "abduction": AbductionNetwork(text.hidden_size, config.causal_size),
+            "action": ActionNetwork(config.causal_size, text.vocab_size, config.action_weight, config.action_lora_rank),
+            "ovr": OvRClassifier(text.vocab_size, config.ovr_threshold_init, config.learnable_threshold,
+                                 config.ovr_relative_threshold),
+        }
+        if config.numeric:
+            heads["numeric"] = NumericHead(text.hidden_size, config.causal_size)
+        return heads
+
+    @classmethod
+    def adapter_tensor_shapes(cls, config: CausalQwenConfig) -> dict[str, tuple[int, ...]]:
+        """Name → shape of every tensor an adapter file of `config` holds, from heads built on the meta device alone
+        (no backbone: nothing allocated, and no sharded-initialisation hook of the base's class runs)."""
+        with torch.device("meta"):
+            heads = cls.build_heads(config)
+        return {f"{name}.{key}": tuple(tensor.shape) for name, head in heads.items()
+                for key, tensor in head.state_dict(keep_vars=True).items()}
 
     def get_input_embeddings(self):
         return self.model.get_input_embeddings()
