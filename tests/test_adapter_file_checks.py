@@ -106,3 +106,16 @@ def test_push_of_a_folder_a_save_was_killed_in_names_where_the_old_files_are(tie
     kill_save_mid_swap(tied_base, folder)
     with pytest.raises(ValueError, match=r"interrupted while swapping.*\.old\.[a-z0-9_]{8}\.old.*move them back"):
         adapter_files(folder)
+
+
+def test_push_refuses_weights_that_do_not_fit_their_config(tied_base, tmp_path):
+    """The loader's header check, before any request: a repo pushed so could not be loaded by anyone."""
+    import json
+
+    folder = tmp_path / "adapter"
+    CausalQwenForCausalLM.from_base(tied_base).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["causal_size"] = 8
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json expects .*do not belong together"):
+        adapter_files(folder)

@@ -17,12 +17,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from causalqwen_adapter import CausalQwenConfig, CausalQwenForCausalLM
-from causalqwen_adapter.adapter_io import LORA_FOLDER, LORA_WEIGHTS_NAME, interrupted_swap, non_finite_tensors
+from causalqwen_adapter.adapter_io import (
+    LORA_FOLDER,
+    LORA_WEIGHTS_NAME,
+    check_weights_header,
+    interrupted_swap,
+    non_finite_tensors,
+)
 from causalqwen_adapter.hub import check_base_for_push, check_push, link_files, upload_adapter_folder
 from causalqwen_adapter.model_card import CARD_NAME, render_model_card
 from causalqwen_adapter.tokenization_causalqwen import TOKENIZER_CONFIG_NAME, is_adapter_tokenizer_config
@@ -116,23 +120,16 @@ def _check_lora(lora: Path) -> None:
 
 
 def _check_adapter_tensors(weights: Path, config: dict) -> None:
-    """The whole file reads (every tensor, sizes against the header) and holds exactly the tensors this config's heads
-    have, all finite: never a base tensor, nothing missing. Before any network call."""
+    """The whole file reads, every tensor finite (`non_finite_tensors`), and its header holds exactly the tensors,
+    with the shapes, this config's heads have (`check_weights_header`, as the loader checks it): never a base
+    tensor, nothing missing, nothing a stranger could not load. Before any network call."""
     try:
-        with safe_open(weights, "pt") as f:
-            found = set(f.keys())
-            bad = sorted(k for k in found if not torch.isfinite(f.get_tensor(k).float()).all())
+        bad = non_finite_tensors(weights)  # reads every tensor: a truncated file fails here
     except Exception as err:  # truncated, corrupt header, bytes missing: safetensors says which
         raise ValueError(f"{weights} cannot be read ({err}): the file is truncated or corrupt; save the adapter again") from err
     if bad:
         raise ValueError(f"{weights}: {bad} hold NaN or infinite values; save a healthy adapter before sharing it")
-    expected = set(CausalQwenForCausalLM.adapter_tensor_shapes(CausalQwenConfig.from_dict(config)))  # no base
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{weights} does not hold the adapter tensors its config.json describes: missing {missing}, "
-            f"unexpected {unexpected}. An adapter stores only head tensors, never the base's."
-        )
+    check_weights_header(str(weights), CausalQwenConfig.from_dict(config), CausalQwenForCausalLM)
 
 
 def make_parser(prog: str | None = None) -> CliArgumentParser:
