@@ -383,13 +383,33 @@ def _linear_inputs(dtype, rows, vocab, size, seed):
     return weight.to(dtype), bias.to(dtype), loc_U.to(dtype), scale_U.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# the products' operand dtypes, and for float32 each precision torch's settings can choose (`_precision`), with its
+# own blocks (`_matmul_blocks`): IEEE's 8-wide reduction, or the tensor cores' (the interpreter computes float32 in both)
+PRODUCTS = pytest.mark.parametrize("dtype, precision", [(torch.bfloat16, "tf32"), (torch.float32, "ieee"),
+                                                        (torch.float32, "tf32")], indirect=["precision"])
+
+
+@pytest.fixture
+def precision(request, monkeypatch):
+    matmul = sys.modules[kt.cauchy_linear_triton.__module__]
+    monkeypatch.setattr(matmul, "_precision", lambda dtype: request.param if dtype == torch.float32 else "tf32")
+    return request.param
+
+
+def _product_tolerance(dtype, precision):
+    """(rtol, atol) of a product against float64: bf16's rounding, TF32's operands on a GPU, float32's otherwise."""
+    if dtype == torch.bfloat16:
+        return 2**-8, 1e-3
+    return (2e-3, 2e-3) if precision == "tf32" and ON_GPU else (1e-5, 1e-4)
+
+
+@PRODUCTS
 @pytest.mark.parametrize("rows", [1, 5, 17])  # the decode blocks (16 rows), then the wider ones
-def test_cauchy_linear(dtype, rows):
+def test_cauchy_linear(dtype, rows, precision):
     """loc_S = W x + b and scale_S = |W| s in W's dtype: float64 within one rounding, and cauchy.cauchy_linear."""
-    vocab, size = 70, 40  # neither a multiple of the blocks
+    vocab, size = 70, 44  # neither a multiple of the blocks (the reduction's: 8, 32, 64)
     weight, bias, loc_U, scale_U = _linear_inputs(dtype, rows, vocab, size, seed=rows)
-    rel, absolute = (2**-8, 1e-3) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    rel, absolute = _product_tolerance(dtype, precision)
     for b in (bias, None):
         got = kt.cauchy_linear_triton(*_dev(loc_U.unsqueeze(1), scale_U.unsqueeze(1), weight, b))
         assert got is not None
@@ -407,14 +427,14 @@ def test_cauchy_linear(dtype, rows):
         torch.testing.assert_close(scale_S.squeeze(1).float(), torch_scale, rtol=rel, atol=absolute)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@PRODUCTS
 @pytest.mark.parametrize("rows", [3, 20])  # the decode tiles and the training ones
-def test_abs_linear(dtype, rows):
+def test_abs_linear(dtype, rows, precision):
     """x @ |W|ᵀ in W's dtype, returned or written into ``out``, within one rounding of float64; declined for mixed
     dtypes."""
-    vocab, size = 70, 40
+    vocab, size = 70, 44
     weight, _, _, scale_U = _linear_inputs(dtype, rows, vocab, size, seed=rows)
-    rel, absolute = (2**-8, 1e-3) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    rel, absolute = _product_tolerance(dtype, precision)
     want = scale_U.double() @ weight.double().abs().T
     got = kt.abs_linear_triton(*_dev(scale_U, weight))
     assert got.dtype == dtype and got.shape == (rows, vocab)
@@ -425,21 +445,23 @@ def test_abs_linear(dtype, rows):
     assert kt.abs_linear_triton(*_dev(scale_U.double(), weight)) is None
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_abs_matmul(dtype):
+@PRODUCTS
+@pytest.mark.parametrize("rows", [7, 20])  # the decode blocks (16 rows), then the wider ones
+def test_abs_matmul(dtype, rows, precision):
     """a @ |W| in float32, returned or added into ``out`` (a strided view), V in one segment or split in three."""
-    rows, vocab, size = 7, 150, 40
+    vocab, size = 150, 40  # V (reduced) and C neither a multiple of the blocks
     weight, _, _, _ = _linear_inputs(dtype, rows, vocab, size, seed=1)
     a = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)).to(dtype)
     want = a.double() @ weight.double().abs()
+    rel, absolute = (1e-5, 1e-4) if dtype == torch.bfloat16 else _product_tolerance(dtype, precision)  # bf16: exact
     for segments in (1, 3):
         got = kt.abs_matmul_triton(*_dev(a, weight), segments=segments)
         assert got.dtype == torch.float32 and got.shape == (rows, size)
-        torch.testing.assert_close(_cpu(got).double(), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(_cpu(got).double(), want, rtol=rel, atol=absolute)
         table = torch.ones(rows, size + 5, device=DEVICE)
         out = table[:, 2 : 2 + size]
         assert kt.abs_matmul_triton(*_dev(a, weight), out=out, segments=segments) is out
-        torch.testing.assert_close(_cpu(out).double(), want + 1, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(_cpu(out).double(), want + 1, rtol=rel, atol=absolute)
         assert (_cpu(table)[:, :2] == 1).all() and (_cpu(table)[:, 2 + size :] == 1).all()
 
 

@@ -102,9 +102,16 @@ def _abs_matmul_kernel(a_ptr, a_stride, w_ptr, out_ptr, out_stride, part_stride,
     tl.store(out, acc, mask=omask)
 
 
-def _matmul_blocks(rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_V, BLOCK_K): 16 rows (tl.dot's least) for decoding, 64 beyond: two compiled variants."""
-    return (16, 64, 64) if rows <= 16 else (64, 64, 32)
+def _matmul_blocks(rows: int, precision: str, reduced: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_V, BLOCK_K, num_warps) of a product over ``rows`` rows reducing the ``reduced`` axis ("V" or
+    "K"): 16 rows (tl.dot's least) for decoding, 64 beyond. On tensor cores (bf16, or float32 where torch allows TF32)
+    64-wide blocks. IEEE float32 has no tensor-core instruction: its dot is a loop of FMAs whose operands each thread
+    holds in registers along the reduced axis, so that axis is 8 wide there (16 or more spills on sm_90: BENCHMARKS.md,
+    Registers), with 8 warps over the 64 × 64 tiles."""
+    if precision != "ieee":
+        return (16, 64, 64, 4) if rows <= 16 else (64, 64, 32, 4)
+    block_m, warps = (16, 4) if rows <= 16 else (64, 8)
+    return (block_m, 8, 64, warps) if reduced == "V" else (block_m, 64, 8, warps)
 
 
 @_on_tensors_device
@@ -138,11 +145,13 @@ def cauchy_linear_triton(loc_U, scale_U, weight, bias):
     loc_S = torch.empty(rows, vocab, dtype=dtype, device=weight.device)
     scale_S = torch.empty(rows, vocab, dtype=dtype, device=weight.device)
     if rows and vocab:
-        bm, bv, bk = _matmul_blocks(rows)
+        precision = _precision(dtype)
+        bm, bv, bk, warps = _matmul_blocks(rows, precision, reduced="K")
         b = None if bias is None else bias.detach().to(dtype).contiguous()
         _cauchy_linear_kernel[(-(-rows // bm), -(-vocab // bv))](
             x_loc, x_scale, weight.detach(), loc_S if b is None else b, loc_S, scale_S, rows, vocab, size,
-            HAS_LOC=True, HAS_BIAS=b is not None, PRECISION=_precision(dtype), UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, num_warps=4,
+            HAS_LOC=True, HAS_BIAS=b is not None, PRECISION=precision, UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv,
+            BLOCK_K=bk, num_warps=warps,
         )
     return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
 
@@ -170,11 +179,12 @@ def abs_linear_triton(x, weight, out=None):
     if out is None:
         out = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
     if rows and vocab:
-        bm, bv, bk = _matmul_blocks(rows)
+        precision = _precision(x.dtype)
+        bm, bv, bk, warps = _matmul_blocks(rows, precision, reduced="K")
         _cauchy_linear_kernel[(-(-rows // bm), -(-vocab // bv))](
             x, x.detach(), weight.detach(), out, out, out, rows, vocab, size,
-            HAS_LOC=False, HAS_BIAS=False, PRECISION=_precision(x.dtype), UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv,
-            BLOCK_K=bk, num_warps=4,
+            HAS_LOC=False, HAS_BIAS=False, PRECISION=precision, UPCAST=INTERPRETED, BLOCK_M=bm, BLOCK_V=bv,
+            BLOCK_K=bk, num_warps=warps,
         )
     return out
 
@@ -209,7 +219,8 @@ def abs_matmul_triton(a, weight, out=None, *, segments=None):
         return out
     if vocab == 0:
         return out if accumulate else out.zero_()
-    bm, bv, bk = _matmul_blocks(rows)
+    precision = _precision(a.dtype)
+    bm, bv, bk, warps = _matmul_blocks(rows, precision, reduced="V")
     grid_mk = -(-rows // bm) * -(-size // bk)
     seg_v, n_seg = _segments(vocab, grid_mk, bv, a.device, segments)
     if n_seg == 1:
@@ -219,8 +230,8 @@ def abs_matmul_triton(a, weight, out=None, *, segments=None):
         stride, part_stride = size, rows * size
     _abs_matmul_kernel[(-(-rows // bm), -(-size // bk), n_seg)](
         a, a.stride(0), weight, target, stride, part_stride, rows, vocab, size, seg_v,
-        ACCUMULATE=accumulate and n_seg == 1, PRECISION=_precision(a.dtype), UPCAST=INTERPRETED,
-        BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, num_warps=4,
+        ACCUMULATE=accumulate and n_seg == 1, PRECISION=precision, UPCAST=INTERPRETED,
+        BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, num_warps=warps,
     )
     if n_seg > 1:
         total = target.sum(0)

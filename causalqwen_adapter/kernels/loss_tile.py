@@ -136,8 +136,11 @@ def _loss_tile_kernel(
     tl.store(out + 3 * r, acc_p, mask=rmask)
 
 
-# loss tile: 4 × 256 with 8 warps compiles to 91 registers for sm_90 (8 × 256: 255, one block per SM)
-_LOSS_BLOCK_R, _LOSS_BLOCK_N = (4, 32) if INTERPRETED else (4, 256)
+# loss tile: 4 rows × BLOCK_N columns over 8 warps, the same bytes per step in either dtype: bf16 4 × 256 compiles
+# to at most 139 registers for sm_90 (8 × 256: 255, one block per SM), float32 4 × 128 to at most 76, where 4 × 256
+# spilled in one flag set (BENCHMARKS.md, Registers)
+_LOSS_BLOCK_R = 4
+_LOSS_BLOCK_N = dict.fromkeys(DTYPES, 32) if INTERPRETED else {torch.bfloat16: 256, torch.float32: 128}
 
 
 class LossTileOut(NamedTuple):
@@ -236,7 +239,8 @@ def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, 
         return result
 
     row_blocks = -(-r // _LOSS_BLOCK_R)
-    seg, n_seg = _segments(w, row_blocks, _LOSS_BLOCK_N, dev, segments)
+    block_n = _LOSS_BLOCK_N[loc.dtype]
+    seg, n_seg = _segments(w, row_blocks, block_n, dev, segments)
     rows_part = rows_out if n_seg == 1 else torch.empty(n_seg * 4 * r, **f32)
     # one row block adds into the caller's column sums; several write one row each of a partial, summed after
     col_parts = []
@@ -263,7 +267,7 @@ def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, 
         HAS_BIAS=bias is not None, THR_PER_TOKEN=thr.numel() > 1, RELATIVE=bool(relative),
         HAS_DEGEN=degenerate is not None, OVR=ovr, STORE_D=store_d, USE_CE=use_ce, OVR_GRADS=ovr_grads,
         LOCATES=ovr_grads and bool(flags & TILE_OVR_LOCATES), COL_D=col_d_on, COL_T=col_t_on,
-        BLOCK_R=_LOSS_BLOCK_R, BLOCK_N=_LOSS_BLOCK_N, num_warps=_NUM_WARPS,
+        BLOCK_R=_LOSS_BLOCK_R, BLOCK_N=block_n, num_warps=_NUM_WARPS,
     )
     if n_seg > 1:
         torch.sum(rows_part.view(n_seg, 4 * r), 0, out=rows_out)
