@@ -42,6 +42,12 @@ def _triton():
     return kernels if kernels.available() else None
 
 
+def _first_row(sums: torch.Tensor, width: int) -> torch.Tensor:
+    """Row 0 of the loss tile's [threads, width] column sums, a view (the kernel adds into it), for any width (a
+    block without columns included: reshape(-1, 0) is ambiguous)."""
+    return sums.reshape(-1, width)[0] if width else sums.reshape(-1)[:0]
+
+
 def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
     """Registers the Triton kernels as the ``dispatch_key`` kernels of the operators, and their queries.
     ``kernels``: a namespace holding them (default: `triton_kernels()` at first use; the tests pass that of a copy
@@ -89,8 +95,8 @@ def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
         # The column sums' layout is [threads, w], summed by the caller after zeroing them: the kernel adds into the
         # first row (the only one where threads = 1, as the loss passes it for a GPU)
         done = triton().loss_tile_triton(loc, bias, lse, threshold, relative, scale, col, degenerate, ce, of, flags,
-                                         d, g, rows_out, col_d.reshape(-1, loc.shape[1])[0],
-                                         col_t.reshape(-1, loc.shape[1])[0])
+                                         d, g, rows_out, _first_row(col_d, loc.shape[1]),
+                                         _first_row(col_t, loc.shape[1]))
         if done is None:
             raise RuntimeError("causalqwen::loss_tile: the Triton kernel does not take these arguments (every tensor "
                                "on one device, rows of unit stride)")
