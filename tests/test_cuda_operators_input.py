@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_cuda_operators import triton_operators  # noqa: E402, F401  (the fixture)
+import test_cuda_operators  # noqa: E402
 from test_kernels_triton import kt  # noqa: E402
 
 from causalqwen_adapter import dispatch  # noqa: E402
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserW
 if not kt.INTERPRETED:
     pytest.skip("the Triton kernels are compiled for the GPU in this run", allow_module_level=True)
 
+triton_operators = test_cuda_operators.triton_operators  # the fixture: the CUDA registration made for the CPU
 G = torch.Generator().manual_seed(50)
 C, V = 12, 37
 
