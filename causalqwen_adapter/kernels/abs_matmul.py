@@ -106,8 +106,8 @@ def _matmul_blocks(rows: int, precision: str, reduced: str) -> tuple[int, int, i
     """(BLOCK_M, BLOCK_V, BLOCK_K, num_warps) of a product over ``rows`` rows reducing the ``reduced`` axis ("V" or
     "K"): 16 rows (tl.dot's least) for decoding, 64 beyond. On tensor cores (bf16, or float32 where torch allows TF32)
     64-wide blocks. IEEE float32 has no tensor-core instruction: its dot is a loop of FMAs whose operands each thread
-    holds in registers along the reduced axis, so that axis is 8 wide there (16 or more spills on sm_90: BENCHMARKS.md,
-    Registers), with 8 warps over the 64 × 64 tiles."""
+    holds in registers along the reduced axis, so that axis is 8 wide there (16 spills on sm_90 at 64 rows, 64 at
+    16: BENCHMARKS.md, Registers), with 8 warps over the 64 × 64 tiles."""
     if precision != "ieee":
         return (16, 64, 64, 4) if rows <= 16 else (64, 64, 32, 4)
     block_m, warps = (16, 4) if rows <= 16 else (64, 8)
