@@ -6,11 +6,14 @@ autograd (fake tensors, the operators' fake kernels) and run by the `aot_eager` 
 is what takes minutes on two cores, and it is not what these tests are about.
 """
 
+import math
+import warnings
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from causalqwen_adapter import CausalQwenForCausalLM, heads, kernels
+from causalqwen_adapter import CausalQwenForCausalLM, dispatch, heads, kernels
 from causalqwen_adapter.cauchy import cauchy_linear_blocked, ovr_decision_scores
 
 BACKEND = "aot_eager"
@@ -134,3 +137,62 @@ def test_the_training_loss_compiles_with_few_graph_breaks(model):
     for got, want in zip(grads, eager_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert counter.frame_count <= LOSS_GRAPHS, f"{counter.frame_count} graphs: a new graph break"
+
+
+# --------------------------------------------------------------------------------------- the CUDA registration
+
+
+def test_a_compiled_decode_reaches_the_triton_kernels(model, monkeypatch):
+    """kernels/cuda.py's registration (the Triton kernels, run by Triton's interpreter on CPU tensors: registered for
+    the CPU for the test, as test_cuda_operators.py does) serves the compiled graph: its queries decide at trace time,
+    the graph calls the operators, they run the Triton kernels, and the logits are the torch code's."""
+    pytest.importorskip("triton")
+    from test_kernels_triton import kt
+
+    if not kt.INTERPRETED:
+        pytest.skip("the Triton kernels are compiled for the GPU in this run (test_cuda_operators.py covers it)")
+    calls = {"cauchy_linear_triton": 0, "ovr_scores_triton": 0}
+    for name in calls:
+        def counted(*args, _fn=getattr(kt, name), _name=name):
+            calls[_name] += 1
+            return _fn(*args)
+
+        monkeypatch.setattr(kt, name, counted)
+    monkeypatch.setattr(dispatch, "_serving", set())
+    monkeypatch.setattr(dispatch, "_told", set())
+    monkeypatch.setattr(kernels.ops, "QUERIES", dict(kernels.ops.QUERIES))
+    z = torch.randn(2, 1, model.config.text_config.hidden_size)
+
+    def decode(z):
+        return model.mode_scores(*model.causal_heads(z, "standard")[2:], "standard")
+
+    with torch.no_grad():
+        monkeypatch.setattr(heads, "_FUSED_DECODE", False)
+        want = decode(z)  # the torch code
+        monkeypatch.setattr(heads, "_FUSED_DECODE", True)
+        monkeypatch.setattr(heads, "_FUSED_MIN_NUMEL", 0)
+        with warnings.catch_warnings(), torch.library._scoped_library("causalqwen", "IMPL") as library:
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel": the CPU's, restored after
+            kernels.cuda.register("CPU", kernels=kt, library=library)
+            got = torch.compile(decode, fullgraph=True, backend=BACKEND)(z)
+    assert calls == {"cauchy_linear_triton": 1, "ovr_scores_triton": 1}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_trainer_trains_with_torch_compile(sft_base, tmp_path):
+    """`torch_compile=True`: the trainer runs the compiled model (dynamo's graphs run eagerly here: the `eager`
+    backend, Inductor's build would take minutes), and its first step's loss is eager's."""
+    from test_trainer import _args, _losses, _prompt_completion
+
+    from causalqwen_adapter.trainer import CausalSFTTrainer
+
+    losses = {}
+    for compiled in (False, True):
+        options = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
+        trainer = CausalSFTTrainer(str(sft_base), args=_args(tmp_path / str(compiled), max_steps=1, **options),
+                                   train_dataset=_prompt_completion())
+        trainer.train()
+        assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule) is compiled
+        losses[compiled] = _losses(trainer)
+    assert list(losses[True]) == [1] and math.isfinite(losses[True][1])
+    assert losses[True][1] == pytest.approx(losses[False][1], rel=1e-5)
