@@ -182,9 +182,9 @@ def test_a_compiled_decode_reaches_the_triton_kernels(model, monkeypatch):
 def test_the_trainer_trains_with_torch_compile(sft_base, tmp_path):
     """`torch_compile=True`: the trainer runs the compiled model (dynamo's graphs run eagerly here: the `eager`
     backend, Inductor's build would take minutes), and its first step's loss is eager's."""
-    from test_trainer import _args, _losses, _prompt_completion
-
     from causalqwen_adapter.trainer import CausalSFTTrainer
+
+    from test_trainer import _args, _losses, _prompt_completion
 
     losses = {}
     for compiled in (False, True):
