@@ -108,7 +108,11 @@ def candidate_ovr_loss(
     nll = None
     if rows is None:
         rows, nll = candidate_rows(loc_U.detach(), head, targets, k, matmul_dtype=matmul_dtype)
-    if rows.ids.shape != (len(targets), k + 1) or not torch.equal(rows.ids[:, -1], targets):
+    fits = rows.ids.shape == (len(targets), k + 1)
+    if fits and torch.compiler.is_compiling():  # no branch on values in a traced graph: the check stops the call
+        torch._assert_async(torch.eq(rows.ids[:, -1], targets).all(), "the candidate rows' last column is not the "
+                            "targets: pass the rows found for these positions and targets")
+    elif not fits or not torch.equal(rows.ids[:, -1], targets):
         raise ValueError(f"candidate rows of shape {tuple(rows.ids.shape)} for {len(targets)} positions and k = {k}: "
                          "pass the rows found for these positions and targets (their last column is the target)")
     options = (relative_threshold, trains_location, temperature,

@@ -274,7 +274,10 @@ def cauchy_interval(
 
 def check_labels(valid_labels: torch.Tensor, vocab_size: int) -> None:
     """Labels other than −100 must index the vocabulary."""
-    if valid_labels.numel() and (valid_labels.min() < 0 or valid_labels.max() >= vocab_size):
+    if torch.compiler.is_compiling():  # a traced graph cannot branch on values: the check stops the compiled call
+        torch._assert_async(((valid_labels >= 0) & (valid_labels < vocab_size)).all(), "a label is outside the "
+                            f"vocabulary [0, {vocab_size}); use -100 for positions that carry no target")
+    elif valid_labels.numel() and (valid_labels.min() < 0 or valid_labels.max() >= vocab_size):
         bad = valid_labels[(valid_labels < 0) | (valid_labels >= vocab_size)][0].item()
         raise ValueError(
             f"label {bad} is outside the vocabulary [0, {vocab_size}); use -100 for positions "

@@ -53,7 +53,13 @@ def _serves(name: str, device: torch.device) -> bool:
 
 def lookup_operator(name: str, *args):
     """``torch.ops.causalqwen.<name>`` where it serves ``args`` (see the module docstring), else None: the caller runs
-    its torch code."""
+    its torch code. Under `torch.compile` the same decision is taken once, while tracing (`_serves_traced`)."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.causalqwen, name) if _serves_traced(name, _static_facts(args)) else None
+    return _operator(name) if _serves_args(name, args) else None
+
+
+def _serves_args(name: str, args) -> bool:
     tensor = next(a for a in args if torch.is_tensor(a))
     operator = _operator(name)
     applies = None if operator is None else _operator(f"{name}_applies")
@@ -70,7 +76,7 @@ def lookup_operator(name: str, *args):
         _told.add(told)
         logger.info("%s on %s %s tensors: %s", name, tensor.device.type, tensor.dtype,
                     backend or f"the registered causalqwen::{name} operator")
-    return operator if backend is None else None
+    return backend is None
 
 
 def run_operator(name: str, *args):
@@ -82,3 +88,26 @@ def run_operator(name: str, *args):
 
 def _detached(args):
     return [a.detach() if torch.is_tensor(a) else a for a in args]
+
+
+# Under torch.compile the query cannot run as an operator (a bool is no graph value): the decision is taken at trace
+# time from what the queries read, the arguments' shapes, strides, dtypes and devices, and is a constant of the graph.
+_TENSOR = "tensor"
+
+
+def _static_facts(args) -> tuple:
+    # ints, not symbolic sizes: a decision per shape (tracing specialises on them), as every eager call decides
+    return tuple((_TENSOR, tuple(int(n) for n in a.shape), tuple(int(n) for n in a.stride()), a.dtype, str(a.device))
+                 if torch.is_tensor(a) else a for a in args)
+
+
+@torch.compiler.assume_constant_result
+def _serves_traced(name: str, facts: tuple) -> bool:
+    """`lookup_operator`'s decision for arguments of these facts: the query asked on fake tensors of them (its fake
+    kernel runs the device's query, which reads only those facts)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [torch.empty_strided(fact[1], fact[2], dtype=fact[3], device=fact[4])
+                if isinstance(fact, tuple) and fact[:1] == (_TENSOR,) else fact for fact in facts]
+        return _serves_args(name, args)

@@ -254,6 +254,10 @@ def check_finite_tensor(name: str, tensor, dtype: torch.dtype, expected: str) ->
         raise ValueError(f"{name} must be a torch.Tensor ({expected}), got a {type(tensor).__name__}: pass "
                          f"torch.tensor(...)")
     cast = tensor.to(dtype)
+    if torch.compiler.is_compiling():  # a traced graph cannot branch on values: the check stops the compiled call
+        torch._assert_async(torch.isfinite(cast).all(), f"{name} holds a value that is not finite in "
+                            f"{str(dtype).removeprefix('torch.')}: {expected}, every value a finite number")
+        return cast
     bad = ~torch.isfinite(cast)
     if bad.any():
         index = tuple(i.item() for i in bad.nonzero()[0])
@@ -277,7 +281,10 @@ def check_numeric_values(numeric_values, shape=None, against: str = "the input t
     values = check_finite_tensor("numeric_values", numeric_values, torch.float32, expected)
     if input_ids is not None and num_token_id is not None:
         stray = (values != 0) & (input_ids.to(values.device) != num_token_id)
-        if stray.any():
+        if torch.compiler.is_compiling():  # as in check_finite_tensor
+            torch._assert_async(~stray.any(), f"numeric_values holds a value where the token is not <NUM> "
+                                f"({num_token_id}): a value counts only at a <NUM> token; set the others to 0")
+        elif stray.any():
             index = tuple(i.item() for i in stray.nonzero()[0])
             raise ValueError(
                 f"numeric_values holds {values[index].item()} at {list(index)}, where the token is "

@@ -52,6 +52,7 @@ def triton_operators(monkeypatch):
         monkeypatch.setattr(kt, name, counted)
     monkeypatch.setattr(dispatch, "_serving", set())  # what this process has seen served ends with the test
     monkeypatch.setattr(dispatch, "_told", set())
+    monkeypatch.setattr(kernels.ops, "QUERIES", dict(kernels.ops.QUERIES))  # the fake queries' too
     with warnings.catch_warnings(), torch.library._scoped_library("causalqwen", "IMPL") as library:
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": the CPU's, restored after
         kernels.cuda.register("CPU", kernels=kt, library=library)

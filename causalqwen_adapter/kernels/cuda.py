@@ -53,7 +53,6 @@ def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
     ``kernels``: a namespace holding them (default: `triton_kernels()` at first use; the tests pass that of a copy
     decorated for Triton's CPU interpreter and register it for the CPU); ``library``: the torch.library.Library to register in
     (default: the package's own, for the life of the process)."""
-    package = library is None  # the package's own registration: its queries answer for fake tensors too
     library = library or ops.library
 
     def triton():
@@ -123,8 +122,7 @@ def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
     ):
         library.impl(name, kernel, dispatch_key)
         library.impl(f"{name}_applies", query, dispatch_key)
-        if package:
-            ops.add_query(name, dispatch_key.lower(), query)
+        ops.add_query(name, dispatch_key.lower(), query)  # what the fake query (and torch.compile's tracing) asks
 
 
 if not torch._C._dispatch_has_kernel_for_dispatch_key("causalqwen::loss_tile", "CUDA"):  # once per process
