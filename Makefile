@@ -8,7 +8,7 @@ DEMO_BASE := build/demo-base
 # real checkpoints of other architectures (tests/test_real_architectures.py), each built by `--base <folder name>`
 REAL_BASES := build/smollm2-135m build/gemma3-270m build/qwen2.5-coder-1.5b
 
-.PHONY: test lint test-install demo test-real test-gpu test-sweep bench clean
+.PHONY: test lint test-install demo test-real test-gpu test-extended bench clean
 
 # torch first: the CPU build pip finds on these machines. A bare `torch` requirement would pull CUDA.
 $(STAMP): pyproject.toml
@@ -55,9 +55,10 @@ $(REAL_BASES:%=%/config.json): build/%/config.json: | $(DEMO_STAMP)
 test-real: $(DEMO_BASE)/config.json $(REAL_BASES:%=%/config.json)
 	$(PY) -m pytest -q -m real
 
-# Every Triton launch variant compiled offline for sm_90 (ptxas): no register spill. Minutes on 2 cores, so not in `make test`
-test-sweep: $(STAMP)
-	$(PY) -m pytest -q -m sweep tests/test_kernels_compiled.py
+# Minutes-long checks left out of `make test`: every Triton launch variant compiled offline for sm_90 (ptxas: no
+# register spill)
+test-extended: $(STAMP)
+	$(PY) -m pytest -q -m extended
 
 # On a CUDA machine: the tests marked `gpu`, i.e. the cuda run of every test taking the `device` fixture (conftest.py),
 # and the Triton kernels' tests compiled for the GPU (TRITON_INTERPRET=0)

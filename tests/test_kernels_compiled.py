@@ -4,8 +4,8 @@ int64, and every launch the Triton functions make on a GPU compiled offline for 
 Triton: no float64 arithmetic in its IR, and no register spill in ptxas's report (`ptxas -v`). A spill moves values
 to local memory inside the kernels' loops; the figures are in BENCHMARKS.md (Registers).
 
-Compiling every launch to a cubin takes minutes on two cores: that sweep is marked `sweep`, left out by default
-(`make test-sweep` runs it); the default run compiles every launch to Triton's IR and the heaviest of each kernel's
+Compiling every launch to a cubin takes minutes on two cores: that sweep is marked `extended`, left out by default
+(`make test-extended` runs it); the default run compiles every launch to Triton's IR and the heaviest of each kernel's
 compiled shapes (operand dtypes, precision, blocks, warps) to a cubin.
 """
 
@@ -249,12 +249,12 @@ def test_every_launch_compiles_for_a_hopper_gpu_and_the_heaviest_do_not_spill(mo
     _check_compiled(variants, set(heaviest), monkeypatch, tmp_path)
 
 
-@pytest.mark.sweep
+@pytest.mark.extended
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests compile and run every kernel")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_no_launch_spills_registers_on_a_hopper_gpu(monkeypatch, tmp_path):
     """Every launch variant, bf16 and float32 (IEEE and TF32), compiled to a cubin for sm_90: no register spill.
-    `pytest -m sweep -s -k spills tests/test_kernels_compiled.py` prints every variant's registers (BENCHMARKS.md)."""
+    `pytest -m extended -s -k spills tests/test_kernels_compiled.py` prints every variant's registers (BENCHMARKS.md)."""
     _, launches = _gpu_launches()
     variants = _variants(launches)
     _check_compiled(variants, set(variants), monkeypatch, tmp_path)
