@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from datasets.arrow_writer import ArrowWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging
 
-from .adapter_folder import check_can_write, make_staging, save_failed, swap_entries
+from .adapter_folder import check_can_write, make_staging, replace_folder, save_failed
 from .adapter_io import (
     all_finite,
     base_config_dict,
@@ -229,7 +228,7 @@ def _write_rows(teacher, sequences, batch_size, top_k, features, arrow_file: Pat
 
 def _merge_and_install(staging: Path, target: Path, lengths_by_rank: list[list[int]], info: dict) -> None:
     """The processes' rows as one store in corpus order (sequence j came from process j mod world), its info and
-    shard checksums, then the folder put in place of `target`."""
+    shard checksums, then the folder put in place of `target` (`replace_folder`)."""
     world = len(lengths_by_rank)
     parts = [Dataset.from_file(str(staging / f"rows-{r}.arrow")) for r in range(world)]
     merged = parts[0]
@@ -248,7 +247,7 @@ def _merge_and_install(staging: Path, target: Path, lengths_by_rank: list[list[i
     # sha256 of every Arrow shard: load_features refuses a store whose bytes changed since
     info["shards"] = {f.name: _sha256(f) for f in sorted((staging / "store").glob("*.arrow"))}
     (staging / "store" / FEATURES_CONFIG_NAME).write_text(json.dumps(info, indent=2) + "\n")
-    _install(staging / "store", target)
+    replace_folder(staging / "store", target, FEATURES_CONFIG_NAME)
 
 
 def _write_store(staging: Path, target: Path, lengths_by_rank: list[list[int]], info: dict) -> None:
@@ -421,32 +420,6 @@ def _teacher_rows(teacher, sequences, batch_size: int, top_k: int, head_rows: in
             batch = []
     if batch:
         yield from run(batch)
-
-
-def _install(staging: Path, target: Path) -> None:
-    """Put a complete folder in place of `target` (an old one is removed only once the new one is whole), then remove
-    what extractions killed midway left beside it or inside it (hidden folders named as adapter saves name theirs).
-
-    Staged beside `target`: the old folder renamed aside, the new one renamed in. Staged inside it (its parent could
-    not take the staging folder: `staging_place`): the entries swapped, `causalqwen_features.json` out first and in
-    last, so an interrupted swap leaves a folder `load_features` refuses."""
-    if target.exists() and staging.parent.parent == Path(os.path.abspath(target)):
-        ours = {p.name for p in stale_save_folders(target)}
-        swap_entries(staging, target, FEATURES_CONFIG_NAME, [p.name for p in target.iterdir() if p.name not in ours],
-                     aside_in=target)
-    elif target.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-        os.rename(target, aside / target.name)
-        try:
-            os.rename(staging, target)
-        except BaseException:
-            os.rename(aside / target.name, target)
-            raise
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(staging, target)
-    for stale in stale_save_folders(target):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _same_place(name: str) -> str:
