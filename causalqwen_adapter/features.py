@@ -287,25 +287,7 @@ def load_features(path) -> Dataset:
     """A feature folder written by `extract_features`, memory-mapped, formatted as torch tensors; its shards are
     checked against the sha256 sums `extract_features` recorded."""
     path = Path(path)
-    if not (path / FEATURES_CONFIG_NAME).is_file():
-        # the old store, renamed whole beside the folder or (staged inside it) its files set aside in it
-        kept = [p if p.parent == path else p / path.name for p in stale_save_folders(path) if p.suffix == ".old"]
-        kept = [p for p in kept if (p / FEATURES_CONFIG_NAME).is_file()]
-        if kept and not path.exists():
-            raise FileNotFoundError(
-                f"{path} does not exist: an extraction replacing it was interrupted. The previous feature store is "
-                f"{kept[-1]}: move it back to {path}, or extract the features again."
-            )
-        if kept:
-            raise FileNotFoundError(
-                f"{path} holds no {FEATURES_CONFIG_NAME}: an extraction replacing it was interrupted while swapping "
-                f"its files. The previous store's {FEATURES_CONFIG_NAME} and the files already replaced are in "
-                f"{kept[-1]}: move them back into {path}, or extract the features again."
-            )
-        raise FileNotFoundError(
-            f"{path} holds no {FEATURES_CONFIG_NAME}: it is not a feature store written by extract_features "
-            "(causalqwen extract-features)"
-        )
+    check_feature_store(path)
     shards = features_info(path).get("shards")
     if shards is None:
         logger.warning(f"{path} records no shard checksums (written by an older version): its bytes are not verified")
@@ -327,6 +309,33 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def check_feature_store(path: Path) -> None:
+    """Refuse, naming what to do, a folder that is not a feature store `extract_features` finished writing (checked
+    before any model loads; `load_features` then checks its bytes)."""
+    path = Path(path)
+    if not (path / FEATURES_CONFIG_NAME).is_file():
+        # the old store, renamed whole beside the folder or (staged inside it) its files set aside in it
+        kept = [p if p.parent == path else p / path.name for p in stale_save_folders(path) if p.suffix == ".old"]
+        kept = [p for p in kept if (p / FEATURES_CONFIG_NAME).is_file()]
+        if kept and not path.exists():
+            raise FileNotFoundError(
+                f"{path} does not exist: an extraction replacing it was interrupted. The previous feature store is "
+                f"{kept[-1]}: move it back to {path}, or extract the features again."
+            )
+        if kept:
+            raise FileNotFoundError(
+                f"{path} holds no {FEATURES_CONFIG_NAME}: an extraction replacing it was interrupted while swapping "
+                f"its files. The previous store's {FEATURES_CONFIG_NAME} and the files already replaced are in "
+                f"{kept[-1]}: move them back into {path}, or extract the features again."
+            )
+        found = "no such folder" if not path.exists() else "a file" if not path.is_dir() else \
+            f"it holds no {FEATURES_CONFIG_NAME}"
+        raise FileNotFoundError(
+            f"{path}: {found}, so it is not a feature store written by extract_features: give the folder "
+            "`causalqwen extract-features --output_dir` wrote"
+        )
 
 
 def features_info(path) -> dict:

@@ -126,6 +126,9 @@ def check_deepspeed_config(value, command: str = "train") -> None:
         return
     takes = ("--deepspeed (deepspeed=) takes a DeepSpeed JSON config file, such as "
              "recipes/configs/deepspeed_zero3.json, or a dict")
+    # the other way to run DeepSpeed, for every refusal but an accelerate YAML (whose message names itself)
+    launch = (f". Or leave --deepspeed out and launch with an accelerate config: accelerate launch --config_file "
+              f"recipes/configs/deepspeed_zero3.yaml -m causalqwen_adapter.cli {command} <the other flags>")
     path = Path(value)
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
@@ -140,13 +143,14 @@ def check_deepspeed_config(value, command: str = "train") -> None:
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
         except OSError as err:
-            raise ValueError(f"deepspeed={str(value)!r} cannot be read ({err}): {takes}") from None
+            raise ValueError(f"deepspeed={str(value)!r} cannot be read ({err}): {takes}{launch}") from None
         except ValueError as err:
-            raise ValueError(f"deepspeed={str(value)!r} is not valid JSON ({err}): {takes}") from None
+            raise ValueError(f"deepspeed={str(value)!r} is not valid JSON ({err}): {takes}{launch}") from None
         if not isinstance(config, dict):
-            raise ValueError(f"deepspeed={str(value)!r} holds a JSON {type(config).__name__}, not an object: {takes}")
+            raise ValueError(f"deepspeed={str(value)!r} holds a JSON {type(config).__name__}, not an object: {takes}{launch}")
         return
-    raise ValueError(f"deepspeed={str(value)!r}: {'a folder' if os.path.isdir(path) else 'no such file'}. {takes}")
+    raise ValueError(f"deepspeed={str(value)!r}: {'a folder' if os.path.isdir(path) else 'no such file'}. {takes}"
+                     f"{launch}")
 
 
 def _inline_config(text: str) -> dict | None:
