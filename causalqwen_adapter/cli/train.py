@@ -94,7 +94,8 @@ def numeric_data(dataset, model_args: ModelConfig, training_args: CausalSFTConfi
             raise ValueError(f"--numeric reads numbers from a `text` column; the {split} split has {data.column_names}")
         check_text_dataset(data, split)  # a null text, named by its row, not a TypeError from inside the map
         dataset[split] = data.map(
-            lambda row: encode_with_numbers(tokenizer, row["text"], training_args.num_token_id),
+            lambda row: encode_with_numbers(tokenizer, row["text"], training_args.num_token_id,
+                                            decimal_comma=training_args.numeric_decimal_comma),
             remove_columns=data.column_names,
         )
     return dataset, tokenizer

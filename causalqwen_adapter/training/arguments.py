@@ -67,6 +67,9 @@ class CausalHeadArguments:
     numeric: bool = config_argument("numeric", "The data then needs input_ids and numeric_values "
                                     "(causalqwen_adapter.numeric).", default=False)
     num_token_id: int | None = config_argument("num_token_id")
+    numeric_decimal_comma: bool = field(default=False, metadata={
+        "help": "With --numeric, `causalqwen train` reads the text's numbers as written with decimal commas: 3,5 is "
+                "3.5 and 1.000 is 1000 (docs/numbers.md). Default: 3,5 is the numbers 3 and 5, and 1,000 is 1000."})
     numeric_loss_weight: float | None = config_argument("numeric_loss_weight")
     objective: str | None = config_argument("objective", "Applies to adapters too.")
     ovr_trains_location: bool | None = config_argument("ovr_trains_location", "Applies to adapters too.")
