@@ -215,6 +215,7 @@ def _files_flags_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (train[:3] + ["--dataset_name", str(empty), "--output_dir", out],
          ["is a folder holding no data file datasets can read"]),
         (train + ["--config", str(tmp / "recipe.yaml")], ["recipe.yaml': no such file. --config takes a YAML file"]),
+        (train + ["--config", str(tmp / "broken.json")], ["broken.json' is not valid YAML (", "--config takes a YAML"]),
         (train + ["--resume_from_checkpoint", str(tmp / "out" / "checkpoint-5")],
          ["checkpoint-5': no such folder. To resume a run, pass one of its checkpoint-N folders"]),
         (train[:-1] + [str(data)], [f"output_dir {data} is a file, not a folder"]),

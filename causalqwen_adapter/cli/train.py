@@ -31,6 +31,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
+import yaml
 from accelerate import PartialState
 from transformers import AutoTokenizer, PreTrainedConfig
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser, get_peft_config
@@ -162,11 +163,15 @@ class TrainParser(SuggestingParser, TrlParser):
 
     def parse(self, args=None) -> tuple:
         args = self.canonical_args(args)
-        if "--config" in args[:-1] and not os.path.isfile(config := args[args.index("--config") + 1]):
-            self.error(f"--config {config!r}: {'a folder' if os.path.isdir(config) else 'no such file'}. --config takes "
-                       "a YAML file of these flags (`learning_rate: 1.0e-4`, ...)")
+        config = args[args.index("--config") + 1] if "--config" in args[:-1] else None
+        takes = "--config takes a YAML file of these flags (`learning_rate: 1.0e-4`, ...)"
+        if config is not None and not os.path.isfile(config):
+            self.error(f"--config {config!r}: {'a folder' if os.path.isdir(config) else 'no such file'}. {takes}")
         with usage_errors(self):  # the dataclasses' own checks of their values (--deepspeed, numbers)
-            *outputs, remaining = self.parse_args_and_config(args, return_remaining_strings=True)
+            try:
+                *outputs, remaining = self.parse_args_and_config(args, return_remaining_strings=True)
+            except yaml.YAMLError as err:
+                self.error(f"--config {config!r} is not valid YAML ({' '.join(str(err).split())}). {takes}")
         if remaining:
             self.error(f"unrecognized arguments: {' '.join(remaining)}")
         return tuple(outputs)
