@@ -118,6 +118,32 @@ def swap_entries(staging: Path, target: Path, marker: str, out, aside_in: Path |
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def replace_folder(new: Path, target: Path, marker: str) -> None:
+    """Put the complete folder `new`, made inside a staging folder of `make_staging(target, ...)`, in place of
+    `target` (an old one is removed only once the new one is whole), then remove what saves killed midway left beside
+    it or inside it (`stale_save_folders`).
+
+    Staged beside `target`: the old folder renamed aside, the new one renamed in. Staged inside it (its parent could
+    not take the staging folder: `staging_place`): the entries swapped (`swap_entries`), `marker` out first and in
+    last, so an interrupted swap leaves a folder without its marker."""
+    target = Path(os.path.abspath(target))
+    if target.exists() and new.parent.parent == target:
+        ours = {p.name for p in stale_save_folders(target)}
+        swap_entries(new, target, marker, [p.name for p in target.iterdir() if p.name not in ours], aside_in=target)
+    elif target.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        os.rename(target, aside / target.name)
+        try:
+            os.rename(new, target)
+        except BaseException:
+            os.rename(aside / target.name, target)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(new, target)
+    for stale in stale_save_folders(target):
+        shutil.rmtree(stale, ignore_errors=True)
+
 def _writable(folder: Path) -> bool:
     return os.access(folder, os.W_OK | os.X_OK)  # entries are added to a folder through both bits
 

@@ -14,20 +14,45 @@ _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".cs
 FORMATS = ("text", "prompt/completion", "messages")
 
 
-def load_text_dataset(name: str, config: str | None = None, streaming: bool = False):
-    """A `DatasetDict`: a local .jsonl/.json/.parquet/.csv file (one split, `train`) or a `datasets` name/folder."""
-    from datasets import load_dataset
-
-    path = Path(name)
+def check_data_source(name: str, what: str = "dataset_name") -> None:
+    """Refuse, before anything loads, a data source that cannot be read, saying what to give instead: a local path
+    (a name with a data file's suffix, or one written as a path: `./x`, `/x`, `~/x`, `a/b/c`) that does not exist, a
+    file of another type or empty, a folder holding no data file `datasets` reads. Any other name is a `datasets`
+    name, left to the Hub lookup."""
+    path = Path(name).expanduser()
+    formats = ", ".join(_FILE_BUILDERS)
     if path.is_file():
-        builder = _FILE_BUILDERS.get(path.suffix)
-        if builder is None:
-            raise ValueError(f"{name}: unsupported data file type {path.suffix!r}; use one of {', '.join(_FILE_BUILDERS)}")
+        if path.suffix not in _FILE_BUILDERS:
+            raise ValueError(f"{what} {name!r}: unsupported data file type {path.suffix!r}; use one of {formats}")
         size = path.stat().st_size
         if size == 0 or (size < 4096 and not path.read_bytes().strip()):
             # datasets would raise a bare StopIteration while guessing the columns
             raise ValueError(f"{name} is empty ({size} bytes): no rows to read. Give a file with one "
                              "example per line (.jsonl) or a table with a header")
+    elif path.is_dir():
+        from datasets.data_files import EmptyDatasetError, get_data_patterns
+
+        try:  # how load_dataset finds a folder's files; it would fail the same way, naming neither flag nor fix
+            get_data_patterns(str(path))
+        except EmptyDatasetError:
+            raise ValueError(f"{what} {name!r} is a folder holding no data file datasets can read: give a {formats} "
+                             "file, or a folder of such files") from None
+    elif path.exists():
+        raise ValueError(f"{what} {name!r} is neither a file nor a folder: give a {formats} file or a folder of them")
+    elif path.suffix in _FILE_BUILDERS or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"{what} {name!r} was not found: no file or folder {str(path.absolute())!r}. Give an "
+                                f"existing {formats} file or folder, or the name of a dataset on the Hub")
+
+
+def load_text_dataset(name: str, config: str | None = None, streaming: bool = False):
+    """A `DatasetDict`: a local .jsonl/.json/.parquet/.csv file (one split, `train`) or a `datasets` name/folder,
+    first checked by `check_data_source`."""
+    from datasets import load_dataset
+
+    check_data_source(name)
+    path = Path(name).expanduser()
+    if path.is_file():
+        builder = _FILE_BUILDERS[path.suffix]
         no_rows = (f"{name} holds no rows (a header alone, an empty list, blank lines): give it one example per line "
                    "(.jsonl), a list of objects (.json) or rows under the header (.csv)")
         if builder == "parquet":  # datasets fails on a parquet file of no rows with Arrow's "BatchSize must be > 0"

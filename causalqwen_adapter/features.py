@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from datasets.arrow_writer import ArrowWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging
 
-from .adapter_folder import check_can_write, make_staging, save_failed, swap_entries
+from .adapter_folder import check_can_write, make_staging, replace_folder, save_failed
 from .adapter_io import (
     all_finite,
     base_config_dict,
@@ -229,7 +228,7 @@ def _write_rows(teacher, sequences, batch_size, top_k, features, arrow_file: Pat
 
 def _merge_and_install(staging: Path, target: Path, lengths_by_rank: list[list[int]], info: dict) -> None:
     """The processes' rows as one store in corpus order (sequence j came from process j mod world), its info and
-    shard checksums, then the folder put in place of `target`."""
+    shard checksums, then the folder put in place of `target` (`replace_folder`)."""
     world = len(lengths_by_rank)
     parts = [Dataset.from_file(str(staging / f"rows-{r}.arrow")) for r in range(world)]
     merged = parts[0]
@@ -248,7 +247,7 @@ def _merge_and_install(staging: Path, target: Path, lengths_by_rank: list[list[i
     # sha256 of every Arrow shard: load_features refuses a store whose bytes changed since
     info["shards"] = {f.name: _sha256(f) for f in sorted((staging / "store").glob("*.arrow"))}
     (staging / "store" / FEATURES_CONFIG_NAME).write_text(json.dumps(info, indent=2) + "\n")
-    _install(staging / "store", target)
+    replace_folder(staging / "store", target, FEATURES_CONFIG_NAME)
 
 
 def _write_store(staging: Path, target: Path, lengths_by_rank: list[list[int]], info: dict) -> None:
@@ -288,25 +287,7 @@ def load_features(path) -> Dataset:
     """A feature folder written by `extract_features`, memory-mapped, formatted as torch tensors; its shards are
     checked against the sha256 sums `extract_features` recorded."""
     path = Path(path)
-    if not (path / FEATURES_CONFIG_NAME).is_file():
-        # the old store, renamed whole beside the folder or (staged inside it) its files set aside in it
-        kept = [p if p.parent == path else p / path.name for p in stale_save_folders(path) if p.suffix == ".old"]
-        kept = [p for p in kept if (p / FEATURES_CONFIG_NAME).is_file()]
-        if kept and not path.exists():
-            raise FileNotFoundError(
-                f"{path} does not exist: an extraction replacing it was interrupted. The previous feature store is "
-                f"{kept[-1]}: move it back to {path}, or extract the features again."
-            )
-        if kept:
-            raise FileNotFoundError(
-                f"{path} holds no {FEATURES_CONFIG_NAME}: an extraction replacing it was interrupted while swapping "
-                f"its files. The previous store's {FEATURES_CONFIG_NAME} and the files already replaced are in "
-                f"{kept[-1]}: move them back into {path}, or extract the features again."
-            )
-        raise FileNotFoundError(
-            f"{path} holds no {FEATURES_CONFIG_NAME}: it is not a feature store written by extract_features "
-            "(causalqwen extract-features)"
-        )
+    check_feature_store(path)
     shards = features_info(path).get("shards")
     if shards is None:
         logger.warning(f"{path} records no shard checksums (written by an older version): its bytes are not verified")
@@ -328,6 +309,33 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def check_feature_store(path: Path) -> None:
+    """Refuse, naming what to do, a folder that is not a feature store `extract_features` finished writing (checked
+    before any model loads; `load_features` then checks its bytes)."""
+    path = Path(path)
+    if not (path / FEATURES_CONFIG_NAME).is_file():
+        # the old store, renamed whole beside the folder or (staged inside it) its files set aside in it
+        kept = [p if p.parent == path else p / path.name for p in stale_save_folders(path) if p.suffix == ".old"]
+        kept = [p for p in kept if (p / FEATURES_CONFIG_NAME).is_file()]
+        if kept and not path.exists():
+            raise FileNotFoundError(
+                f"{path} does not exist: an extraction replacing it was interrupted. The previous feature store is "
+                f"{kept[-1]}: move it back to {path}, or extract the features again."
+            )
+        if kept:
+            raise FileNotFoundError(
+                f"{path} holds no {FEATURES_CONFIG_NAME}: an extraction replacing it was interrupted while swapping "
+                f"its files. The previous store's {FEATURES_CONFIG_NAME} and the files already replaced are in "
+                f"{kept[-1]}: move them back into {path}, or extract the features again."
+            )
+        found = "no such folder" if not path.exists() else "a file" if not path.is_dir() else \
+            f"it holds no {FEATURES_CONFIG_NAME}"
+        raise FileNotFoundError(
+            f"{path}: {found}, so it is not a feature store written by extract_features: give the folder "
+            "`causalqwen extract-features --output_dir` wrote"
+        )
 
 
 def features_info(path) -> dict:
@@ -421,32 +429,6 @@ def _teacher_rows(teacher, sequences, batch_size: int, top_k: int, head_rows: in
             batch = []
     if batch:
         yield from run(batch)
-
-
-def _install(staging: Path, target: Path) -> None:
-    """Put a complete folder in place of `target` (an old one is removed only once the new one is whole), then remove
-    what extractions killed midway left beside it or inside it (hidden folders named as adapter saves name theirs).
-
-    Staged beside `target`: the old folder renamed aside, the new one renamed in. Staged inside it (its parent could
-    not take the staging folder: `staging_place`): the entries swapped, `causalqwen_features.json` out first and in
-    last, so an interrupted swap leaves a folder `load_features` refuses."""
-    if target.exists() and staging.parent.parent == Path(os.path.abspath(target)):
-        ours = {p.name for p in stale_save_folders(target)}
-        swap_entries(staging, target, FEATURES_CONFIG_NAME, [p.name for p in target.iterdir() if p.name not in ours],
-                     aside_in=target)
-    elif target.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-        os.rename(target, aside / target.name)
-        try:
-            os.rename(staging, target)
-        except BaseException:
-            os.rename(aside / target.name, target)
-            raise
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(staging, target)
-    for stale in stale_save_folders(target):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _same_place(name: str) -> str:

@@ -32,15 +32,39 @@ NUMBER_PATTERN = re.compile(
     r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d|,\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)(?:[eE][-+]?\d+)?)"
 )
 
+# The same for text written with decimal commas (`decimal_comma=True`; docs/numbers.md), as most of Europe writes:
+# "3,5" and "0,125" are 3.5 and 0.125, and so is "2,500" (2.5: such text groups thousands with dots or spaces);
+# "." groups thousands in groups of exactly three digits ("1.234.567,5", "1.000"), and is a decimal point
+# otherwise ("3.5"); two or more comma groups of three ("1,000,000") can only be thousands grouping. A dotted run of
+# three-digit groups is a number here, no longer a version kept as text.
+DECIMAL_COMMA_PATTERN = re.compile(
+    r"(?P<text>\d{4}-\d{2}-\d{2}(?!\d)|\d{1,2}:\d{2}(?::\d{2})?(?![\d:])"
+    r"|(?!\d{1,3}(?:\.\d{3})+(?!\d|\.\d))\d+(?:\.\d+){2,}|0\d+)"
+    r"|(?P<number>(?:(?<![\w.)\]}%])[-+])?"
+    r"(?:(?P<commas>\d{1,3}(?:,\d{3}){2,}(?!\d|,\d))(?:\.\d+)?|(?P<dots>\d{1,3}(?:\.\d{3})+(?!\d|\.\d))(?:,\d+)?"
+    r"|\d+(?:[.,]\d+)?|(?<![\d.])\.\d+)(?:[eE][-+]?\d+)?)"
+)
 
-def find_numbers(text: str) -> list[tuple[int, int, float]]:
-    """(start, end, value) of each number `encode_with_numbers` reads in `text` (NUMBER_PATTERN): the spans it
-    replaces by `<NUM>`, the value each carries."""
+
+def _value(match: re.Match, decimal_comma: bool) -> float:
+    """The value of a `number` match: grouping separators dropped, a decimal comma read as a point."""
+    number = match.group("number")
+    if not decimal_comma or match.group("commas"):
+        return float(number.replace(",", ""))
+    if match.group("dots"):
+        number = number.replace(".", "")
+    return float(number.replace(",", "."))
+
+
+def find_numbers(text: str, *, decimal_comma: bool = False) -> list[tuple[int, int, float]]:
+    """(start, end, value) of each number `encode_with_numbers` reads in `text` (NUMBER_PATTERN, or
+    DECIMAL_COMMA_PATTERN for text written with decimal commas): the spans it replaces by `<NUM>`, the value each
+    carries."""
     found = []
-    for match in NUMBER_PATTERN.finditer(text):
+    for match in (DECIMAL_COMMA_PATTERN if decimal_comma else NUMBER_PATTERN).finditer(text):
         if match.group("number") is None:
             continue  # a date, a time, a version: stays text
-        value = float(match.group("number").replace(",", ""))
+        value = _value(match, decimal_comma)
         if not math.isfinite(value):  # "1e400" parses as inf, which would turn every score into NaN
             raise ValueError(f"the number {match.group()!r} at character {match.start()} does not fit a float64: "
                              "rewrite it (or scale the data) so every value is finite")
@@ -112,12 +136,15 @@ def add_num_token(tokenizer, num_token_id: int) -> None:
         raise RuntimeError(f"{NUM_TOKEN} was registered at {tokenizer.convert_tokens_to_ids(NUM_TOKEN)}, not {num_token_id}")
 
 
-def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_tokens: bool = False) -> dict:
+def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_tokens: bool = False,
+                        decimal_comma: bool = False) -> dict:
     """Tokenize `text` with every number replaced by one `<NUM>` token carrying its value.
 
     Returns `{"input_ids": [...], "numeric_values": [...]}` of equal length, values 0.0 off `<NUM>`. The text between
     numbers is tokenized piece by piece (a number's surrounding spaces stay with the text). Which text is a number:
-    NUMBER_PATTERN ("10-20" is 10 and 20, "1,000" is 1000, dates, times and versions stay text).
+    NUMBER_PATTERN ("10-20" is 10 and 20, "1,000" is 1000, dates, times and versions stay text; "3,5" is 3 and 5).
+    `decimal_comma=True` reads text written with decimal commas ("3,5" is 3.5, "1.000" is 1000:
+    DECIMAL_COMMA_PATTERN).
     """
     input_ids: list[int] = []
     values: list[float] = []
@@ -125,7 +152,7 @@ def encode_with_numbers(tokenizer, text: str, num_token_id: int, *, add_special_
         input_ids += tokenizer.build_inputs_with_special_tokens([])
         values += [0.0] * len(input_ids)
     position = 0
-    for start, end, value in find_numbers(text):
+    for start, end, value in find_numbers(text, decimal_comma=decimal_comma):
         piece = tokenizer(text[position:start], add_special_tokens=False)["input_ids"]
         input_ids += [*piece, num_token_id]
         values += [0.0] * len(piece) + [value]
@@ -252,6 +279,6 @@ class NumericCollator:
 
 
 __all__ = [
-    "NUM_TOKEN", "NUMBER_PATTERN", "NumericCollator", "add_num_token", "check_numeric_values_present",
+    "DECIMAL_COMMA_PATTERN", "NUM_TOKEN", "NUMBER_PATTERN", "NumericCollator", "add_num_token", "check_numeric_values_present",
     "decode_with_numbers", "encode_with_numbers", "find_numbers", "format_number", "numeric_statistics",
 ]

@@ -187,3 +187,56 @@ def test_the_recipes_are_thin_entry_points_to_the_same_main():
                            ("push_to_hub", "push"), ("prepare_demo_base", "prepare_base")):
         text = (REPO_ROOT / "recipes" / f"{recipe}.py").read_text()
         assert f"from causalqwen_adapter.cli.{module} import main" in text and len(text.splitlines()) < 10
+
+
+def _files_flags_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
+    """(argv, what the one-paragraph error must say) for file and folder flags given wrong: a missing file, a folder
+    where a file is meant, a file where a folder is meant, an accelerate YAML or broken JSON as --deepspeed."""
+    base, data, empty, out = tmp / "base", tmp / "d.jsonl", tmp / "nodata", str(tmp / "out")
+    base.mkdir(exist_ok=True)
+    empty.mkdir(exist_ok=True)
+    data.write_text('{"text": "a b", "prompt": "a", "completion": " b"}\n')
+    (tmp / "accelerate.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n")
+    (tmp / "broken.json").write_text('{"zero_optimization": {"stage": 3,}')
+    train = ["train", "--model_name_or_path", str(base), "--dataset_name", str(data), "--output_dir", out]
+    distill = ["distill", "--model_name_or_path", str(base), "--dataset_name", str(empty), "--output_dir", out]
+    launch = "accelerate launch --config_file recipes/configs/deepspeed_zero3.yaml -m causalqwen_adapter.cli train"
+    shipped = "such as recipes/configs/deepspeed_zero3.json"
+    return [
+        (train + ["--deepspeed", str(tmp / "missing.json")], ["missing.json': no such file", shipped, launch]),
+        (train + ["--deepspeed", str(tmp / "accelerate.yaml")],
+         ["is a YAML file", shipped, f"accelerate launch --config_file {tmp / 'accelerate.yaml'} -m causalqwen_adapter"
+                                     ".cli train <the other flags, without --deepspeed>"]),
+        (train + ["--deepspeed", str(tmp / "broken.json")], ["is not valid JSON (Expecting", shipped, launch]),
+        (distill[:3] + ["--dataset_name", str(tmp / "f"), "--output_dir", out, "--deepspeed", str(empty)],
+         ["nodata': a folder", "causalqwen_adapter.cli distill <the other flags>"]),
+        (train[:3] + ["--dataset_name", str(tmp / "nope.jsonl"), "--output_dir", out],
+         [f"--dataset_name '{tmp / 'nope.jsonl'}' was not found", "or the name of a dataset on the Hub"]),
+        (train[:3] + ["--dataset_name", str(empty), "--output_dir", out],
+         ["is a folder holding no data file datasets can read"]),
+        (train + ["--config", str(tmp / "recipe.yaml")], ["recipe.yaml': no such file. --config takes a YAML file"]),
+        (train + ["--config", str(tmp / "broken.json")], ["broken.json' is not valid YAML (", "--config takes a YAML"]),
+        (train + ["--resume_from_checkpoint", str(tmp / "out" / "checkpoint-5")],
+         ["checkpoint-5': no such folder. To resume a run, pass one of its checkpoint-N folders"]),
+        (train[:-1] + [str(data)], [f"output_dir {data} is a file, not a folder"]),
+        (distill, [f"{empty}: it holds no causalqwen_features.json, so it is not a feature store",
+                   "causalqwen extract-features --output_dir"]),
+        (["classify", "--model_name_or_path", str(base), "--dataset_name", str(data), "--validation_dataset_name",
+          str(empty), "--output_dir", out], ["--validation_dataset_name", "holding no data file"]),
+        (["evaluate", "--model_name_or_path", str(base), "--dataset_name", str(tmp / "held_out.csv"), "--output_dir",
+          out], ["held_out.csv' was not found"]),
+        (["evaluate", "--model_name_or_path", str(base), "--dataset_name", str(data), "--output_dir", str(data)],
+         [f"--output_dir '{data}' is a file, not a folder", "Choose another --output_dir"]),
+    ]
+
+
+def test_a_wrong_file_or_folder_flag_is_a_usage_error_not_a_traceback(capsys, tmp_path):
+    """Each is argparse's exit 2 with one `prog: error:` paragraph saying what was wrong and what to give, found
+    before any model or data loads, and nothing is written."""
+    for argv, says in _files_flags_cases(tmp_path):
+        err = _error(capsys, *argv)
+        assert "Traceback" not in err and f"causalqwen {argv[0]}: error: " in err, argv
+        assert err.startswith("usage: ") and err.rstrip("\n").count("\n") == 1, err  # usage line + the error
+        for words in says:
+            assert words in err, (argv, words, err)
+    assert not (tmp_path / "out").exists()

@@ -22,10 +22,23 @@ def test_a_foreign_out_dir_is_left_alone(recipe, tmp_path, base):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("someone's")
-    with pytest.raises(recipe.DemoBaseError, match="is not empty and is not a finished build"):
-        recipe.prepare_demo_base(out, base=base, wheel_dir=tmp_path / "wheels")
+    for force in (False, True):  # --force replaces a build of this command's, never someone's files
+        with pytest.raises(recipe.DemoBaseError, match=r"holds files this command did not write \(notes.txt\): it "
+                                                       "never replaces them, not even with --force"):
+            recipe.prepare_demo_base(out, base=base, wheel_dir=tmp_path / "wheels", force=force)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     assert not (tmp_path / "wheels").exists()  # refused before fetching anything
+
+
+def test_force_does_not_delete_a_folder_of_someone_elses_files(recipe, tmp_path):
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "thesis.tex").write_text("three years of work")
+    (out / "config.json").write_text("{}")  # even one named as a checkpoint's file
+    with pytest.raises(recipe.DemoBaseError, match="did not write"):
+        recipe.prepare_demo_base(out, force=True)  # the demo base: no download needed to get this far
+    assert (out / "thesis.tex").read_text() == "three years of work" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "thesis"]
 
 
 def test_a_finished_build_of_another_base_is_not_this_one(recipe, tmp_path):
@@ -38,7 +51,7 @@ def test_a_finished_build_of_another_base_is_not_this_one(recipe, tmp_path):
     assert recipe.is_finished_build(out, recipe.BASES["smollm2-135m"])
     assert not recipe.is_finished_build(out, recipe.BASES["gemma3-270m"])
     assert recipe.prepare_demo_base(out, base="smollm2-135m") == out  # nothing to do
-    with pytest.raises(recipe.DemoBaseError, match="not a finished build of Gemma 3"):
+    with pytest.raises(recipe.DemoBaseError, match="not a finished build of Gemma 3 .*pass --force to replace it"):
         recipe.prepare_demo_base(out, base="gemma3-270m")
 
 

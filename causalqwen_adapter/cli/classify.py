@@ -38,11 +38,11 @@ from causalqwen_adapter.classification import (
     tokenize_prompts,
 )
 from causalqwen_adapter.configuration_causalqwen import check_number
-from causalqwen_adapter.data import load_text_dataset
+from causalqwen_adapter.data import check_data_source, load_text_dataset
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.evaluation import _format, load_model
 
-from .parsing import CliHfArgumentParser, install_hint, missing_modules
+from .parsing import CliHfArgumentParser, install_hint, missing_modules, usage_errors
 
 ALIASES = {"--model": "--model_name_or_path", "--test_file": "--dataset_name",
            "--validation_file": "--validation_dataset_name", "--mode": "--inference_mode",
@@ -91,6 +91,9 @@ def check_arguments(args: ClassifyArguments) -> None:
     if coverage > 1:
         raise ValueError(f"coverage must be in (0, 1], got {coverage}: the fraction of validation rows kept")
     check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
+    check_data_source(args.dataset_name, "--dataset_name")
+    if args.validation_dataset_name is not None:
+        check_data_source(args.validation_dataset_name, "--validation_dataset_name")
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise FileExistsError(f"output_dir {str(output_dir)!r} is a file, not a folder: choose another --output_dir")
@@ -233,10 +236,8 @@ def make_parser(prog: str | None = None) -> CliHfArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     parser = make_parser(prog)
     (args,) = parser.parse(argv)
-    try:
+    with usage_errors(parser):  # argparse's exit 2 and message, no traceback
         check_arguments(args)
-    except (ValueError, OSError) as err:  # a usage error: argparse's exit 2 and message, no traceback
-        parser.error(str(err))
     return run(args)
 
 

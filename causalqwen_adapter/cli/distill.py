@@ -18,12 +18,17 @@ Every option of `CausalDistillConfig` (transformers' `TrainingArguments` plus th
 """
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from transformers import TrainingArguments
 
+from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.distill import CausalDistillConfig, CausalDistillTrainer
+from causalqwen_adapter.features import check_feature_store
+from causalqwen_adapter.training.checkpoints import check_output_dir
+from causalqwen_adapter.training.resume import check_resumable
 
-from .parsing import CliHfArgumentParser, lead_with
+from .parsing import CliHfArgumentParser, lead_with, usage_errors
 
 ALIASES = {"--features": "--dataset_name", "--eval_features": "--eval_dataset_name"}
 TRAINING_OPTIONS = ("output_dir", "per_device_train_batch_size", "num_train_epochs", "max_steps", "learning_rate",
@@ -45,7 +50,19 @@ class DistillArguments:
     )
 
 
+def check_arguments(script_args: DistillArguments, training_args: CausalDistillConfig) -> None:
+    """The folders the flags name, before any model or feature loads (`main` reports a failure as a usage error)."""
+    check_found(script_args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
+    for name in (script_args.dataset_name, script_args.eval_dataset_name):
+        if name is not None:
+            check_feature_store(Path(name))
+    if training_args.resume_from_checkpoint:
+        check_resumable(Path(training_args.resume_from_checkpoint), CausalDistillTrainer.__name__)
+    check_output_dir(training_args.output_dir)
+
+
 def run(script_args: DistillArguments, training_args: CausalDistillConfig) -> CausalDistillTrainer:
+    check_arguments(script_args, training_args)
     training_args.model_init_kwargs = {
         "revision": script_args.model_revision, "dtype": script_args.dtype, **(training_args.model_init_kwargs or {})
     }
@@ -78,7 +95,11 @@ def make_parser(prog: str | None = None) -> CliHfArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> CausalDistillTrainer:
-    return run(*make_parser(prog).parse(argv))
+    parser = make_parser(prog)
+    arguments = parser.parse(argv)
+    with usage_errors(parser):
+        check_arguments(*arguments)
+    return run(*arguments)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ available, else MPS, else the CPU), one at a time.
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,11 +27,11 @@ from causalqwen_adapter import CausalQwenForCausalLM
 from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.cauchy import INFERENCE_MODES
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS, check_choice, check_number
-from causalqwen_adapter.data import batches, load_text_dataset, tokenize_for_evaluation
+from causalqwen_adapter.data import batches, check_data_source, load_text_dataset, tokenize_for_evaluation
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.evaluation import confidence_table, evaluate, load_model, markdown_table, reliability_diagram
 
-from .parsing import CliHfArgumentParser, install_hint, missing_modules
+from .parsing import CliHfArgumentParser, install_hint, missing_modules, usage_errors
 
 ALIASES = {"--models": "--model_name_or_path", "--modes": "--inference_mode", "--mode": "--inference_mode",
            "--eval_inference_modes": "--inference_mode", "--batch_size": "--per_device_eval_batch_size"}
@@ -80,6 +81,10 @@ def check_arguments(args: EvaluationArguments) -> None:
         check_number("max_rows", args.max_rows, minimum=1, integer=True)
     for name in args.model_name_or_path:
         check_found(name, "--model_name_or_path", MODEL_HINT)
+    check_data_source(args.dataset_name, "--dataset_name")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):  # found now, not after the scoring
+        raise FileExistsError(f"--output_dir {args.output_dir!r} is a file, not a folder: metrics.json and metrics.md "
+                              "are written into a folder. Choose another --output_dir")
     if args.reliability_diagram and missing_modules(["matplotlib"]):  # before hours of scoring, not after
         raise ImportError(f"--reliability_diagram draws with matplotlib, not installed here: {install_hint('plots')}")
 
@@ -134,7 +139,11 @@ def make_parser(prog: str | None = None) -> CliHfArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
-    return run(*make_parser(prog).parse(argv))
+    parser = make_parser(prog)
+    (args,) = parser.parse(argv)
+    with usage_errors(parser):
+        check_arguments(args)
+    return run(args)
 
 
 if __name__ == "__main__":

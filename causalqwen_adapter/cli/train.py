@@ -27,27 +27,43 @@ them from a YAML file.
 """
 
 import hashlib
+import os
 from dataclasses import fields
 from pathlib import Path
 
+import yaml
 from accelerate import PartialState
 from transformers import AutoTokenizer, PreTrainedConfig
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser, get_peft_config
 
 from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.configuration_causalqwen import CausalQwenConfig
-from causalqwen_adapter.data import check_text_dataset, load_text_dataset
+from causalqwen_adapter.data import check_data_source, check_text_dataset, load_text_dataset
 from causalqwen_adapter.numeric import add_num_token, default_num_token_id, encode_with_numbers
 from causalqwen_adapter.tokenization_causalqwen import CausalQwenTokenizer
 from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
+from causalqwen_adapter.training.checkpoints import check_output_dir
+from causalqwen_adapter.training.resume import check_resumable
 
-from .parsing import HelpFormatter, SuggestingParser, lead_with
+from .parsing import HelpFormatter, SuggestingParser, lead_with, usage_errors
 
 # the options most runs set, listed before the hundreds of SFTConfig / TrainingArguments
 TRAINING_OPTIONS = ("output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs",
                     "max_steps", "learning_rate", "max_length", "bf16", "eval_strategy", "eval_steps", "save_strategy",
                     "save_steps", "logging_steps", "report_to", "seed", "resume_from_checkpoint", "push_to_hub",
                     "hub_model_id")
+
+
+def check_arguments(script_args: ScriptArguments, training_args: CausalSFTConfig, model_args: ModelConfig) -> None:
+    """The files and folders the flags name, before any model or data loads (`main` reports a failure as a usage
+    error)."""
+    check_model_args(model_args)
+    if script_args.dataset_name is None:
+        raise ValueError("--dataset_name is required: a `datasets` name or a local .jsonl/.json/.parquet/.csv file or folder")
+    check_data_source(script_args.dataset_name, "--dataset_name")
+    if training_args.resume_from_checkpoint:
+        check_resumable(Path(training_args.resume_from_checkpoint), CausalSFTTrainer.__name__)
+    check_output_dir(training_args.output_dir)
 
 
 def check_model_args(model_args: ModelConfig) -> None:
@@ -79,7 +95,8 @@ def numeric_data(dataset, model_args: ModelConfig, training_args: CausalSFTConfi
             raise ValueError(f"--numeric reads numbers from a `text` column; the {split} split has {data.column_names}")
         check_text_dataset(data, split)  # a null text, named by its row, not a TypeError from inside the map
         dataset[split] = data.map(
-            lambda row: encode_with_numbers(tokenizer, row["text"], training_args.num_token_id),
+            lambda row: encode_with_numbers(tokenizer, row["text"], training_args.num_token_id,
+                                            decimal_comma=training_args.numeric_decimal_comma),
             remove_columns=data.column_names,
         )
     return dataset, tokenizer
@@ -96,9 +113,7 @@ def adapter_digest(model) -> str:
 
 
 def run(script_args: ScriptArguments, training_args: CausalSFTConfig, model_args: ModelConfig) -> CausalSFTTrainer:
-    check_model_args(model_args)
-    if script_args.dataset_name is None:
-        raise ValueError("--dataset_name is required: a `datasets` name or a local .jsonl/.json/.parquet/.csv file or folder")
+    check_arguments(script_args, training_args, model_args)
     model_init_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.attn_implementation is not None:
         model_init_kwargs["attn_implementation"] = model_args.attn_implementation
@@ -147,7 +162,16 @@ class TrainParser(SuggestingParser, TrlParser):
     extra_flags = ("--config",)
 
     def parse(self, args=None) -> tuple:
-        *outputs, remaining = self.parse_args_and_config(self.canonical_args(args), return_remaining_strings=True)
+        args = self.canonical_args(args)
+        config = args[args.index("--config") + 1] if "--config" in args[:-1] else None
+        takes = "--config takes a YAML file of these flags (`learning_rate: 1.0e-4`, ...)"
+        if config is not None and not os.path.isfile(config):
+            self.error(f"--config {config!r}: {'a folder' if os.path.isdir(config) else 'no such file'}. {takes}")
+        with usage_errors(self):  # the dataclasses' own checks of their values (--deepspeed, numbers)
+            try:
+                *outputs, remaining = self.parse_args_and_config(args, return_remaining_strings=True)
+            except yaml.YAMLError as err:
+                self.error(f"--config {config!r} is not valid YAML ({' '.join(str(err).split())}). {takes}")
         if remaining:
             self.error(f"unrecognized arguments: {' '.join(remaining)}")
         return tuple(outputs)
@@ -171,7 +195,11 @@ def make_parser(prog: str | None = None) -> TrainParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> CausalSFTTrainer:
-    return run(*make_parser(prog).parse(argv))
+    parser = make_parser(prog)
+    arguments = parser.parse(argv)
+    with usage_errors(parser):
+        check_arguments(*arguments)
+    return run(*arguments)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ class CausalHeadArguments:
     numeric: bool = config_argument("numeric", "The data then needs input_ids and numeric_values "
                                     "(causalqwen_adapter.numeric).", default=False)
     num_token_id: int | None = config_argument("num_token_id")
+    numeric_decimal_comma: bool = field(default=False, metadata={
+        "help": "With --numeric, `causalqwen train` reads the text's numbers as written with decimal commas: 3,5 is "
+                "3.5 and 1.000 is 1000 (docs/numbers.md). Default: 3,5 is the numbers 3 and 5, and 1,000 is 1000."})
     numeric_loss_weight: float | None = config_argument("numeric_loss_weight")
     objective: str | None = config_argument("objective", "Applies to adapters too.")
     ovr_trains_location: bool | None = config_argument("ovr_trains_location", "Applies to adapters too.")
@@ -126,6 +129,9 @@ def check_deepspeed_config(value, command: str = "train") -> None:
         return
     takes = ("--deepspeed (deepspeed=) takes a DeepSpeed JSON config file, such as "
              "recipes/configs/deepspeed_zero3.json, or a dict")
+    # the other way to run DeepSpeed, for every refusal but an accelerate YAML (whose message names itself)
+    launch = (f". Or leave --deepspeed out and launch with an accelerate config: accelerate launch --config_file "
+              f"recipes/configs/deepspeed_zero3.yaml -m causalqwen_adapter.cli {command} <the other flags>")
     path = Path(value)
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
@@ -140,13 +146,14 @@ def check_deepspeed_config(value, command: str = "train") -> None:
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
         except OSError as err:
-            raise ValueError(f"deepspeed={str(value)!r} cannot be read ({err}): {takes}") from None
+            raise ValueError(f"deepspeed={str(value)!r} cannot be read ({err}): {takes}{launch}") from None
         except ValueError as err:
-            raise ValueError(f"deepspeed={str(value)!r} is not valid JSON ({err}): {takes}") from None
+            raise ValueError(f"deepspeed={str(value)!r} is not valid JSON ({err}): {takes}{launch}") from None
         if not isinstance(config, dict):
-            raise ValueError(f"deepspeed={str(value)!r} holds a JSON {type(config).__name__}, not an object: {takes}")
+            raise ValueError(f"deepspeed={str(value)!r} holds a JSON {type(config).__name__}, not an object: {takes}{launch}")
         return
-    raise ValueError(f"deepspeed={str(value)!r}: {'a folder' if os.path.isdir(path) else 'no such file'}. {takes}")
+    raise ValueError(f"deepspeed={str(value)!r}: {'a folder' if os.path.isdir(path) else 'no such file'}. {takes}"
+                     f"{launch}")
 
 
 def _inline_config(text: str) -> dict | None:

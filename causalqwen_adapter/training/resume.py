@@ -93,8 +93,10 @@ def from_the_heads(folder: Path, trainer: str) -> str:
 def check_resumable(checkpoint: Path, trainer: str = "CausalSFTTrainer") -> None:
     """Refuse an explicit `resume_from_checkpoint` that is not a checkpoint (a run's final adapter folder, its
     `output_dir`) or that a killed run left incomplete, naming what to pass."""
-    if not checkpoint.is_dir():
-        return  # not a folder at all: the Trainer's and `_load_from_checkpoint`'s errors
+    if not checkpoint.is_dir():  # the Trainer would say "Can't find a valid checkpoint", naming neither
+        raise FileNotFoundError(f"resume_from_checkpoint {str(checkpoint)!r}: "
+                                f"{'a file' if checkpoint.exists() else 'no such folder'}. To resume a run, pass one "
+                                f"of its {PREFIX_CHECKPOINT_DIR}-N folders (in its output_dir)")
     if not (checkpoint / TRAINER_STATE_NAME).exists() and not re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+",
                                                                           checkpoint.name):
         last, _ = last_complete_checkpoint(checkpoint)
