@@ -34,9 +34,10 @@ class Protocol:
     alpha: float = 0.05
 
 
-def check_protocol(protocol: Protocol, num_classes: int) -> None:
-    """Everything that would stop the comparison, before any training: an unknown arm, fewer than two seeds, a held-out
-    fraction that leaves fewer than two known classes or none unknown, a grid without rates."""
+def check_protocol(protocol: Protocol, num_classes: int | None = None) -> None:
+    """Everything that would stop the comparison, before any training: an unknown arm, fewer than two seeds, a grid
+    without rates; with `num_classes`, fewer than two classes or a held-out fraction that leaves fewer than two known
+    classes or none unknown."""
     check_arms(protocol.arms)
     if protocol.baseline not in protocol.arms:
         raise ValueError(f"the baseline {protocol.baseline!r} is not among the arms {protocol.arms}: add it to --arms")
@@ -47,12 +48,17 @@ def check_protocol(protocol: Protocol, num_classes: int) -> None:
                          "there is no standard error); pass e.g. --seeds 0 1 2 3 4")
     if not protocol.lrs or any(not lr > 0 for lr in protocol.lrs):
         raise ValueError(f"--lrs {protocol.lrs}: give one or more positive learning rates")
+    if not 0 <= protocol.unknown_fraction < 1:
+        raise ValueError(f"--unknown_fraction {protocol.unknown_fraction}: the fraction of classes held out must be in "
+                         "[0, 1)")
+    if num_classes is None:
+        return
     if num_classes < 2:
         raise ValueError(f"the rows hold {num_classes} class(es): a comparison needs two or more; add rows of other "
                          "classes")
     if protocol.unknown_fraction:
         held = round(protocol.unknown_fraction * num_classes)
-        if not 0 < protocol.unknown_fraction < 1 or held < 1 or num_classes - held < 2:
+        if held < 1 or num_classes - held < 2:
             raise ValueError(f"--unknown_fraction {protocol.unknown_fraction} of {num_classes} classes holds out "
                              f"{held} and leaves {num_classes - held} known: choose a fraction that holds out at least "
                              "one class and leaves at least two known (or add classes)")
