@@ -128,13 +128,14 @@ def summary(args: CompareArguments, labels, protocol: Protocol, out: dict, secon
         setting += f", {protocol.unknown_fraction:.0%} of the classes held out"
     chosen = "; ".join(f"{arm} " + ", ".join(f"{lr:g}×{sum(v == lr for v in by_seed.values())}"
                                              for lr in protocol.lrs) for arm, by_seed in out["chosen"].items())
-    lines = [f"# {Path(args.dataset_name).name}: {', '.join(protocol.arms)} against {protocol.baseline}", "",
+    others = [arm for arm in protocol.arms if arm != protocol.baseline]
+    lines = [f"# {Path(args.dataset_name).name}: {', '.join(others)} against {protocol.baseline}", "",
              f"Base {args.model_name_or_path}; {len(labels.labels)} labels; {setting}; seeds "
              f"{' '.join(map(str, protocol.seeds))}; rates {' '.join(f'{lr:g}' for lr in protocol.lrs)}, each seed's "
              f"chosen on its validation split ({chosen}). Paired t on the seeds, two-sided, Holm-adjusted over the "
              f"{len(table)} comparisons below, α = {protocol.alpha}. A tie is a tie.", "",
              *markdown(table, protocol.baseline), "",
-             f"{len(out['runs'])} runs in {seconds / 60:.1f} min of training ({torch.get_num_threads()} threads)."]
+             f"{len(out['runs'])} runs in {seconds / 60:.1f} min of training and scoring (threads: {torch.get_num_threads()})."]
     results = {"args": vars(args), "labels": labels.labels, "table": table,
                "seconds": seconds, **out}
     return results, "\n".join(lines) + "\n"
