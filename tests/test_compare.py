@@ -19,11 +19,13 @@ from causalqwen_adapter.cli import compare
 from causalqwen_adapter.comparison import runs as runs_module
 from causalqwen_adapter.comparison.runs import Protocol, run_comparison, seed_data
 from causalqwen_adapter.comparison.training import FreshHeads, RecipeRates, train_arm
+from causalqwen_adapter.comparison.verdicts import paired_table
 
 from conftest import REPO_ROOT, build_tiny_base_with_tokenizer
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import evidence_preregistered as driver  # noqa: E402
+import evidence_protocol as bench_protocol  # noqa: E402
 
 import evidence  # noqa: E402
 
@@ -145,7 +147,7 @@ def test_reused_heads_train_to_the_same_weights_as_fresh_ones(base_folder):
 def test_compare_gives_the_benchs_numbers(base_folder):
     """Each run of compare (reused heads, one scoring of the test rows) equals the bench's path on the same rows:
     bench/evidence.py's train_arm from a fresh from_base, its accuracies on validation, bench/evidence_preregistered's
-    noise_metrics on test."""
+    noise_metrics on test; and compare's table of those runs is the pre-registered analysis's."""
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
     features, labels = _features(base, n=45), LabelSet([" a", " b", " c"], [10, 11, 12])
     protocol = Protocol(arms=["ovr_alone_logistic", "softmax"], lrs=[1e-3, 1e-2], seeds=[0, 1], noise=("uniform", 0.2),
@@ -160,6 +162,19 @@ def test_compare_gives_the_benchs_numbers(base_folder):
         test = driver.noise_metrics(model, run["arm"], features["z"][d.test_rows], features["label"][d.test_rows],
                                     d.labels)
         assert {k: run["test"][k] for k in test} == pytest.approx(test, rel=1e-6, nan_ok=True)
+
+    # the table: bench/evidence_protocol.py's analysis of the same runs (one cell, its four metrics one Holm family)
+    cell = "tiny uniform:0.2"
+    family = {**bench_protocol.FAMILY, "arms": protocol.arms, "lrs": protocol.lrs, "seeds": protocol.seeds,
+              "cells": [cell]}
+    runs = {bench_protocol.run_key(cell, r["arm"], r["lr"], r["seed"]): r for r in out["runs"]}
+    bench_rows = {row["metric"]: row for row in bench_protocol.analyse(runs, family)}
+    mine = paired_table(out["per_seed"], "softmax", list(bench_protocol.NOISE_METRICS), protocol.seeds)
+    assert [row["metric"] for row in mine] == list(bench_rows)
+    for row in mine:
+        theirs = bench_rows[row["metric"]]
+        for key in ("arm_mean", "baseline_mean", "mean", "se", "p", "p_holm", "verdict", "seeds"):
+            assert row[key] == pytest.approx(theirs[key], nan_ok=True), (row["metric"], key)
 
 
 def test_recipe_rates_are_the_trainers_defaults():
