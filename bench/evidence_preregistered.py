@@ -29,12 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import evidence_protocol as protocol  # noqa: E402
 
-from causalqwen_adapter.classification import (  # noqa: E402
-    LabelSet,
-    auroc,
-    expected_calibration_error,
-    label_scores,
-)
+from causalqwen_adapter.classification import LabelSet  # noqa: E402
+
+# the test metrics and the draw of known classes: the package's, which causalqwen compare runs too
+from causalqwen_adapter.comparison.metrics import noise_metrics  # noqa: E402
+from causalqwen_adapter.comparison.splits import known_classes  # noqa: E402
 
 import evidence  # noqa: E402
 from evidence_data import inject_noise, stratified_split  # noqa: E402
@@ -51,31 +50,7 @@ def seed_split(labels: torch.Tensor, seed: int, family: dict = protocol.FAMILY) 
     return sorted(r["row"] for r in parts["train"]), sorted(r["row"] for r in parts["validation"])
 
 
-def known_classes(present: list[int], fraction: float, seed: int) -> list[int]:
-    """The fine classes known in training at `seed`: bench/evidence.py's unknown_classes draw."""
-    order = torch.randperm(len(present), generator=torch.Generator().manual_seed(seed))
-    return sorted(torch.tensor(present)[order[: round(fraction * len(present))]].tolist())
-
-
 # ---------------------------------------------------------------------------------------------- one run
-
-
-@torch.no_grad()
-def noise_metrics(model, arm: str, z, target, labels) -> dict[str, float]:
-    """Test metrics of the label-noise protocol on clean `target`: accuracy by the arm's own rule and by the softmax
-    rule on loc_S, the ECE (15 bins) of the own rule's confidence (max_k P_k under the arm's link for the OvR arms,
-    the label set's maximum softmax probability otherwise), and the AUROC of that confidence separating the right
-    top-1 from the wrong."""
-    scores = label_scores(model, z, labels)
-    if evidence.ARMS[arm]["loss"] == "logistic":
-        scores.log_P = evidence.label_ovr(model, arm, z, labels)[0]
-    pred, confidence = scores.decide("ovr" if model.config.objective == "ovr" else "softmax")
-    correct = pred == target
-    both = bool(correct.any()) and not bool(correct.all())
-    return {"accuracy": correct.double().mean().item(),
-            "accuracy_softmax_rule": (scores.decide("softmax")[0] == target).double().mean().item(),
-            "ece": expected_calibration_error(confidence, correct),
-            "confidence_auroc": auroc(confidence[correct], confidence[~correct]) if both else float("nan")}
 
 
 def run_one(cell: str, arm: str, lr: float, seed: int, data: dict, base, eos: int, defaults, family: dict,

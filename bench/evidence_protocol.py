@@ -7,15 +7,14 @@ or 0) or `trec known:0.25` (unknown classes, the fraction of TREC's fine classes
 its validation score (what chooses its rate) and its test metrics; nothing on the test split chooses anything.
 """
 
-import math
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evidence_paired import choose_rate, paired  # noqa: E402
-
-from stats import holm, paired_t  # noqa: E402
+# the rate choice, the paired tests and the verdicts are the package's: causalqwen compare runs the same code
+from causalqwen_adapter.comparison.stats import choose_rate
+from causalqwen_adapter.comparison.verdicts import adjust, paired_row
+from causalqwen_adapter.comparison.verdicts import number as _f
+from causalqwen_adapter.comparison.verdicts import p_value as _p
+from causalqwen_adapter.comparison.verdicts import verdict as _verdict
 
 DECLARED_ON = "2026-11-29"
 NOISE_SETTINGS = ("0", "uniform:0.2", "uniform:0.4", "class:0.2", "class:0.4")
@@ -182,46 +181,21 @@ def analyse(runs: dict, family: dict = FAMILY) -> list[dict]:
         mine = {seed: metric_value(run, cell, arm, metric) for seed, run in chosen.get((cell, arm), {}).items()}
         base = {seed: metric_value(run, cell, family["baseline"], metric)
                 for seed, run in chosen.get((cell, family["baseline"]), {}).items()}
-        d = paired(mine, base, value=float)  # the seeds both have, and on how many the arm is higher
-        row = {**test, "seeds": d["seeds"], "complete": d["seeds"] == list(family["seeds"]), "higher": d["higher"],
-               "arm_mean": _mean([mine[s] for s in d["seeds"]]), "baseline_mean": _mean([base[s] for s in d["seeds"]]),
-               "arm_lrs": [chosen[cell, arm][s]["lr"] for s in d["seeds"]]}
-        if len(d["seeds"]) >= 2:
-            t = paired_t([mine[s] - base[s] for s in d["seeds"]])
-            row.update({k: t[k] for k in ("mean", "se", "t", "p")})
-        else:
-            row.update(mean=float("nan"), se=float("nan"), t=float("nan"), p=float("nan"))
+        row = {**test, **paired_row(mine, base, family["seeds"]),
+               "arm_lrs": [chosen[cell, arm][s]["lr"] for s in sorted(set(mine) & set(base))]}
         rows.append(row)
-    for group in {row["family"] for row in rows}:
-        members = [row for row in rows if row["family"] == group]
-        for row, adjusted in zip(members, holm([row["p"] for row in members])):
-            row["p_holm"] = adjusted
+    adjust(rows, group=lambda row: row["family"])
     for row in rows:
         row["verdict"] = verdict(row, family["alpha"])
     return rows
 
 
 def verdict(row: dict, alpha: float) -> str:
-    if not row["complete"]:
-        return "incomplete"
-    if math.isnan(row["p_holm"]) or row["p_holm"] > alpha:
-        return "tie"
-    better = (NOISE_METRICS | UNKNOWN_METRICS)[row["metric"]]
-    return "ahead" if (row["mean"] > 0) == (better == "higher") else "behind"
+    return _verdict(row, (NOISE_METRICS | UNKNOWN_METRICS)[row["metric"]], alpha)
 
 
 def _mean(values):
     return statistics.fmean(values) if values else float("nan")
-
-
-def _f(value, digits=4, sign=False) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
-
-
-def _p(value) -> str:
-    return "–" if math.isnan(value) else f"{value:.2g}" if value >= 1e-3 else f"{value:.1e}"
 
 
 def report(runs: dict, family: dict = FAMILY, meta: dict | None = None) -> str:

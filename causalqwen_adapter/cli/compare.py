@@ -1,0 +1,179 @@
+r"""`causalqwen compare`: do causal heads help on your task? The evidence bench's paired comparison, on your own rows.
+
+The data are labelled `prompt`/`completion` rows whose completion is the label (its leading space included), the
+format `causalqwen train` and `causalqwen classify` read, in a local .jsonl/.json/.parquet/.csv file or a `datasets`
+name. Every label must have a first token of its own (a label is scored by it); the heads train, as TRL's SFT does on
+a one-token label, on the label's first token at the prompt's end and an end-of-text after it.
+
+    causalqwen compare --model_name_or_path build/demo-base --dataset_name rows.jsonl \
+        --output_dir out/compare --noise class:0.4 --seeds 0 1 2 3 4
+
+The base runs once over the rows and its final hidden states are cached in `--cache_dir` (a later run on the same
+base and rows reuses them; a cache of another base or other rows is refused). Then, per seed: a stratified
+train/validation/test split (60/20/20), `--noise` flips on the training and validation labels (the test labels stay
+clean), `--unknown_fraction` of the classes held out of training (present at test); each of `--arms` is trained at
+every rate of `--lrs` (fresh heads, the trainer's optimizer, one epoch unless `--max_steps`) and each seed keeps the
+rate its own validation split scores best. The table: per arm mean ± s.e. over the seeds and the paired difference
+against `--baseline` (the softmax), a two-sided paired t-test, Holm-adjusted over every comparison printed, and the
+verdict ahead / behind / tie at α = 0.05. Metrics: accuracy, macro-F1 and ECE of the arm's own rule (argmax P_k for
+the OvR arms, the label logits otherwise) on the test rows of known classes; with held-out classes also the AUROC,
+FPR at 95 % TPR and open-set macro-F1 of the arm's rejection score (max_k P_k, or the softmax's energy score).
+Writes `comparison.json` (every run) and `comparison.md` to `--output_dir`. The library is
+`causalqwen_adapter.comparison`; docs/evidence.md, "On your own data", says how to read it.
+"""
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
+from causalqwen_adapter.classification import label_set, tokenize_prompts
+from causalqwen_adapter.comparison.arms import ARMS
+from causalqwen_adapter.comparison.features import cached_features
+from causalqwen_adapter.comparison.runs import NOISE_METRICS, UNKNOWN_METRICS, Protocol, check_protocol, run_comparison
+from causalqwen_adapter.comparison.splits import parse_noise
+from causalqwen_adapter.comparison.verdicts import markdown, paired_table
+from causalqwen_adapter.configuration_causalqwen import check_number
+
+from .classify import read_rows, tokenizer_source
+from .parsing import CliHfArgumentParser
+
+ALIASES = {"--base": "--model_name_or_path", "--data": "--dataset_name", "--batch_rows": "--per_device_train_batch_size",
+           "--steps": "--max_steps", "--cache": "--cache_dir"}
+OUTPUT_FILES = ("comparison.json", "comparison.md")
+DEFAULT_ARMS = ["ovr_candidates", "ovr_alone", "softmax"]
+
+
+@dataclass
+class CompareArguments:
+    model_name_or_path: str = field(metadata={"help": "The base the heads attach to (folder or Hub id)."})
+    dataset_name: str = field(metadata={"help": "Labelled prompt/completion rows: a .jsonl/.json/.parquet/.csv file or "
+                                        "a `datasets` name."})
+    output_dir: str = field(metadata={"help": "Where comparison.json and comparison.md are written."})
+    arms: list[str] = field(default_factory=lambda: list(DEFAULT_ARMS), metadata={
+        "help": f"The arms trained (the baseline among them). Choices: {', '.join(ARMS)}."})
+    baseline: str = field(default="softmax", metadata={"help": "The arm every other is compared with."})
+    lrs: list[float] = field(default_factory=lambda: [1e-4, 1e-3, 1e-2], metadata={
+        "help": "The learning-rate grid, the same for every arm; each seed picks its rate on its validation split."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4], metadata={
+        "help": "Seeds (two or more): each draws the split, the flips, the held-out classes and the data order."})
+    noise: str = field(default="0", metadata={"help": "Label flips on the training and validation labels: 0, or "
+                                              "KIND:RATE with KIND uniform (to any other class) or class (class k to "
+                                              "k + 1), e.g. class:0.4."})
+    unknown_fraction: float = field(default=0.0, metadata={
+        "help": "Fraction of the classes held out of training and present at test (open-set metrics); 0: none."})
+    max_steps: int = field(default=0, metadata={"help": "Optimizer steps per run; 0: one epoch of the training rows."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Rows per step (two targets each)."})
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "Folder of the cached features (default: <output_dir>/features)."})
+    rebuild_cache: bool = field(default=False, metadata={
+        "help": "Extract the features again into a cache_dir that holds another base's or other rows' features."})
+    labels: list[str] | None = field(default=None, metadata={
+        "help": "The label set (completion strings, leading spaces included). Default: every completion of the rows."})
+    tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer folder or Hub id (default: the base's)."})
+    threads: int = field(default=0, metadata={"help": "CPU threads of the training (0: every core)."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace an earlier run's comparison.json and .md."})
+
+
+def protocol_of(args: CompareArguments) -> Protocol:
+    return Protocol(arms=list(args.arms), baseline=args.baseline, lrs=list(args.lrs), seeds=list(args.seeds),
+                    noise=parse_noise(args.noise), unknown_fraction=args.unknown_fraction,
+                    steps=args.max_steps or None, batch_rows=args.per_device_train_batch_size)
+
+
+def check_arguments(args: CompareArguments) -> None:
+    """Every argument that needs no data, before anything is loaded: nothing is written when one is wrong."""
+    check_number("max_steps", args.max_steps, minimum=0, integer=True)
+    check_number("per_device_train_batch_size", args.per_device_train_batch_size, minimum=1, integer=True)
+    check_number("threads", args.threads, minimum=0, integer=True)
+    check_number("unknown_fraction", args.unknown_fraction, minimum=0)
+    check_protocol(protocol_of(args))
+    check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"output_dir {str(output_dir)!r} is a file, not a folder: choose another --output_dir")
+    found = [name for name in OUTPUT_FILES if (output_dir / name).exists()]
+    if found and not args.overwrite:
+        raise FileExistsError(f"{output_dir} already holds {', '.join(found)} (an earlier run's?): pass --overwrite "
+                              "to replace them, or choose another folder")
+
+
+def prepare(args: CompareArguments):
+    """(tokenizer, label set, prompts' tokens, label indices, protocol): the rows read and checked, before the base
+    loads (a dataset with one class, labels sharing a first token or absent from the tokenizer are refused here)."""
+    rows = read_rows(args.dataset_name)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args))
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no end-of-text token (eos_token): the heads train on one after the label; "
+                         "pass --tokenizer with the base's tokenizer")
+    config = AutoConfig.from_pretrained(args.model_name_or_path)
+    names = args.labels or sorted({r["completion"] for r in rows})
+    labels = label_set(tokenizer, names, config.get_text_config().vocab_size)
+    prompts, targets = tokenize_prompts(tokenizer, rows, labels)
+    protocol = protocol_of(args)
+    check_protocol(protocol, len(set(targets)))
+    return tokenizer, labels, prompts, targets, protocol
+
+
+def summary(args: CompareArguments, labels, protocol: Protocol, out: dict, seconds: float) -> tuple[dict, str]:
+    metrics = list(NOISE_METRICS) + (list(UNKNOWN_METRICS) if protocol.unknown_fraction else [])
+    table = paired_table(out["per_seed"], protocol.baseline, metrics, protocol.seeds, protocol.alpha)
+    setting = "no label flips" if not protocol.noise[1] else f"{protocol.noise[0]} flips at {protocol.noise[1]:.0%}"
+    if protocol.unknown_fraction:
+        setting += f", {protocol.unknown_fraction:.0%} of the classes held out"
+    chosen = "; ".join(f"{arm} " + ", ".join(f"{lr:g}×{sum(v == lr for v in by_seed.values())}"
+                                             for lr in protocol.lrs) for arm, by_seed in out["chosen"].items())
+    others = [arm for arm in protocol.arms if arm != protocol.baseline]
+    lines = [f"# {Path(args.dataset_name).name}: {', '.join(others)} against {protocol.baseline}", "",
+             f"Base {args.model_name_or_path}; {len(labels.labels)} labels; {setting}; seeds "
+             f"{' '.join(map(str, protocol.seeds))}; rates {' '.join(f'{lr:g}' for lr in protocol.lrs)}, each seed's "
+             f"chosen on its validation split ({chosen}). Paired t on the seeds, two-sided, Holm-adjusted over the "
+             f"{len(table)} comparisons below, α = {protocol.alpha}. A tie is a tie.", "",
+             *markdown(table, protocol.baseline), "",
+             f"{len(out['runs'])} runs in {seconds / 60:.1f} min of training and scoring (threads: {torch.get_num_threads()})."]
+    results = {"args": vars(args), "labels": labels.labels, "table": table,
+               "seconds": seconds, **out}
+    return results, "\n".join(lines) + "\n"
+
+
+def run(args: CompareArguments) -> dict:
+    check_arguments(args)
+    tokenizer, labels, prompts, targets, protocol = prepare(args)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).eval()
+    cache = args.cache_dir or os.path.join(args.output_dir, "features")
+    features = cached_features(cache, base, prompts, targets, labels.token_ids, rebuild=args.rebuild_cache)
+    start = time.perf_counter()
+    out = run_comparison(base, features, labels, tokenizer.eos_token_id, protocol)
+    results, text = summary(args, labels, protocol, out, time.perf_counter() - start)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "comparison.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (output_dir / "comparison.md").write_text(text)
+    print(text)
+    return results
+
+
+def make_parser(prog: str | None = None) -> CliHfArgumentParser:
+    return CliHfArgumentParser(
+        CompareArguments, aliases=ALIASES, prog=prog, description=__doc__,
+        usage="%(prog)s --model_name_or_path BASE --dataset_name DATA --output_dir DIR [options]")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
+    parser = make_parser(prog)
+    (args,) = parser.parse(argv)
+    try:
+        check_arguments(args)
+    except (ValueError, OSError) as err:  # a usage error: argparse's exit 2 and message, no traceback
+        parser.error(str(err))
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""What a trained arm is scored on, from final hidden states z of the prompts: accuracy by its own rule (argmax P_k
+over the labels for the OvR arms, under the arm's link; the label logits otherwise) and by the softmax rule on loc_S,
+macro-F1, the ECE of the own rule's confidence, and, with classes held out, the open-set scores (AUROC, FPR at 95 %
+TPR, open-set macro-F1)."""
+
+import torch
+import torch.nn.functional as F
+
+from ..classification import (
+    abstention_threshold,
+    auroc,
+    expected_calibration_error,
+    fpr_at_tpr,
+    label_scores,
+    macro_f1,
+    rejection_scores,
+)
+from .arms import ARMS
+
+
+@torch.no_grad()
+def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log P_k, scale_S) [N, K] of the labels under the arm's link (the Cauchy CDF, or σ for the logistic arms),
+    standard mode, in chunks of prompts: no [N, V] tensor."""
+    ids = torch.tensor(labels.token_ids)
+    log_P, scale = [], []
+    for start in range(0, len(z), chunk_size):
+        _, _, loc_S, scale_S = model.causal_heads(z[start : start + chunk_size], "standard",
+                                                  model.config.causal_temperature)
+        if ARMS[arm]["loss"] == "logistic":  # the same x, the logistic link
+            log_P.append(F.logsigmoid(model.ovr(loc_S, scale_S)[:, ids]))
+        else:
+            log_P.append(model.ovr_log_probs(loc_S, scale_S)[:, ids])
+        scale.append(scale_S[:, ids])
+    return torch.cat(log_P), torch.cat(scale)
+
+
+def arm_scores(model, arm: str, z, labels):
+    """`classification.label_scores` of the arm, its OvR probabilities under the arm's link."""
+    scores = label_scores(model, z, labels)
+    if ARMS[arm]["loss"] == "logistic":
+        scores.log_P = label_ovr(model, arm, z, labels)[0]
+    return scores
+
+
+def own_rule(model) -> str:
+    return "ovr" if model.config.objective == "ovr" else "softmax"
+
+
+@torch.no_grad()
+def accuracies(model, arm: str, z, target, labels) -> dict[str, float]:
+    """Accuracy of the arm's rules on (clean or noisy) `target`."""
+    scores = arm_scores(model, arm, z, labels)
+    out = {"softmax": (scores.decide("softmax")[0] == target).double().mean().item()}
+    if model.config.objective == "ovr":
+        out["ovr"] = (scores.decide("ovr")[0] == target).double().mean().item()
+    return out
+
+
+@torch.no_grad()
+def noise_metrics(model, arm: str, z, target, labels, scores=None) -> dict[str, float]:
+    """Test metrics on `target`: accuracy by the arm's own rule and by the softmax rule on loc_S, macro-F1 of the own
+    rule, the ECE (15 bins) of the own rule's confidence (max_k P_k under the arm's link for the OvR arms, the label
+    set's maximum softmax probability otherwise), and the AUROC of that confidence separating the right top-1 from
+    the wrong. `scores`: the arm's scores of `z` when already computed."""
+    scores = arm_scores(model, arm, z, labels) if scores is None else scores
+    pred, confidence = scores.decide(own_rule(model))
+    correct = pred == target
+    both = bool(correct.any()) and not bool(correct.all())
+    return {"accuracy": correct.double().mean().item(),
+            "accuracy_softmax_rule": (scores.decide("softmax")[0] == target).double().mean().item(),
+            "ece": expected_calibration_error(confidence, correct),
+            "confidence_auroc": auroc(confidence[correct], confidence[~correct]) if both else float("nan")}
+
+
+def head_outputs(model, arm: str, z, labels) -> dict[str, float] | None:
+    """What an OvR arm's heads say beyond the ranking, over prompts `z`: the median P_k of the label they pick, the
+    share of prompts where no label's P_k passes ½ (the heads answer "none of these"), the median Σ_k P_k over the
+    labels, and the median scale_S of the picked label (logit units). None for the softmax arms."""
+    if model.config.objective != "ovr":
+        return None
+    log_P, scale = label_ovr(model, arm, z, labels)
+    P = log_P.exp()
+    top, pick = P.max(-1)
+    return {"picked_prob": top.median().item(), "none_accepted": (top <= 0.5).double().mean().item(),
+            "label_prob_sum": P.sum(-1).median().item(), "picked_scale": scale.gather(1, pick[:, None]).median().item()}
+
+
+def open_set(model, arm, z, fine, known: list[int], val_z, val_fine, labels, coverage=0.95) -> dict[str, dict]:
+    """Per rejection score: AUROC and FPR at 95 % TPR of known (fine ∈ known) against unknown test rows, and the
+    open-set macro-F1 of (argmax label, or "unknown" below the threshold that keeps `coverage` of the validation's
+    known rows) over the known classes and "unknown"."""
+    index = {k: i for i, k in enumerate(known)}
+    is_known = torch.tensor([f in index for f in fine.tolist()])
+    if is_known.all() or not is_known.any():
+        raise ValueError("the test split has no unknown class (or no known one): lower (raise) the fraction of "
+                         "classes known in training")
+    target = torch.tensor([index.get(f, -1) for f in fine.tolist()])
+    scores, val_scores = label_scores(model, z, labels), label_scores(model, val_z, labels)
+    val_known = torch.tensor([f in index for f in val_fine.tolist()])
+    out = {}
+    for name, score in rejection_scores(scores).items():
+        if name == "ovr_max_prob" and model.config.objective != "ovr":
+            continue  # scales the softmax objective never trained
+        pred = scores.decide("ovr" if name == "ovr_max_prob" else "softmax")[0]
+        threshold = abstention_threshold(rejection_scores(val_scores)[name][val_known], coverage)
+        pred = torch.where(score >= threshold, pred, torch.full_like(pred, -1))
+        out[name] = {"auroc": auroc(score[is_known], score[~is_known]),
+                     "fpr_at_95_tpr": fpr_at_tpr(score[is_known], score[~is_known], 0.95),
+                     "open_set_macro_f1": macro_f1(pred, target)}
+    return out

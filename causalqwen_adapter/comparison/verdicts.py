@@ -1,0 +1,92 @@
+"""The paired table: each arm against the baseline on each metric, per seed at the rate that seed's validation
+chose: the arm's and the baseline's mean ± s.e., the paired difference ± s.e., the two-sided paired t-test's p,
+Holm's adjustment over a family of comparisons, and the verdict (ahead / behind / tie in the metric's better
+direction)."""
+
+import math
+import statistics
+
+from .stats import holm, mean_se, paired, paired_t
+
+# the better direction of every metric a comparison reports
+BETTER = {"accuracy": "higher", "accuracy_softmax_rule": "higher", "macro_f1": "higher", "ece": "lower",
+          "confidence_auroc": "higher", "auroc": "higher", "fpr_at_95_tpr": "lower", "open_set_macro_f1": "higher"}
+
+
+def paired_row(mine: dict[int, float], base: dict[int, float], seeds) -> dict:
+    """One comparison from {seed: value} of the arm and of the baseline: the seeds both have, whether every one of
+    `seeds` is there, on how many the arm is higher, both means, and the paired t-test (NaN below two seeds)."""
+    d = paired(mine, base)
+    row = {"seeds": d["seeds"], "complete": d["seeds"] == list(seeds), "higher": d["higher"],
+           "arm_mean": _mean([mine[s] for s in d["seeds"]]), "baseline_mean": _mean([base[s] for s in d["seeds"]])}
+    if len(d["seeds"]) >= 2:
+        t = paired_t([mine[s] - base[s] for s in d["seeds"]])
+        row.update({k: t[k] for k in ("mean", "se", "t", "p")})
+    else:
+        row.update(mean=float("nan"), se=float("nan"), t=float("nan"), p=float("nan"))
+    return row
+
+
+def adjust(rows: list[dict], group=lambda row: "all") -> None:
+    """Holm-adjusted p (`p_holm`) within each group of rows (`group(row)`), in place."""
+    for name in dict.fromkeys(group(row) for row in rows):
+        members = [row for row in rows if group(row) == name]
+        for row, adjusted in zip(members, holm([row["p"] for row in members])):
+            row["p_holm"] = adjusted
+
+
+def verdict(row: dict, better: str, alpha: float) -> str:
+    """ahead / behind when the Holm-adjusted p ≤ α (in the metric's `better` direction), tie otherwise; incomplete
+    while a seed is missing."""
+    if not row["complete"]:
+        return "incomplete"
+    if math.isnan(row["p_holm"]) or row["p_holm"] > alpha:
+        return "tie"
+    return "ahead" if (row["mean"] > 0) == (better == "higher") else "behind"
+
+
+def paired_table(per_seed: dict[str, dict[int, dict]], baseline: str, metrics, seeds, alpha: float = 0.05) -> list[dict]:
+    """Every arm of `per_seed` ({arm: {seed: {metric: value}}}) but the baseline against it on each of `metrics`,
+    Holm-adjusted over all of them together (the printed family), with each arm's own mean ± s.e."""
+    rows = []
+    for arm, by_seed in per_seed.items():
+        if arm == baseline:
+            continue
+        for metric in metrics:
+            mine = {s: r[metric] for s, r in by_seed.items()}
+            base = {s: r[metric] for s, r in per_seed[baseline].items()}
+            row = {"arm": arm, "metric": metric, **paired_row(mine, base, seeds)}
+            row["arm_se"] = mean_se([mine[s] for s in row["seeds"]])[1] if row["seeds"] else float("nan")
+            row["baseline_se"] = mean_se([base[s] for s in row["seeds"]])[1] if row["seeds"] else float("nan")
+            rows.append(row)
+    adjust(rows)
+    for row in rows:
+        row["verdict"] = verdict(row, BETTER[row["metric"]], alpha)
+    return rows
+
+
+def _mean(values):
+    return statistics.fmean(values) if values else float("nan")
+
+
+def number(value, digits=4, sign=False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+
+
+def p_value(value) -> str:
+    return "–" if math.isnan(value) else f"{value:.2g}" if value >= 1e-3 else f"{value:.1e}"
+
+
+def markdown(rows: list[dict], baseline: str) -> list[str]:
+    """The table's lines: metric, arm, arm mean ± s.e., baseline mean ± s.e., difference ± s.e., seeds, p, Holm p,
+    verdict."""
+    lines = [f"| metric | arm | arm mean ± s.e. | {baseline} mean ± s.e. | arm − {baseline} ± s.e. | seeds | p | "
+             "p (Holm) | verdict |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for row in sorted(rows, key=lambda r: (list(BETTER).index(r["metric"]), r["arm"])):
+        lines.append(f"| {row['metric']} ({BETTER[row['metric']]} is better) | {row['arm']} | "
+                     f"{number(row['arm_mean'])} ± {number(row['arm_se'])} | {number(row['baseline_mean'])} ± "
+                     f"{number(row['baseline_se'])} | {number(row['mean'], sign=True)} ± {number(row['se'])} | "
+                     f"{len(row['seeds'])} | {p_value(row['p'])} | {p_value(row['p_holm'])} | **{row['verdict']}** |")
+    return lines
