@@ -194,6 +194,7 @@ def test_recipe_rates_are_the_trainers_defaults():
     ("one seed", ["--seeds", "0"], "two different seeds or more"),
     ("unknown arm", ["--arms", "ovr_candidates", "sofmax"], "unknown arm(s) 'sofmax'"),
     ("bad noise", ["--noise", "pair:0.2"], "noise setting 'pair:0.2'"),
+    ("missing data file", [], "was not found"),
 ])
 def test_bad_input_is_refused_before_any_training(base_folder, tokenizer_dir, tmp_path, monkeypatch, capsys, case, extra,
                                                   message):
@@ -206,10 +207,12 @@ def test_bad_input_is_refused_before_any_training(base_folder, tokenizer_dir, tm
         if flag in extra:  # the case's own values replace the defaults of argv
             i = args.index(flag)
             args[i : i + 1 + (3 if flag == "--seeds" else 2)] = []
-    with pytest.raises((SystemExit, ValueError)) as error:
+    if case == "missing data file":
+        args[args.index("--dataset_name") + 1] = str(tmp_path / "absent.jsonl")
+    with pytest.raises(SystemExit) as error:  # argparse's usage error, no traceback
         compare.main(args + extra)
-    text = str(error.value) + capsys.readouterr().err
-    assert message in text
+    assert error.value.code == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "out" / "comparison.json").exists() and not (tmp_path / "out" / "features").exists()
 
 

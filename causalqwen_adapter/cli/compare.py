@@ -39,9 +39,10 @@ from causalqwen_adapter.comparison.runs import NOISE_METRICS, UNKNOWN_METRICS, P
 from causalqwen_adapter.comparison.splits import parse_noise
 from causalqwen_adapter.comparison.verdicts import markdown, paired_table
 from causalqwen_adapter.configuration_causalqwen import check_number
+from causalqwen_adapter.data import check_data_source
 
 from .classify import read_rows, tokenizer_source
-from .parsing import CliHfArgumentParser
+from .parsing import CliHfArgumentParser, usage_errors
 
 ALIASES = {"--base": "--model_name_or_path", "--data": "--dataset_name", "--batch_rows": "--per_device_train_batch_size",
            "--steps": "--max_steps", "--cache": "--cache_dir"}
@@ -94,6 +95,7 @@ def check_arguments(args: CompareArguments) -> None:
     check_number("unknown_fraction", args.unknown_fraction, minimum=0)
     check_protocol(protocol_of(args))
     check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
+    check_data_source(args.dataset_name, "--dataset_name")
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise FileExistsError(f"output_dir {str(output_dir)!r} is a file, not a folder: choose another --output_dir")
@@ -141,9 +143,11 @@ def summary(args: CompareArguments, labels, protocol: Protocol, out: dict, secon
     return results, "\n".join(lines) + "\n"
 
 
-def run(args: CompareArguments) -> dict:
-    check_arguments(args)
-    tokenizer, labels, prompts, targets, protocol = prepare(args)
+def run(args: CompareArguments, prepared: tuple | None = None) -> dict:
+    if prepared is None:
+        check_arguments(args)
+        prepared = prepare(args)
+    tokenizer, labels, prompts, targets, protocol = prepared
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).eval()
     cache = args.cache_dir or os.path.join(args.output_dir, "features")
@@ -168,11 +172,10 @@ def make_parser(prog: str | None = None) -> CliHfArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     parser = make_parser(prog)
     (args,) = parser.parse(argv)
-    try:
+    with usage_errors(parser):  # flags, files and rows refused before the base loads: exit 2, no traceback
         check_arguments(args)
-    except (ValueError, OSError) as err:  # a usage error: argparse's exit 2 and message, no traceback
-        parser.error(str(err))
-    return run(args)
+        prepared = prepare(args)
+    return run(args, prepared)
 
 
 if __name__ == "__main__":
