@@ -96,13 +96,13 @@ def report(records: dict, declaration: dict, classification: list[dict] | None =
                      f"{_p(row['p_holm'])} | **{row['verdict']}** |")
     lines += ["", "## Next tokens, per seed", "",
               "| seed | ECE P_top | ECE softmax max | difference | AUROC P_top | AUROC softmax max | top-1 standard | "
-              "top-1 compatible | tokens | seconds |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "top-1 compatible | tokens | seconds (CPU) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for seed in seeds:
         r = records[str(seed)]
         lines.append(f"| {seed} | {_f(r['ece_P_top'])} | {_f(r['ece_softmax_max_prob'])} | "
                      f"{_f(r['ece_P_top'] - r['ece_softmax_max_prob'], sign=True)} | {_f(r['auroc_P_top'])} | "
                      f"{_f(r['auroc_softmax_max_prob'])} | {_f(r['top1_standard'])} | {_f(r['top1_compatible'])} | "
-                     f"{r['num_tokens']} | {r['seconds']:.0f} |")
+                     f"{r['num_tokens']} | {r['seconds']:.0f} ({r.get('cpu_seconds', float('nan')):.0f}) |")
     seconds = [records[str(s)]["seconds"] for s in seeds]
     if seconds:
         held_out = records[str(seeds[0])]["held_out"]

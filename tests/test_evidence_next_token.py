@@ -63,6 +63,7 @@ def test_records_are_written_per_seed_and_a_rerun_skips_them(sft_base, tmp_path,
     assert saved["family"] == next_token.DECLARATION and set(saved["runs"]) == {"0", "1"} == set(records)
     for seed, record in records.items():
         assert record["seed"] == int(seed) and record["steps"] == 2 and record["seconds"] > record["train_seconds"] > 0
+        assert record["cpu_seconds"] > 0
         assert 0 <= record["ece_P_top"] <= 1 and 0 <= record["ece_softmax_max_prob"] <= 1
         assert record["num_tokens"] > 0 and record["held_out"]["texts"] == len(next_token.demo.held_out_texts())
 
