@@ -2,13 +2,12 @@
 bench/evidence_next_token.py, its classification comparisons from bench/evidence_preregistered.py's result files, one
 Holm adjustment over all of them, and the markdown tables. No training here."""
 
-import math
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import evidence_protocol as protocol  # noqa: E402
+from evidence_protocol import _f, _mean, _p  # noqa: E402  (the driver's report's number formats)
 
 from stats import holm, paired_t  # noqa: E402
 
@@ -111,16 +110,3 @@ def report(records: dict, declaration: dict, classification: list[dict] | None =
                   f"({_mean(seconds):.0f} s per seed: training and evaluation)."]
     return "\n".join(lines) + "\n"
 
-
-def _mean(values):
-    return statistics.fmean(values) if values else float("nan")
-
-
-def _f(value, digits=4, sign=False) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
-
-
-def _p(value) -> str:
-    return "–" if math.isnan(value) else f"{value:.2g}" if value >= 1e-3 else f"{value:.1e}"
