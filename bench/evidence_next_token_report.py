@@ -93,6 +93,8 @@ def report(records: dict, declaration: dict, classification: list[dict] | None =
         lines.append(f"| {row['cell']} | {_f(row['arm_mean'])} | {_f(row['baseline_mean'])} | "
                      f"{_f(row['mean'], sign=True)} ± {_f(row['se'])} | {len(row['seeds'])} | {_p(row['p'])} | "
                      f"{_p(row['p_holm'])} | **{row['verdict']}** |")
+    lines += ["", f"Next tokens, the confidence AUROC beside (mean over the seeds; reported, not tested): P_top "
+              f"{_f(rows[-1]['auroc_P_top'])}, softmax max {_f(rows[-1]['auroc_softmax_max_prob'])}."]
     lines += ["", "## Next tokens, per seed", "",
               "| seed | ECE P_top | ECE softmax max | difference | AUROC P_top | AUROC softmax max | top-1 standard | "
               "top-1 compatible | tokens | seconds (CPU) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
