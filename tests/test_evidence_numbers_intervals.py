@@ -180,15 +180,15 @@ def test_calibrated_intervals_reach_their_level_and_shrink_too_wide_ones():
     loc, scale = torch.randn(4000, generator=g), 0.5 + torch.rand(4000, generator=g)
     y = loc + scale * torch.randn(4000, generator=g)
     levels = (0.5, 0.8, 0.95)
-    intervals = {lv: intervals.central_interval("cauchy", loc, scale, lv) for lv in levels}
+    wide = {lv: intervals.central_interval("cauchy", loc, scale, lv) for lv in levels}
     half = lambda iv, part: {lv: (a[part], b[part]) for lv, (a, b) in iv.items()}  # noqa: E731
-    calibrated = intervals.calibrated_intervals(half(intervals, slice(0, 2000)), y[:2000],
-                                               half(intervals, slice(2000, None)))
+    calibrated = intervals.calibrated_intervals(half(wide, slice(0, 2000)), y[:2000],
+                                               half(wide, slice(2000, None)))
     for lv in levels:
         lower, upper = calibrated[lv]
         assert abs(intervals.coverage(lower, upper, y[2000:]) - lv) < 0.03
         assert (lower <= upper).all()
-    raw = intervals[0.95]
+    raw = wide[0.95]
     assert intervals.mean_width(*calibrated[0.95]) < 0.5 * intervals.mean_width(raw[0][2000:], raw[1][2000:])
     lower, upper = intervals.widen(torch.tensor([0.0, -1.0]), torch.tensor([2.0, 5.0]), -2.0)
     assert lower.tolist() == [1.0, 1.0] and upper.tolist() == [1.0, 3.0]
