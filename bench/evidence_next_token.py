@@ -20,6 +20,7 @@ One JSON record per seed in --out, written as it ends; a second invocation with 
 """
 
 import argparse
+import gc
 import hashlib
 import platform
 import shutil
@@ -48,8 +49,8 @@ DECLARATION = {
     "ece_bins": 15,
     "alpha": protocol.FAMILY["alpha"],
 }
-# one demo-size seed (training, then the held-out evaluation in two modes) measured on this project's CPU machine:
-# see docs/evidence.md. None: not measured.
+# one demo-size seed (training, then the held-out evaluation in two modes) measured on this project's CPU machine;
+# None: not measured (docs/evidence.md says what was seen)
 MEASURED_SECONDS_PER_SEED = None
 
 
@@ -87,6 +88,7 @@ def run_seed(seed: int, base: str, tokenizer, rows, workdir: Path, *, steps: int
     folder = workdir / f"seed-{seed}"
     start, cpu = time.perf_counter(), time.process_time()  # CPU time too: on a shared machine wall time says little
     demo.train_heads(base, tokenizer, steps, folder, seed=seed)
+    gc.collect()  # the trainer's reference cycles would keep the trained model beside the reloaded one
     trained = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
     results = evaluate(model, batches(rows, demo.HELD_OUT_BATCH, tokenizer.pad_token_id or 0),
