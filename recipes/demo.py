@@ -29,6 +29,10 @@ PROMPTS = [
 ]
 
 
+TRAIN_STEPS = 30  # the demo's training: steps of TRAIN_BATCH_ROWS docstrings, TRAIN_MAX_LENGTH tokens each
+TRAIN_BATCH_ROWS = 2
+TRAIN_MAX_LENGTH = 128
+
 CHAT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain what a hash map is in one sentence.",
@@ -47,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="build/demo-base", help="base causal LM: local folder or Hub id")
     parser.add_argument("--out", default="build/demo-adapter", help="where to save the adapter")
-    parser.add_argument("--train-steps", type=int, default=30, help="0 skips the training part")
+    parser.add_argument("--train-steps", type=int, default=TRAIN_STEPS, help="0 skips the training part")
     add_device_argument(parser)
     args = parser.parse_args()
     try:
@@ -138,18 +142,19 @@ def stdlib_docstrings(limit: int = 2000) -> list[str]:
 HELD_OUT_MODULES = ("pathlib", "shutil")  # documents the demo never trains on
 
 
-def train_heads(base: str, tokenizer, steps: int, out: Path) -> Path:
-    """The default recipe, as `recipes/sft_ovr.py` runs it with only model, data, output and step flags."""
+def train_heads(base: str, tokenizer, steps: int, out: Path, seed: int = 0) -> Path:
+    """The default recipe, as `recipes/sft_ovr.py` runs it with only model, data, output and step flags; `seed` draws
+    the data order and the trainer's seed (bench/evidence_next_token.py trains one adapter per seed)."""
     from datasets import Dataset
 
     from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer
 
     texts = [t for t in stdlib_docstrings() if t.split(".")[0] not in HELD_OUT_MODULES]
-    dataset = Dataset.from_dict({"text": texts}).shuffle(seed=0)
+    dataset = Dataset.from_dict({"text": texts}).shuffle(seed=seed)
     print(f"{len(texts)} docstrings (not from {', '.join(HELD_OUT_MODULES)}); the package's default recipe")
     args = CausalSFTConfig(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, max_length=128,
-        logging_steps=max(1, steps // 10), save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=TRAIN_BATCH_ROWS, max_length=TRAIN_MAX_LENGTH,
+        logging_steps=max(1, steps // 10), save_strategy="no", report_to="none", seed=seed, disable_tqdm=True,
     )
     trainer = CausalSFTTrainer(base, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
@@ -164,19 +169,34 @@ def train_heads(base: str, tokenizer, steps: int, out: Path) -> Path:
     return out
 
 
-def held_out_table(models: dict, tokenizer) -> str:
-    """Held-out next-token metrics (causalqwen_adapter.evaluation) of each model, on docstrings it never trained on."""
+HELD_OUT_TOKENS = 160  # tokens per held-out docstring scored
+HELD_OUT_BATCH = 4
+
+
+def held_out_texts() -> list[str]:
+    """The docstrings of HELD_OUT_MODULES: the text every trained adapter is evaluated on."""
+    return [t for t in stdlib_docstrings(limit=10_000) if t.split(".")[0] in HELD_OUT_MODULES]
+
+
+def held_out_rows(tokenizer):
+    """`held_out_texts`, tokenized for `causalqwen_adapter.evaluation` (the first HELD_OUT_TOKENS tokens of each)."""
     from datasets import Dataset
 
-    from causalqwen_adapter.data import batches, tokenize_for_evaluation
+    from causalqwen_adapter.data import tokenize_for_evaluation
+
+    return tokenize_for_evaluation(Dataset.from_dict({"text": held_out_texts()}), tokenizer, max_length=HELD_OUT_TOKENS)
+
+
+def held_out_table(models: dict, tokenizer) -> str:
+    """Held-out next-token metrics (causalqwen_adapter.evaluation) of each model, on docstrings it never trained on."""
+    from causalqwen_adapter.data import batches
     from causalqwen_adapter.evaluation import confidence_table, evaluate, markdown_table
 
-    texts = [t for t in stdlib_docstrings(limit=10_000) if t.split(".")[0] in HELD_OUT_MODULES]
-    rows = tokenize_for_evaluation(Dataset.from_dict({"text": texts}), tokenizer, max_length=160)
+    rows = held_out_rows(tokenizer)
     results = {}
     for name, model in models.items():
         torch.manual_seed(0)
-        out = evaluate(model, batches(rows, 4, tokenizer.pad_token_id or 0), ("compatible", "standard", "causal"))
+        out = evaluate(model, batches(rows, HELD_OUT_BATCH, tokenizer.pad_token_id or 0), ("compatible", "standard", "causal"))
         out.pop("accumulators")
         results[name] = out
     return (markdown_table(results) + "\n\nHow well each confidence signal tells a right top-1 from a wrong one "
