@@ -13,6 +13,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+# the Hub tests' fixtures (tests/test_hub_*.py), kept beside the fake Hub they serve; conftest makes them reachable
+from fake_hub import cache, hub, no_token, trained  # noqa: F401
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_BASE = Path(os.environ.get("CAUSALQWEN_DEMO_BASE", REPO_ROOT / "build" / "demo-base"))
 

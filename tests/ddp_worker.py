@@ -1,4 +1,4 @@
-"""One rank of the 2-process DDP checks of test_trainer.py (run as a script, not collected by pytest).
+"""One rank of the 2-process DDP checks of test_trainer_loss.py (run as a script, not collected by pytest).
 
     python tests/ddp_worker.py <base folder> <work folder> <configuration>...
 
@@ -69,7 +69,7 @@ def result(trainer: CausalSFTTrainer) -> dict:
 def main(base: str, work: str, names: list[str]) -> None:
     for name in names:
         trainer = build(base, Path(work) / name, name)
-        assert trainer.accelerator.num_processes == 2, "run through test_trainer.py: it sets the launch environment"
+        assert trainer.accelerator.num_processes == 2, "run through test_trainer_loss.py: it sets the launch environment"
         trainer.train()
         if trainer.accelerator.is_main_process:
             torch.save(result(trainer), Path(work) / f"{name}.pt")

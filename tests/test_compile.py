@@ -184,7 +184,7 @@ def test_the_trainer_trains_with_torch_compile(sft_base, tmp_path):
     backend, Inductor's build would take minutes), and its first step's loss is eager's."""
     from causalqwen_adapter.trainer import CausalSFTTrainer
 
-    from test_trainer import _args, _losses, _prompt_completion
+    from trainer_helpers import _args, _losses, _prompt_completion
 
     losses = {}
     for compiled in (False, True):

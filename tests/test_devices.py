@@ -183,7 +183,7 @@ def test_generate_in_every_mode(tiny_base, padded_batch, device, monkeypatch):
 
 def test_trainer_step_on_the_device(sft_base, device, tmp_path):
     """One CausalSFTTrainer step (float32, SGD) on the device equals the update computed on the CPU from the same heads
-    and batch. (tests/test_trainer.py runs the README's command, bf16 where supported, on each device too.)"""
+    and batch. (tests/test_train_recipe.py runs the README's command, bf16 where supported, on each device too.)"""
     from datasets import Dataset
 
     from causalqwen_adapter.trainer import CausalSFTConfig, CausalSFTTrainer

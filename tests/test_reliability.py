@@ -265,7 +265,7 @@ DECIMAL_COMMA_CASES = [
 
 @pytest.mark.parametrize("text, default, decimal_comma", DECIMAL_COMMA_CASES)
 def test_decimal_commas_are_read_only_when_asked_and_then_as_written(text, default, decimal_comma):
-    from test_numeric import Chars
+    from test_numeric_data import Chars
 
     from causalqwen_adapter.numeric import decode_with_numbers, find_numbers
 

@@ -13,7 +13,7 @@ from causalqwen_adapter.distill import CausalDistillConfig
 from causalqwen_adapter.trainer import CausalSFTTrainer
 from causalqwen_adapter.training.resume import missing_optimizer_state
 
-from test_trainer import _args, _prompt_completion
+from trainer_helpers import _args, _prompt_completion
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from causalqwen_adapter.features import extract_features
 from causalqwen_adapter.trainer import CausalSFTTrainer
 
 from conftest import kill_save_mid_swap
-from test_trainer import _args, _prompt_completion
+from trainer_helpers import _args, _prompt_completion
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

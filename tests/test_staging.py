@@ -25,7 +25,7 @@ from causalqwen_adapter.distill import CausalDistillTrainer
 from causalqwen_adapter.features import extract_features, load_features
 from causalqwen_adapter.trainer import CausalSFTTrainer
 
-from test_trainer import _args, _prompt_completion
+from trainer_helpers import _args, _prompt_completion
 
 CASES = ["parent not writable", "symlink to another filesystem", "mount point"]
 
