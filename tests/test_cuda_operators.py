@@ -15,14 +15,14 @@ import torch
 pytest.importorskip("triton")
 
 from test_kernels_triton import kt  # noqa: E402  (the interpreted copy of the Triton kernels)
-from test_lm_loss import check, tile_bytes_held  # noqa: E402
+from test_lm_loss import check  # noqa: E402
 from test_losses import check_against_reference, make_inputs  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from causalqwen_adapter import dispatch, kernels  # noqa: E402
 from causalqwen_adapter.candidate_loss import candidate_chunk_tokens, candidate_ovr_loss, candidate_rows  # noqa: E402
 from causalqwen_adapter.cauchy import cauchy_linear, ovr_decision_scores  # noqa: E402
-from causalqwen_adapter.lm_loss import chunk_tile_bytes, chunked_lm_loss  # noqa: E402
+from causalqwen_adapter.lm_loss import chunked_lm_loss  # noqa: E402
 from causalqwen_adapter.losses import (  # noqa: E402
     DecisionHead,
     chunk_tokens,
@@ -74,38 +74,12 @@ def test_the_accelerator_shape_is_one_vocabulary_block_and_few_chunks():
         budget = 2 ** math.floor(math.log2(max(1, 2**32 // (vocab * tile_bytes))))
         expected = min(budget, max(liger, pow2_ceil(math.ceil(max(n, 1) / 8))))
         assert loss_shape(cuda, n, vocab, width, 2, tile_bytes) == (expected, vocab), (n, vocab, width, tile_bytes)
-    # Qwen2.5-0.5B, the default loss's pass in bf16 through the Triton kernels (12 bytes per element: the logits,
-    # scale_S, d and the OvR gradient in bf16, float32 scores for the candidates' top-k): 8k tokens in 8 chunks
-    # (Liger's rule: 128), 32k in 16 of 2,048 (3.7 GB of tiles)
-    tiles = chunk_tile_bytes(torch.bfloat16, torch.float32, True, (True, True, True), True)
-    assert tiles == 12
-    assert loss_shape(cuda, 8192, 151936, 896, 2, tiles)[0] == 1024
-    assert loss_shape(cuda, 32768, 151936, 896, 2, tiles)[0] == 2048
-    # the torch code (no Triton; the remote code) holds 32 bytes per element: 512 tokens, 2.5 GB, whatever the tokens
-    torch_tiles = chunk_tile_bytes(torch.bfloat16, torch.float32, False, (True, True, True), True)
-    assert torch_tiles == 32
-    assert loss_shape(cuda, 8192, 151936, 896, 2, torch_tiles)[0] == loss_shape(cuda, 10**6, 151936, 896, 2,
-                                                                                 torch_tiles)[0] == 512
     assert loss_shape(torch.device("cpu"), 16384, 151936, 896, 4, 32) == (chunk_tokens(151936, 4), 4096)
     # the distillation tail's loss: float32 tiles on an accelerator, three with the operator and five without; its
     # own cache-sized shape here
     assert ovr_loss_shape(cuda, 16384, 151936, 896, True) == loss_shape(cuda, 16384, 151936, 896, 4, 12) == (2048, 151936)
     assert ovr_loss_shape(cuda, 16384, 151936, 896, False) == (1024, 151936)
     assert ovr_loss_shape(torch.device("cpu"), 16384, 151936, 896, True) == (1024, 2048)
-
-
-@pytest.mark.parametrize("loss", ["vocabulary", "softmax", "candidates pass"])
-@pytest.mark.parametrize("products", ["float32", "bfloat16 products", "bfloat16 model"])
-def test_the_operator_paths_tiles_are_what_the_chunk_budget_counts(triton_operators, loss, products):
-    """`chunk_tile_bytes` for the Triton kernels' path is the bytes of [chunk × V] buffers it allocates: the logits,
-    the tiles its flags use, and no buffer of the torch code's."""
-    kwargs = {"float32": {}, "bfloat16 products": dict(matmul_dtype=torch.bfloat16),
-              "bfloat16 model": dict(dtype=torch.bfloat16)}[products]
-    held, flags, mm = tile_bytes_held(loss, **kwargs)
-    assert triton_operators["loss_tile_triton"] == 4  # 48 targets in chunks of 12
-    candidates_copy = loss == "candidates pass" and mm != torch.float32
-    assert held == chunk_tile_bytes(mm, torch.float32, True, flags, candidates_copy) * 12 * 37 > 0
-    assert held < chunk_tile_bytes(mm, torch.float32, False, flags, candidates_copy) * 12 * 37
 
 
 @pytest.mark.parametrize("options", [

@@ -29,7 +29,7 @@ from .triton_utils import (
     tl,
 )
 
-__all__ = ["LossTileOut", "loss_tile_triton"]
+__all__ = ["LossTileOut", "loss_tile_row_blocks", "loss_tile_scratch_numel", "loss_tile_triton"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -140,6 +140,22 @@ def _loss_tile_kernel(
 _LOSS_BLOCK_R, _LOSS_BLOCK_N = (4, 32) if INTERPRETED else (4, 256)
 
 
+def loss_tile_row_blocks(r: int) -> int:
+    """Row blocks (programs down the rows) of a tile of ``r`` rows."""
+    return -(-r // _LOSS_BLOCK_R)
+
+
+def loss_tile_scratch_numel(r: int, w: int, flags: int, n_seg: int) -> tuple[int, int, int]:
+    """float32 elements of `loss_tile_triton`'s own partial sums for a [r, w] tile in ``n_seg`` column segments: the
+    rows' (with several segments), and the columns' of d and of the thresholds' gradient (with several row
+    blocks: one row of w per row block each)."""
+    ovr_grads = bool(flags & TILE_OVR) and bool(flags & TILE_OVR_GRADS)
+    row_blocks = loss_tile_row_blocks(r)
+    cols = w * row_blocks * (row_blocks > 1)
+    return (n_seg * 4 * r * (n_seg > 1), cols * (bool(flags & TILE_D) and bool(flags & TILE_COL_D)),
+            cols * (ovr_grads and bool(flags & TILE_COL_T)))
+
+
 class LossTileOut(NamedTuple):
     """The results of `loss_tile_triton`: ``rows`` [4, r] float32 (the target's logit, Σ log a, Σ (1 − a), P_y per
     row); ``d``, ``g`` [r, w] in loc's dtype; ``col_d``, ``col_t`` [w] float32 column sums. None for what the flags
@@ -235,18 +251,19 @@ def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, 
         rows_out.zero_()
         return result
 
-    row_blocks = -(-r // _LOSS_BLOCK_R)
+    row_blocks = loss_tile_row_blocks(r)
     seg, n_seg = _segments(w, row_blocks, _LOSS_BLOCK_N, dev, segments)
-    rows_part = rows_out if n_seg == 1 else torch.empty(n_seg * 4 * r, **f32)
+    rows_numel, cd_numel, ct_numel = loss_tile_scratch_numel(r, w, flags, n_seg)
+    rows_part = rows_out if n_seg == 1 else torch.empty(rows_numel, **f32)
     # one row block adds into the caller's column sums; several write one row each of a partial, summed after
     col_parts = []
-    for on, out in ((col_d_on, col_d), (col_t_on, col_t)):
+    for on, out, numel in ((col_d_on, col_d, cd_numel), (col_t_on, col_t, ct_numel)):
         if not on:
             col_parts.append(None)
         elif row_blocks == 1:
             col_parts.append(out.reshape(1, w))
         else:
-            col_parts.append(torch.zeros(row_blocks, w, **f32))
+            col_parts.append(torch.zeros(numel, **f32).view(row_blocks, w))
     cd, ct = col_parts
     dummy = rows_out  # any pointer for the operands a flag leaves out
     lse_t = lse.detach().reshape(-1).float().contiguous() if need_lse else dummy
