@@ -225,7 +225,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # tokens per chunk) and read in float32, plus b_A, one block at a time.
         logits_buf = buf["logits"]
         # float32 tiles for the torch code; x_buf: a block's float32 loc_S read from narrower stored products
-        # (`scores`), for the torch tiles and for the candidates' top-k
+        # (`scores`), for the torch tiles and their candidates' top-k
         d_buf, s_buf, a_buf, t_buf, u_buf, x_buf = (buf[k] for k in ("d", "s", "a", "t", "u", "x"))
         abs_buf, w_lo, xd_lo, prod_lo = (buf[k] for k in ("abs_W", "w_lo", "xd_lo", "prod_lo"))
 
@@ -253,8 +253,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
             # the operator's scale_S input and its outputs, in the products' dtype, each only where the flags use it
             s_tile, d_tile, g_tile = (buf[k] for k in ("s_tile", "d_tile", "g_tile"))
             tile_threads, rows_out, col_sums = uses.threads, buf["rows_out"], buf["col_sums"]
+            # b_A, added into the stored logits by pass A's logsumexp kernel (rounded to their dtype: the values
+            # the top-k, the logsumexp and pass B all read), so no float32 copy of a bf16 tile is ever made
             bias_f = None if bias is None else bias.to(dtype).contiguous()
-            tile_bias = None if mm_dtype == dtype else bias_f  # stored float32 logits have b_A already (pass A)
             thr_tile = (thr.contiguous() if thr_per_token else
                         torch.as_tensor(thr, dtype=dtype, device=dev).reshape(1).contiguous())
             ce_tile, of_tile = float(ce_factor) if softmax_weight > 0 else 0.0, float(ovr_factor)
@@ -317,7 +318,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             cols = col_sums[:, : tile_threads * w].view(2, tile_threads, w)  # [sum, thread, column], each contiguous
             if tile_flags & (TILE_COL_D | TILE_COL_T):
                 cols.zero_()
-            tile_kernel(stored, None if tile_bias is None else tile_bias[v0:v1], lse,
+            tile_kernel(stored, None, lse,
                         thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, kernel_target_columns(tgt, v0, w),
                         degenerate[i], ce_tile, of_tile,
                         tile_flags, d, g, rows_out[: 4 * r], cols[0], cols[1], tile_threads)
@@ -343,11 +344,11 @@ class _ChunkedLMLoss(torch.autograd.Function):
             block_top = []
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass A
                 product(stored, loc_mm, lowered(weight[v0:v1], w_lo).T, overwrite=True)
-                if tile_kernel is not None:  # float32 logits keep b_A from here on, bf16 ones get it on reading
-                    lse_kernel(stored, None if bias_f is None else bias_f[v0:v1], stored.dtype == dtype,
-                               block_lse[:, i], tile_threads)
-                    if candidates:
-                        block_top.append(scores(stored, v0, v1).topk(min(candidates, v1 - v0), 1))
+                if tile_kernel is not None:  # the stored logits keep b_A from here on
+                    lse_kernel(stored, None if bias_f is None else bias_f[v0:v1], True, block_lse[:, i],
+                               tile_threads)
+                    if candidates:  # on the stored logits themselves, in their dtype
+                        block_top.append(stored.topk(min(candidates, v1 - v0), 1))
                     continue
                 if bias is not None and stored.dtype == dtype:
                     stored.add_(bias[v0:v1])
@@ -459,7 +460,6 @@ def lm_loss_buffers(n_valid: int, chunk: int, vblock: int, vocab: int, width: in
     stored = logits_dtype(mm_dtype, dtype)
     op = uses.operator
     torch_tile = 0 if op else chunk * vblock
-    x_low = bool(uses.candidates) and stored != dtype
     grad_dtype = weight_dtype if weight_dtype == mm_dtype else dtype
     # prod_lo holds a product of operands in the products' dtype whose destination is wider (`_product`): the
     # location gradient [chunk × C], the scale path's [chunk × C] and its W share [block × C] without the |W|
@@ -476,7 +476,7 @@ def lm_loss_buffers(n_valid: int, chunk: int, vblock: int, vocab: int, width: in
         "grad_W": ((vocab * uses.W, width), grad_dtype, not (uses.D and n_valid)),
         "logits": ((chunk * vocab if n_valid else 0,), stored, False),
         **{name: ((torch_tile,), dtype, False) for name in ("d", "s", "a", "t", "u")},
-        "x": ((torch_tile or chunk * vblock * x_low,), dtype, False),
+        "x": ((torch_tile,), dtype, False),
         "abs_W": ((vblock * (uses.ovr and not uses.abs_operator), width), mm_dtype, False),
         "w_lo": ((vblock * width * (weight_dtype != mm_dtype),), mm_dtype, False),
         "xd_lo": ((torch_tile * low,), mm_dtype, False),

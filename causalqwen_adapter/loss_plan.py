@@ -115,10 +115,10 @@ def loss_launches(uses: LossUses, dtype: torch.dtype) -> int:
     """Kernel launches per token chunk of the Triton kernels' path (one vocabulary block, b_A present), as
     tests/test_loss_plan.py counts them under the interpreter (torch operators dispatched, three per Triton call):
     24 for the cross-entropy in float32 (the product, the logsumexp, the tile, the gradients' products and the
-    sums), 2 more for operands cast to bfloat16, 8 for the candidates' top-k (2 more to read bf16 logits in
-    float32), 12 for the OvR term over the vocabulary (|W| products, its sums; 1 more cast in bfloat16)."""
+    sums), 2 more for operands cast to bfloat16, 8 for the candidates' top-k (on the stored logits; 1 more for bf16 ones), 12
+    for the OvR term over the vocabulary (|W| products, its sums; 1 more cast in bfloat16)."""
     low = dtype != torch.float32
-    return 24 + 2 * low + bool(uses.candidates) * (8 + 2 * low) + uses.ovr * (12 + low)
+    return 24 + 2 * low + bool(uses.candidates) * (8 + low) + uses.ovr * (12 + low)
 
 
 def liger_flce_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16,

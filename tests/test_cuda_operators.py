@@ -112,7 +112,8 @@ def test_loss_with_the_gpu_operators_in_bfloat16(triton_operators):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_candidates_from_the_gpu_operators_pass(triton_operators, dtype):
     """The cross-entropy's pass through the Triton operators (float32 logits with b_A added by the logsumexp
-    kernel, or bf16 ones without it) finds the same candidates as `candidate_loss.candidate_rows`."""
+    kernel, bf16 ones too, rounded: the top-k reads them in place) finds the same candidates as
+    `candidate_loss.candidate_rows`."""
     tensors, labels = make_inputs(13, 8, 37)
     head = DecisionHead(tensors["weight"].detach().to(dtype), tensors["bias"].detach().to(dtype),
                         tensors["b_noise"].detach(), tensors["threshold"].detach())
@@ -124,7 +125,9 @@ def test_candidates_from_the_gpu_operators_pass(triton_operators, dtype):
     got = stats["candidate_rows"]
     assert torch.equal(got.ids.sort(1).values, want.ids.sort(1).values) and torch.equal(got.counted[:, -1],
                                                                                         want.counted[:, -1])
-    torch.testing.assert_close(got.log_partition, want.log_partition, rtol=1e-5, atol=1e-5)
+    # bf16 logits + b_A rounded to bf16 (one rounding more than the reference's): test_lm_loss's bf16 tolerance
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got.log_partition, want.log_partition, rtol=tol, atol=tol)
 
 
 class LaunchCount(TorchDispatchMode):
