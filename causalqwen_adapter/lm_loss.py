@@ -250,8 +250,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
             tile_flags = (TILE_OVR * ovr | TILE_D * need_D | TILE_OVR_GRADS * ovr_grads
                           | TILE_OVR_LOCATES * (ovr_locates and need_D) | TILE_COL_D * (need_D and need_bias)
                           | TILE_COL_T * (g_thr is not None and ovr_grads))
-            # the operator's scale_S input and its outputs, in the products' dtype, each only where the flags use it
-            s_tile, d_tile, g_tile = (buf[k] for k in ("s_tile", "d_tile", "g_tile"))
+            # the operator's scale_S input, in the products' dtype; its outputs d and g overwrite the logits and
+            # scale_S they are computed from (each element read, then written, by one program)
+            s_tile = buf["s_tile"]
             tile_threads, rows_out, col_sums = uses.threads, buf["rows_out"], buf["col_sums"]
             # b_A, added into the stored logits by pass A's logsumexp kernel (rounded to their dtype: the values
             # the top-k, the logsumexp and pass B all read), so no float32 copy of a bf16 tile is ever made
@@ -313,8 +314,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 abs_linear(scale_mm, w_blk, s)
             elif ovr:
                 s = torch.mm(scale_mm, abs_w.T, out=s_tile[: r * w].view(r, w))
-            d = d_tile[: r * w].view(r, w) if need_D else None
-            g = g_tile[: r * w].view(r, w) if ovr_grads else None
+            d = stored if need_D else None  # pass B's last read of the logits
+            g = s if ovr_grads else None
             cols = col_sums[:, : tile_threads * w].view(2, tile_threads, w)  # [sum, thread, column], each contiguous
             if tile_flags & (TILE_COL_D | TILE_COL_T):
                 cols.zero_()
@@ -487,11 +488,9 @@ def lm_loss_buffers(n_valid: int, chunk: int, vblock: int, vocab: int, width: in
         "p_target": ((n_valid,), torch.float64, True),
         "cand_top": ((n_valid * bool(k), k), torch.long, False),
         "cand_lse": ((n_valid * bool(k),), torch.float32, False),
-        # the operator's scale_S input and its outputs, each only where its flags use it; its row sums and the
+        # the operator's scale_S input (its outputs d and g overwrite the logits and scale_S); its row sums and the
         # [threads × block] column sums of D and of the thresholds' gradient
         "s_tile": ((chunk * vblock * (op and uses.ovr),), mm_dtype, False),
-        "d_tile": ((chunk * vblock * (op and uses.D),), mm_dtype, False),
-        "g_tile": ((chunk * vblock * (op and uses.ovr_grads),), mm_dtype, False),
         "rows_out": ((4 * chunk * op,), dtype, False),
         "col_sums": ((2 * op, uses.threads * vblock), dtype, False),
     }

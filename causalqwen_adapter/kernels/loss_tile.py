@@ -189,6 +189,7 @@ def loss_tile_triton(loc, bias, lse, thr, relative, scale, col, degenerate, ce, 
 
     - ``d`` [r, w] loc's dtype (``TILE_D``): ce·(softmax − onehot) (+ of·π ∂ℓ/∂loc_S with ``TILE_OVR_LOCATES``);
     - ``g`` [r, w] loc's dtype (``TILE_OVR_GRADS``): −π ∂ℓ/∂scale_S (0 at degenerate columns);
+    - ``d`` may be ``loc`` itself and ``g`` ``scale`` itself: each element is read, then overwritten, by one program;
     - ``rows_out`` float32, [4, r] or 4·r contiguous, written: per row the target's logit (0 when outside the tile),
       Σ log a (a = 1 − P off target, P_y on it), Σ (1 − a), P_y, the last three with ``TILE_OVR`` only (else 0);
     - ``col_d`` (with both ``TILE_D`` and ``TILE_COL_D``): Σ_rows d; ``col_t`` (with ``TILE_OVR``,
