@@ -317,21 +317,25 @@ class _ChunkedLMLoss(torch.autograd.Function):
             d = stored if need_D else None  # pass B's last read of the logits
             g = s if ovr_grads else None
             cols = col_sums[:, : tile_threads * w].view(2, tile_threads, w)  # [sum, thread, column], each contiguous
-            if tile_flags & (TILE_COL_D | TILE_COL_T):
+            col_d, col_t = cols[0], cols[1]
+            if tile_threads == 1:  # a GPU's: the kernel adds its column sums into the gradients, nothing to zero
+                col_d = g_bias[v0:v1] if tile_flags & TILE_COL_D else col_d
+                col_t = g_thr[v0:v1] if tile_flags & TILE_COL_T else col_t
+            elif tile_flags & (TILE_COL_D | TILE_COL_T):
                 cols.zero_()
             tile_kernel(stored, None, lse,
                         thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, kernel_target_columns(tgt, v0, w),
                         degenerate[i], ce_tile, of_tile,
-                        tile_flags, d, g, rows_out[: 4 * r], cols[0], cols[1], tile_threads)
+                        tile_flags, d, g, rows_out[: 4 * r], col_d, col_t, tile_threads)
             sums = rows_out[: 4 * r].view(4, r)
             nll_sum -= sums[0].sum(dtype=torch.float64)
             if ovr:
                 ovr_sum -= sums[1].sum(dtype=torch.float64)
                 u_row_sum[r0:r1] += sums[2]
                 p_target[r0:r1] += sums[3]
-            if g_thr is not None and ovr_grads:
+            if g_thr is not None and ovr_grads and tile_threads > 1:
                 g_thr[v0:v1] += cols[1].sum(0)
-            return g, d, cols[0].sum(0) if need_D and need_bias else None
+            return g, d, cols[0].sum(0) if need_D and need_bias and tile_threads > 1 else None
 
         for r0 in range(0, n_valid, chunk):
             r1 = min(r0 + chunk, n_valid)
@@ -393,7 +397,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     product(g_loc[r0:r1], d_mm, w_blk)
                 if need_D and need_W:
                     product(grad_W[v0:v1], d_mm.T, loc_mm, overwrite=first and not scale_path_W)
-                if need_D and need_bias:
+                if d_cols is not None:
                     g_bias[v0:v1] += d_cols
 
         n_tok = max(n_valid, 1)

@@ -57,8 +57,8 @@ def _kernel_scratch(uses: LossUses, chunk: int, vocab: int, width: int, mm_dtype
     scratch = {"lse partials": logsumexp.lse_partials_numel(chunk, seg) * 4}
     flags = (TILE_OVR * uses.ovr | TILE_D * uses.D | TILE_OVR_GRADS * uses.ovr_grads
              | TILE_COL_D * (uses.D and uses.bias) | TILE_COL_T * (uses.thr and uses.ovr_grads))
-    row_blocks = loss_tile.loss_tile_row_blocks(chunk)
-    seg = triton_utils._segments(vocab, row_blocks, loss_tile._LOSS_BLOCK_N, device, segments(row_blocks))[1]
+    groups = loss_tile.loss_tile_row_groups(chunk)[0]
+    seg = triton_utils._segments(vocab, groups, loss_tile._LOSS_BLOCK_N, device, segments(groups))[1]
     scratch["loss tile partials"] = sum(loss_tile.loss_tile_scratch_numel(chunk, vocab, flags, seg)) * 4
     if uses.abs_operator and uses.scale:
         bm, bv, bk = abs_matmul._matmul_blocks(chunk)
@@ -116,9 +116,10 @@ def loss_launches(uses: LossUses, dtype: torch.dtype) -> int:
     tests/test_loss_plan.py counts them under the interpreter (torch operators dispatched, three per Triton call):
     24 for the cross-entropy in float32 (the product, the logsumexp, the tile, the gradients' products and the
     sums), 2 more for operands cast to bfloat16, 8 for the candidates' top-k (on the stored logits; 1 more for bf16 ones), 12
-    for the OvR term over the vocabulary (|W| products, its sums; 1 more cast in bfloat16)."""
+    for the OvR term over the vocabulary (|W| products, its sums; 1 more cast in bfloat16); 4 fewer with a GPU's one
+    row of column sums (the kernel adds them into b_A's gradient: no zero-fill, sum, add and its write-back)."""
     low = dtype != torch.float32
-    return 24 + 2 * low + bool(uses.candidates) * (8 + low) + uses.ovr * (12 + low)
+    return 24 - 4 * (uses.threads == 1 and uses.bias and uses.D) + 2 * low + bool(uses.candidates) * (8 + low) + uses.ovr * (12 + low)
 
 
 def liger_flce_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16,

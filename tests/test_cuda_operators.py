@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_kernels_triton import kt  # noqa: E402  (the interpreted copy of the Triton kernels)
+# kt: the interpreted copy of the Triton kernels
+from test_kernels_triton import ALL_FLAGS, _cpu, _dev, _run_tile, _tile_inputs, kt  # noqa: E402
 from test_lm_loss import check  # noqa: E402
 from test_losses import check_against_reference, make_inputs  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
@@ -98,6 +99,35 @@ def test_loss_with_the_gpu_operators_matches_float64(triton_operators, options):
     assert triton_operators["loss_tile_triton"] == chunks and triton_operators["block_logsumexp_triton"] == chunks
     if options.get("ovr", True):  # scale_S and its gradient from W itself
         assert triton_operators["abs_linear_triton"] == chunks and triton_operators["abs_matmul_triton"] == chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_tile_writes_d_over_loc_and_g_over_scale(dtype):
+    """The loss writes d over the logits and g over scale_S they come from: in place, every output is what separate
+    buffers get (several row blocks and segments: each element read, then written, by one program)."""
+    r, w = 9, 150
+    loc, bias, lse, thr, scale, col = _tile_inputs(dtype, r, w, True, True, seed=11)
+    apart = _run_tile(loc, bias, lse, thr, True, scale, col, None, 1.0, 0.5, ALL_FLAGS, segments=3)
+    loc_d, scale_g = _dev(loc.clone(), scale.clone())
+    args = _dev(bias, lse, thr, col)
+    over = kt.loss_tile_triton(loc_d, args[0], args[1], args[2], True, scale_g, args[3], None, 1.0, 0.5, ALL_FLAGS,
+                               d=loc_d, g=scale_g, segments=3)
+    assert over.d is loc_d and over.g is scale_g
+    for name in ("rows", "d", "g", "col_d", "col_t"):
+        torch.testing.assert_close(_cpu(getattr(over, name)), _cpu(getattr(apart, name)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gpus_single_column_sum_row_adds_into_the_gradients(triton_operators, monkeypatch, dtype):
+    """With a GPU's one row of column sums the tile kernel adds Σ_rows d and π ∂ℓ/∂C straight into b_A's and the
+    thresholds' gradients (nothing zero-filled per chunk): the same results, several row groups per chunk."""
+    from causalqwen_adapter import lm_loss
+
+    monkeypatch.setattr(lm_loss, "tile_thread_count", lambda device: 1)
+    tensors, labels = make_inputs(13, 8, 37, dtype=dtype)
+    tol = dict(rtol=1e-5, grad_rtol=1e-5) if dtype == torch.float32 else dict(rtol=4e-3, grad_rtol=3e-2)
+    check(tensors, labels, ovr_trains_location=True, chunk_size=12, vocab_chunk_size=37, **tol)
+    assert triton_operators["loss_tile_triton"]
 
 
 def test_loss_with_the_gpu_operators_in_bfloat16(triton_operators):

@@ -76,6 +76,21 @@ def test_the_plans_peak_is_the_bytes_the_loss_holds(triton_operators, mode, dtyp
 def test_the_plans_launches_per_chunk_are_the_loss_launches(triton_operators, monkeypatch, mode, dtype):
     """Launches per chunk: torch operators dispatched plus three per Triton call (a kernel and its partials), the
     difference between 4 and 2 chunks over 2."""
+    check_launches(triton_operators, monkeypatch, mode, dtype)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "vocabulary"])
+def test_the_plans_launches_with_a_gpus_one_row_of_column_sums(triton_operators, monkeypatch, mode):
+    """The GPU's path (one row of column sums, added into b_A's gradient by the kernel): 4 launches fewer."""
+    from causalqwen_adapter import lm_loss
+    from causalqwen_adapter import loss_plan as plan_module
+
+    for module in (lm_loss, plan_module):
+        monkeypatch.setattr(module, "tile_thread_count", lambda device: 1)
+    check_launches(triton_operators, monkeypatch, mode, torch.bfloat16)
+
+
+def check_launches(triton_operators, monkeypatch, mode, dtype):
     for name in ("loss_tile_triton", "block_logsumexp_triton", "abs_linear_triton", "abs_matmul_triton"):
         def quiet(*args, _fn=getattr(kt, name), **kwargs):  # the interpreter's own torch calls are not launches
             with _disable_current_modes():
