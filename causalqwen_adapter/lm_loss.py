@@ -506,13 +506,13 @@ def buffer_bytes(buffers: dict) -> int:
 
 
 def chunk_tile_bytes(mm_dtype: torch.dtype, weight_dtype: torch.dtype, uses: LossUses, vocab: int = 1 << 16,
-                     width: int = 64) -> int:
+                     width: int = 64) -> float:
     """Bytes per element of a [chunk × V] tile that `lm_loss_buffers` allocates per token of the chunk, all
-    together (the logits, every tile and scratch; a [chunk × C] one counted as its share of a row of V), rounded
-    up: what a chunk budget divides by."""
+    together (the logits, every tile and scratch; a [chunk × C] or [chunk] one counted as its share of a row of V):
+    what a chunk budget divides by."""
     grow = (buffer_bytes(lm_loss_buffers(2, 2, vocab, vocab, width, weight_dtype, mm_dtype, uses))
             - buffer_bytes(lm_loss_buffers(2, 1, vocab, vocab, width, weight_dtype, mm_dtype, uses)))
-    return -(-grow // vocab)
+    return grow / vocab
 
 
 def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool, scratch: torch.Tensor):

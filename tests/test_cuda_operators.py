@@ -59,27 +59,28 @@ def triton_operators(monkeypatch):
         yield calls
 
 
-def test_the_accelerator_shape_is_one_vocabulary_block_and_few_chunks():
-    """One block spans the vocabulary; chunks of a power-of-two size, as large as 8 chunks allow, never smaller than
-    Liger-Kernel's (⌈V / C⌉ chunks), and never larger than a 4 GiB budget on all the chunk's [chunk × V] buffers."""
+def test_the_accelerator_shape_is_one_vocabulary_block_in_liger_kernels_budget():
+    """One block spans the vocabulary; a chunk's [chunk × V] buffers, tile_bytes per element, are the most that fit
+    the bytes of Liger-Kernel's logits at its chunk (next_power_of_2(⌈N / ⌈V / C⌉⌉) tokens, itemsize 2)."""
     cuda = torch.device("cuda")
 
     def pow2_ceil(x):
         return 2 ** math.ceil(math.log2(max(1, x)))
 
-    cases = [(16384, 151936, 896, 12), (8192, 151936, 896, 12), (32768, 151936, 896, 32), (131072, 32000, 4096, 2),
+    cases = [(16384, 151936, 896, 2.01), (8192, 151936, 896, 12), (32768, 151936, 3584, 3), (131072, 32000, 4096, 2),
              (100, 49152, 576, 12), (1, 1000, 64, 2), (0, 10, 4, 4), (4096, 262144, 640, 12), (10**6, 10**9, 8, 4),
              (10**6, 151936, 896, 32)]
     for n, vocab, width, tile_bytes in cases:
-        liger = pow2_ceil(math.ceil(max(n, 1) / math.ceil(vocab / width)))
-        budget = 2 ** math.floor(math.log2(max(1, 2**32 // (vocab * tile_bytes))))
-        expected = min(budget, max(liger, pow2_ceil(math.ceil(max(n, 1) / 8))))
-        assert loss_shape(cuda, n, vocab, width, 2, tile_bytes) == (expected, vocab), (n, vocab, width, tile_bytes)
+        liger_bytes = pow2_ceil(math.ceil(max(n, 1) / math.ceil(vocab / width))) * vocab * 2
+        chunk, block = loss_shape(cuda, n, vocab, width, 2, tile_bytes)
+        assert block == vocab and chunk >= 1, (n, vocab, width, tile_bytes)
+        assert chunk == 1 or chunk * vocab * tile_bytes <= liger_bytes < (chunk + 1) * vocab * tile_bytes
+    assert loss_shape(cuda, 16384, 151936, 896, 2, 2.01)[0] == 127  # Liger: 128 tokens of bf16 logits alone
     assert loss_shape(torch.device("cpu"), 16384, 151936, 896, 4, 32) == (chunk_tokens(151936, 4), 4096)
     # the distillation tail's loss: float32 tiles on an accelerator, three with the operator and five without; its
     # own cache-sized shape here
-    assert ovr_loss_shape(cuda, 16384, 151936, 896, True) == loss_shape(cuda, 16384, 151936, 896, 4, 12) == (2048, 151936)
-    assert ovr_loss_shape(cuda, 16384, 151936, 896, False) == (1024, 151936)
+    assert ovr_loss_shape(cuda, 16384, 151936, 896, True) == loss_shape(cuda, 16384, 151936, 896, 4, 12) == (42, 151936)
+    assert ovr_loss_shape(cuda, 16384, 151936, 896, False) == (25, 151936)
     assert ovr_loss_shape(torch.device("cpu"), 16384, 151936, 896, True) == (1024, 2048)
 
 
