@@ -122,6 +122,25 @@ def loss_launches(uses: LossUses, dtype: torch.dtype) -> int:
     return 24 - 4 * (uses.threads == 1 and uses.bias and uses.D) + 2 * low + bool(uses.candidates) * (8 + low) + uses.ovr * (12 + low)
 
 
+def candidate_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16, k: int = 16,
+                   device_type: str = "cuda", *, chunk: int | None = None) -> LossPlan:
+    """The plan of `candidate_loss.candidate_ovr_loss` (the default loss's second part, ``trains_location`` off: the
+    gradient reaches scale_U, b_noise and the thresholds) for ``n_tokens`` positions: per chunk the [chunk, k + 1, C]
+    float32 tensors `candidate_loss.CANDIDATE_CHUNK_BYTES_PER_ROW` counts, the formula's [chunk, k + 1] float32
+    intermediates (22 alive at the peak, as measured) and the chunk's [chunk × C] float32 operands (its fused law;
+    with the inputs' copies from a narrower dtype), the scale's float32 gradient [N × C] and the one returned in
+    ``dtype``. Launches per chunk: its chunk's autograd, 116 in float32, 4 casts more from bf16 (counted by
+    tests/test_loss_plan.py)."""
+    from .candidate_loss import CANDIDATE_CHUNK_BYTES_PER_ROW, candidate_chunk_tokens
+
+    chunk = equal_chunk_size(n_tokens, chunk or candidate_chunk_tokens(k, width, device_type, n_tokens, vocab))
+    buffers = {"candidate rows": chunk * (k + 1) * width * CANDIDATE_CHUNK_BYTES_PER_ROW,
+               "chunk terms": chunk * (k + 1) * 4 * 22,
+               "chunk operands": chunk * width * 4 * (2 + 4 * (dtype != torch.float32)),
+               "grad_scale, float32": n_tokens * width * 4, "grad_scale out": n_tokens * width * dtype.itemsize}
+    return LossPlan(chunk, -(-n_tokens // chunk), buffers, sum(buffers.values()), 116 + 4 * (dtype != torch.float32))
+
+
 def liger_flce_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16,
                     bias: bool = False) -> LossPlan:
     """Liger-Kernel's fused linear cross-entropy (0.8.5, its default budget) counted the same way: chunks of
@@ -151,7 +170,19 @@ def plan_table(n_tokens: int = 16384, vocab: int = 151936, widths=(896, 3584), d
             lines.append(f"  {mode}: chunk {plan.chunk} ({plan.chunks} chunks), peak {plan.peak_bytes / 1e9:.3f} GB "
                          f"= {plan.peak_bytes / liger.peak_bytes:.2f}x Liger, {plan.launches_per_chunk} launches/chunk"
                          f" (computed; largest: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in top) + ")")
+        term, total = default_loss_plan(n_tokens, vocab, width, dtype)
+        lines.append(f"  candidates term: chunk {term.chunk} ({term.chunks} chunks), peak {term.peak_bytes / 1e9:.3f} GB, "
+                     f"{term.launches_per_chunk} launches/chunk; default loss (pass, then term): peak "
+                     f"{total / 1e9:.3f} GB = {total / liger.peak_bytes:.2f}x Liger (computed)")
     return lines
 
 
-__all__ = ["LossPlan", "MODES", "liger_flce_plan", "loss_launches", "loss_plan", "plan_table", "training_uses"]
+def default_loss_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16, k: int = 16):
+    """(`candidate_plan`, the default loss's peak bytes): the candidates pass, then the candidates' term while the
+    pass's gradients (W_A's, loc_U's, b_A's, in ``dtype``) wait for backward."""
+    term = candidate_plan(n_tokens, vocab, width, dtype, k)
+    kept = vocab * width * dtype.itemsize + n_tokens * width * dtype.itemsize + vocab * dtype.itemsize
+    return term, max(loss_plan(n_tokens, vocab, width, dtype).peak_bytes, kept + term.peak_bytes)
+
+
+__all__ = ["LossPlan", "MODES", "candidate_plan", "default_loss_plan", "liger_flce_plan", "loss_launches", "loss_plan", "plan_table", "training_uses"]

@@ -430,10 +430,6 @@ def chunk_tokens(vocab_size: int, itemsize: int = 4, budget_bytes: int = LOGITS_
 CPU_VOCAB_BLOCK = 4096  # rows of W_A per block on the CPU: a tile of a few hundred tokens stays in cache
 
 
-# ACCELERATOR_LOGITS_BUDGET_BYTES: the candidates loss's budget on an accelerator.
-ACCELERATOR_LOGITS_BUDGET_BYTES = 8 * LOGITS_BUDGET_BYTES
-
-
 def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
@@ -451,8 +447,13 @@ def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, item
     that fits: a bf16 pass through the Triton kernels holds little more than its logits, about Liger's chunk)."""
     if device.type == "cpu":
         return chunk_tokens(vocab, itemsize), CPU_VOCAB_BLOCK
-    liger = _power_of_two_at_least(-(-max(n_tokens, 1) // -(-vocab // max(width, 1))))
-    return max(1, int(liger * itemsize // tile_bytes)), vocab
+    return max(1, int(liger_logits_bytes(n_tokens, vocab, width, itemsize) // (vocab * tile_bytes))), vocab
+
+
+def liger_logits_bytes(n_tokens: int, vocab: int, width: int, itemsize: int = 2) -> int:
+    """Bytes of Liger-Kernel's fused linear cross-entropy's one [chunk × V] logits buffer for ``n_tokens`` (its
+    chunk: next_power_of_2(⌈N / ⌈V / C⌉⌉) tokens): the budget of the loss's chunks on an accelerator."""
+    return _power_of_two_at_least(-(-max(n_tokens, 1) // -(-vocab // max(width, 1)))) * vocab * itemsize
 
 
 def ovr_loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, operator: bool) -> tuple[int, int]:

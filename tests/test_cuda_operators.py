@@ -27,6 +27,7 @@ from causalqwen_adapter.lm_loss import chunked_lm_loss  # noqa: E402
 from causalqwen_adapter.losses import (  # noqa: E402
     DecisionHead,
     chunk_tokens,
+    liger_logits_bytes,
     loss_shape,
     ovr_loss_shape,
 )
@@ -213,10 +214,11 @@ def test_launches_per_chunk_are_few_and_do_not_grow_with_the_vocabulary(triton_o
         return mode.count + 3 * sum(triton_operators.values())
 
     per_chunk = [(launches(vocab, 6) - launches(vocab, 2)) / 4 for vocab in (37, 150)]
-    # the candidates' term runs its chunk's autograd (about 120 launches), in chunks of thousands of tokens there
+    # the candidates' term runs its chunk's autograd (about 120 launches), its rows within Liger's logits budget
     assert per_chunk[0] == per_chunk[1] <= (130 if loss == "candidates" else 50)
     if loss == "candidates":
-        assert candidate_chunk_tokens(16, 896, "cuda") >= 4096 > candidate_chunk_tokens(16, 896, "cpu")
+        chunk = candidate_chunk_tokens(16, 896, "cuda", 16384, 151936)
+        assert chunk * 17 * 896 * 12 <= liger_logits_bytes(16384, 151936, 896) < (chunk + 1) * 17 * 896 * 12
 
 
 def test_distillation_loss_tiles_run_on_the_gpu_operator(triton_operators):

@@ -108,3 +108,36 @@ def check_launches(triton_operators, monkeypatch, mode, dtype):
     per_chunk = (launches(8) - launches(16)) / 2
     plan = loss_plan(32, 600, 16, dtype, "cpu", mode, chunk=8, vblock=600, multiprocessors=None)
     assert per_chunk == plan.launches_per_chunk
+
+
+def candidate_term(dtype, chunk, n=64, width=256, vocab=600, k=16):
+    from causalqwen_adapter.candidate_loss import candidate_ovr_loss, candidate_rows
+
+    tensors, labels = make_inputs(n, width, vocab, dtype=dtype, threshold="scalar_buffer")
+    labels.clamp_(min=0)
+    head = DecisionHead(*(tensors[key] for key in ("weight", "bias", "b_noise", "threshold")))
+    rows, _ = candidate_rows(tensors["loc_U"].detach(), head, labels, k)
+    return lambda: candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, k, rows=rows,
+                                      chunk_size=chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_candidate_terms_plan_is_what_it_holds_and_launches(dtype):
+    """`candidate_plan` against the candidates' term in plain torch (as on every device): its peak of live bytes
+    (the [chunk, k + 1, C] rows dominate at C = 256) and its launches per chunk (4 chunks against 2)."""
+    from causalqwen_adapter.loss_plan import candidate_plan
+
+    loss = candidate_term(dtype, 32)
+    with LiveBytes() as seen:
+        result = loss()
+    del result
+    plan = candidate_plan(64, 600, 256, dtype, 16, "cpu", chunk=32)
+    assert seen.peak <= plan.peak_bytes <= 1.1 * seen.peak
+
+    def launches(chunk):
+        term = candidate_term(dtype, chunk)
+        with LaunchCount() as count:
+            term()
+        return count.count
+
+    assert (launches(16) - launches(32)) / 2 == plan.launches_per_chunk
