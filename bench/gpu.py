@@ -48,8 +48,7 @@ from pathlib import Path
 
 import torch
 
-from causalqwen_adapter.lm_loss import chunk_tile_bytes
-from causalqwen_adapter.losses import loss_shape
+from causalqwen_adapter.loss_plan import loss_plan, plan_table
 
 from decode import HEADER, PROMPTS, measure, print_rows, run_variant
 from loss import VARIANTS as LOSS_VARIANTS
@@ -295,6 +294,9 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
             variants.append("l")
         else:
             deadline.skip("loss (l) Liger-Kernel", f"its Triton kernels need a CUDA device, not {device.type}")
+    section("the loss's allocation plan beside Liger's FLCE (loss_plan.py: computed, not measured)")
+    for line in plan_table(dtype=getattr(torch, dtype)):
+        print(line)
     start = section(f"loss forward + backward, {dtype} weights, V × C = 151936 × 896, {rounds} interleaved rounds, "
                     f"the fastest of {repeat} steps per round")
     for n in sizes:
@@ -304,10 +306,9 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
         # (r) the same pass through the torch code
         for v, operator in (("d", device.type == "cuda"), ("r", False)):
             if v in variants:
-                tiles = chunk_tile_bytes(getattr(torch, dtype), torch.float32, operator, (True, True, True),
-                                         dtype != "float32")
-                chunk = min(n, loss_shape(device, n, 151936, 896, getattr(torch, dtype).itemsize, tiles)[0])
-                print(f"N={n}: ({v}) in chunks of {chunk} tokens ({-(-n // chunk)} chunks, losses.loss_shape)")
+                plan = loss_plan(n, 151936, 896, getattr(torch, dtype), device.type, "candidates pass",
+                                 operator=operator)
+                print(f"N={n}: ({v}) in chunks of {plan.chunk} tokens ({plan.chunks} chunks, loss_plan)")
         steps = {}
         for v in variants:  # build_step sets `dtype` as the default dtype, as bench/loss.py's --dtype runs
             empty_cache(device)

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 from .cauchy import check_labels, fuse_noise, ovr_log_probs, ovr_standardize
 from .losses import (
-    ACCELERATOR_LOGITS_BUDGET_BYTES,
     LOGITS_BUDGET_BYTES,
     DecisionHead,
     check_head_inputs,
     chunk_tokens,
+    liger_logits_bytes,
     saved_gradients,
 )
 
@@ -116,7 +116,7 @@ def candidate_ovr_loss(
         raise ValueError(f"candidate rows of shape {tuple(rows.ids.shape)} for {len(targets)} positions and k = {k}: "
                          "pass the rows found for these positions and targets (their last column is the target)")
     options = (relative_threshold, trains_location, temperature,
-               chunk_size or candidate_chunk_tokens(k, loc_U.shape[1], loc_U.device))
+               chunk_size or candidate_chunk_tokens(k, loc_U.shape[1], loc_U.device, len(targets), vocab))
     loss, target_prob, prob_sum = _CandidateOvRLoss.apply(loc_U, scale_U, *head, rows, options,
                                                            torch.is_grad_enabled())
     stats = {"target_prob": target_prob, "candidate_prob_sum": prob_sum}
@@ -125,13 +125,21 @@ def candidate_ovr_loss(
     return loss, stats
 
 
-def candidate_chunk_tokens(k: int, width: int, device: torch.device | str = "cpu") -> int:
-    """Tokens per chunk of `candidate_ovr_loss`: about four float32 [chunk, k + 1, C] tensors (the rows of W_A, |W_A|
-    and their gradients) within a budget: the cross-entropy's logits budget on the CPU (a chunk's tensors stay small
-    next to its tiles); `ACCELERATOR_LOGITS_BUDGET_BYTES` (8× that) on an accelerator, where each chunk costs about
-    120 kernel launches whatever its size (4,400 tokens at k = 16, C = 896: 16k targets in 4 chunks)."""
-    budget = LOGITS_BUDGET_BYTES if torch.device(device).type == "cpu" else ACCELERATOR_LOGITS_BUDGET_BYTES
-    return max(1, budget // (16 * (k + 1) * max(width, 1)))
+CANDIDATE_CHUNK_BYTES_PER_ROW = 12  # per element of [chunk, k + 1, C]: W_A's rows and |W_A's| in float32, and the
+# copy of |W_A's| rows transposed that the scale's gradient (bmm's backward) makes on the CPU (loss_plan counts them)
+
+
+def candidate_chunk_tokens(k: int, width: int, device: torch.device | str = "cpu", n_tokens: int = 16384,
+                           vocab: int = 151936) -> int:
+    """Tokens per chunk of `candidate_ovr_loss`: its [chunk, k + 1, C] tensors, `CANDIDATE_CHUNK_BYTES_PER_ROW` per
+    element, within a budget: the cross-entropy's logits budget on the CPU (a chunk's tensors stay small next to its
+    tiles), the cross-entropy's on an accelerator (Liger-Kernel's logits for ``n_tokens`` at ``vocab``,
+    `losses.liger_logits_bytes`: 190 tokens at k = 16, C = 896, V = 151,936, 16k targets), where each chunk costs
+    about 120 kernel launches whatever its size."""
+    cpu = torch.device(device).type == "cpu"
+    budget = LOGITS_BUDGET_BYTES if cpu else liger_logits_bytes(n_tokens, vocab, width)
+    per_element = 16 if cpu else CANDIDATE_CHUNK_BYTES_PER_ROW  # the CPU's chunks as they were timed
+    return max(1, budget // (per_element * (k + 1) * max(width, 1)))
 
 
 def _candidate_terms(loc, scale, weight_rows, bias_rows, threshold, rows: CandidateRows, targets):

@@ -21,6 +21,7 @@ logits, so its size comes from a memory budget (`losses.chunk_tokens`), not from
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -184,18 +185,6 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # The location gradient D of the module docstring; without the cross-entropy or the OvR's share it is 0.
         need_D = (need_loc or need_W or need_bias) and (softmax_weight > 0 or ovr_locates)
         ovr_grads = ovr and (need_scale or need_noise or need_thr or (ovr_locates and need_D))
-        g_loc = loc.new_zeros(n_valid, width) if need_loc else None
-        g_scale = loc.new_zeros(n_valid, width) if ovr and (need_scale or need_noise) else None
-        g_bias = loc.new_zeros(vocab) if need_bias else None
-        g_thr = loc.new_zeros(vocab) if ovr and need_thr else None
-        # grad_W: in W's dtype when the products run in it (a bfloat16 W sums its chunks' products in bfloat16, as
-        # autograd sums a bfloat16 .grad over micro-batches: a second V × C tensor in float32 would cost more memory
-        # than the logits), else float32. Written, not added to, by the first chunk when D exists (no pass to zero
-        # V × C floats first). tmp_W: one block of sign(W) ⊙ (…) for the scale path's share.
-        grad_W = None
-        if need_W:
-            grad_dtype = weight.dtype if weight.dtype == mm_dtype else dtype
-            grad_W = (torch.empty if need_D and n_valid else torch.zeros)(vocab, width, dtype=grad_dtype, device=dev)
         scale_path_W = ovr_locates and need_W
 
         # Pass B's elementwise work (and pass A's logsumexp) in one pass where an operator serves it (the
@@ -210,31 +199,35 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 abs_linear = lookup_operator("abs_linear", products)
                 abs_add = lookup_operator("abs_matmul_add", products) if abs_linear is not None else None
                 abs_linear = abs_linear if abs_add is not None else None
-        low = mm_dtype != dtype
-        x_low = bool(candidates) and logits_dtype(mm_dtype, dtype) != dtype
-        operator_tiles = (ovr, need_D, ovr_grads)  # the operator's scale_S, d and OvR-gradient tiles, where used
+        uses = LossUses(
+            ovr=ovr, operator=tile_kernel is not None, abs_operator=abs_add is not None, loc=need_loc,
+            scale=ovr and (need_scale or need_noise), W=need_W, bias=need_bias, thr=ovr and need_thr, D=need_D,
+            ovr_grads=ovr_grads, scale_path_W=scale_path_W, candidates=candidates or 0,
+            threads=tile_thread_count(dev) if tile_kernel is not None else 0)
         if chunk is None or vblock is None:
             shape = loss_shape(dev, n_valid, vocab, width, logits_dtype(mm_dtype, dtype).itemsize,
-                               chunk_tile_bytes(mm_dtype, dtype, tile_kernel is not None, operator_tiles, x_low))
+                               chunk_tile_bytes(mm_dtype, weight.dtype, uses, vocab, width))
             chunk, vblock = chunk or shape[0], vblock or shape[1]
         chunk, vblock = equal_chunk_size(n_valid, chunk), min(vblock, vocab)
+        # Every tile-sized tensor of the loop lives in a buffer allocated once (`lm_loss_buffers` says which): a fresh
+        # multi-MiB tensor per block costs its page faults each time, more than the elementwise work on it.
+        buf = {name: (torch.zeros if zero else torch.empty)(shape, dtype=dt, device=dev)
+               for name, (shape, dt, zero) in lm_loss_buffers(n_valid, chunk, vblock, vocab, width, weight.dtype,
+                                                              mm_dtype, uses).items()}
+        g_loc, g_scale, g_bias, g_thr = (buf[k] if on else None for k, on in (
+            ("g_loc", uses.loc), ("g_scale", uses.scale), ("g_bias", uses.bias), ("g_thr", uses.thr)))
+        # grad_W: in W's dtype when the products run in it (a bfloat16 W sums its chunks' products in bfloat16, as
+        # autograd sums a bfloat16 .grad over micro-batches: a second V × C tensor in float32 would cost more memory
+        # than the logits), else float32. Written, not added to, by the first chunk when D exists (no pass to zero
+        # V × C floats first).
+        grad_W = buf["grad_W"] if need_W else None
         # The chunk's products are kept as they come out (bfloat16 ones in bfloat16, half the bytes: twice the
         # tokens per chunk) and read in float32, plus b_A, one block at a time.
-        logits_buf = torch.empty(chunk * vocab if n_valid else 0, dtype=logits_dtype(mm_dtype, dtype), device=dev)
-        # float32 tiles for the torch code (the operator path has its own, below)
-        torch_tile = chunk * vblock if tile_kernel is None else 0
-        d_buf, s_buf, a_buf, t_buf, u_buf = (torch.empty(torch_tile, dtype=dtype, device=dev) for _ in range(5))
-        # x_buf: a block's float32 loc_S read from narrower stored products (`scores`), for the torch tiles and for
-        # the candidates' top-k
-        x_buf = torch.empty(torch_tile or chunk * vblock * x_low, dtype=dtype, device=dev)
-        abs_buf = torch.empty(vblock if ovr and abs_add is None else 0, width, dtype=mm_dtype, device=dev)
-        # Every tile-sized tensor of the loop lives in a buffer allocated once: a fresh multi-MiB tensor per block
-        # costs its page faults each time, more than the elementwise work on it. With narrower products, the torch
-        # code's operands and results have buffers of their own; the operator path's tiles are in the products'
-        # dtype already, and only its [· × C] products need a scratch.
-        w_lo = torch.empty(vblock * width if weight.dtype != mm_dtype else 0, dtype=mm_dtype, device=dev)
-        xd_lo, prod_lo = (torch.empty(size if low else 0, dtype=mm_dtype, device=dev)
-                          for size in (torch_tile, max(torch_tile, vblock * width, chunk * width)))
+        logits_buf = buf["logits"]
+        # float32 tiles for the torch code; x_buf: a block's float32 loc_S read from narrower stored products
+        # (`scores`), for the torch tiles and their candidates' top-k
+        d_buf, s_buf, a_buf, t_buf, u_buf, x_buf = (buf[k] for k in ("d", "s", "a", "t", "u", "x"))
+        abs_buf, w_lo, xd_lo, prod_lo = (buf[k] for k in ("abs_W", "w_lo", "xd_lo", "prod_lo"))
 
         def lowered(src, buf):
             """src in the products' dtype: itself, or a copy into buf."""
@@ -243,30 +236,27 @@ class _ChunkedLMLoss(torch.autograd.Function):
         def product(out, a, b, overwrite=False):
             return _product(out, a, b, overwrite, prod_lo)
 
-        tmp_W = torch.empty(vblock, width, dtype=dtype, device=dev) if scale_path_W else None
+        tmp_W = buf["tmp_W"] if scale_path_W else None  # one block of sign(W) ⊙ (…) for the scale path's share
         nll_sum = torch.zeros((), dtype=torch.float64, device=dev)
         ovr_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        u_row_sum = torch.zeros(n_valid, dtype=torch.float64, device=dev)
-        p_target = torch.zeros(n_valid, dtype=torch.float64, device=dev)
+        u_row_sum, p_target = buf["u_row_sum"], buf["p_target"]
         blocks = [(v0, min(v0 + vblock, vocab)) for v0 in range(0, vocab, vblock)]
         # With candidates: each position's k largest loc_S (per block, then across blocks) and its log-partition.
-        cand_top = torch.empty(n_valid if candidates else 0, candidates or 0, dtype=torch.long, device=dev)
-        cand_lse = torch.empty(n_valid if candidates else 0, dtype=torch.float32, device=dev)
+        cand_top, cand_lse = buf["cand_top"], buf["cand_lse"]
         # `zero_rows` of each block (the tile operator's mask there), found in the first chunk
         degenerate = [None] * len(blocks)
-        g_lo = torch.empty(chunk * vblock if low and tile_kernel is None else 0, dtype=mm_dtype, device=dev)
+        g_lo = buf["g_lo"]
         if tile_kernel is not None:
             tile_flags = (TILE_OVR * ovr | TILE_D * need_D | TILE_OVR_GRADS * ovr_grads
                           | TILE_OVR_LOCATES * (ovr_locates and need_D) | TILE_COL_D * (need_D and need_bias)
                           | TILE_COL_T * (g_thr is not None and ovr_grads))
-            # the operator's scale_S input and its outputs, in the products' dtype, each only where the flags use it
-            s_tile, d_tile, g_tile = (torch.empty(chunk * vblock if used else 0, dtype=mm_dtype, device=dev)
-                                      for used in operator_tiles)
-            tile_threads = tile_thread_count(dev)
-            rows_out = torch.empty(4 * chunk, dtype=dtype, device=dev)
-            col_sums = torch.empty(2, tile_threads * vblock, dtype=dtype, device=dev)
+            # the operator's scale_S input, in the products' dtype; its outputs d and g overwrite the logits and
+            # scale_S they are computed from (each element read, then written, by one program)
+            s_tile = buf["s_tile"]
+            tile_threads, rows_out, col_sums = uses.threads, buf["rows_out"], buf["col_sums"]
+            # b_A, added into the stored logits by pass A's logsumexp kernel (rounded to their dtype: the values
+            # the top-k, the logsumexp and pass B all read), so no float32 copy of a bf16 tile is ever made
             bias_f = None if bias is None else bias.to(dtype).contiguous()
-            tile_bias = None if mm_dtype == dtype else bias_f  # stored float32 logits have b_A already (pass A)
             thr_tile = (thr.contiguous() if thr_per_token else
                         torch.as_tensor(thr, dtype=dtype, device=dev).reshape(1).contiguous())
             ce_tile, of_tile = float(ce_factor) if softmax_weight > 0 else 0.0, float(ovr_factor)
@@ -324,24 +314,28 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 abs_linear(scale_mm, w_blk, s)
             elif ovr:
                 s = torch.mm(scale_mm, abs_w.T, out=s_tile[: r * w].view(r, w))
-            d = d_tile[: r * w].view(r, w) if need_D else None
-            g = g_tile[: r * w].view(r, w) if ovr_grads else None
+            d = stored if need_D else None  # pass B's last read of the logits
+            g = s if ovr_grads else None
             cols = col_sums[:, : tile_threads * w].view(2, tile_threads, w)  # [sum, thread, column], each contiguous
-            if tile_flags & (TILE_COL_D | TILE_COL_T):
+            col_d, col_t = cols[0], cols[1]
+            if tile_threads == 1:  # a GPU's: the kernel adds its column sums into the gradients, nothing to zero
+                col_d = g_bias[v0:v1] if tile_flags & TILE_COL_D else col_d
+                col_t = g_thr[v0:v1] if tile_flags & TILE_COL_T else col_t
+            elif tile_flags & (TILE_COL_D | TILE_COL_T):
                 cols.zero_()
-            tile_kernel(stored, None if tile_bias is None else tile_bias[v0:v1], lse,
+            tile_kernel(stored, None, lse,
                         thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, kernel_target_columns(tgt, v0, w),
                         degenerate[i], ce_tile, of_tile,
-                        tile_flags, d, g, rows_out[: 4 * r], cols[0], cols[1], tile_threads)
+                        tile_flags, d, g, rows_out[: 4 * r], col_d, col_t, tile_threads)
             sums = rows_out[: 4 * r].view(4, r)
             nll_sum -= sums[0].sum(dtype=torch.float64)
             if ovr:
                 ovr_sum -= sums[1].sum(dtype=torch.float64)
                 u_row_sum[r0:r1] += sums[2]
                 p_target[r0:r1] += sums[3]
-            if g_thr is not None and ovr_grads:
+            if g_thr is not None and ovr_grads and tile_threads > 1:
                 g_thr[v0:v1] += cols[1].sum(0)
-            return g, d, cols[0].sum(0) if need_D and need_bias else None
+            return g, d, cols[0].sum(0) if need_D and need_bias and tile_threads > 1 else None
 
         for r0 in range(0, n_valid, chunk):
             r1 = min(r0 + chunk, n_valid)
@@ -355,11 +349,11 @@ class _ChunkedLMLoss(torch.autograd.Function):
             block_top = []
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass A
                 product(stored, loc_mm, lowered(weight[v0:v1], w_lo).T, overwrite=True)
-                if tile_kernel is not None:  # float32 logits keep b_A from here on, bf16 ones get it on reading
-                    lse_kernel(stored, None if bias_f is None else bias_f[v0:v1], stored.dtype == dtype,
-                               block_lse[:, i], tile_threads)
-                    if candidates:
-                        block_top.append(scores(stored, v0, v1).topk(min(candidates, v1 - v0), 1))
+                if tile_kernel is not None:  # the stored logits keep b_A from here on
+                    lse_kernel(stored, None if bias_f is None else bias_f[v0:v1], True, block_lse[:, i],
+                               tile_threads)
+                    if candidates:  # on the stored logits themselves, in their dtype
+                        block_top.append(stored.topk(min(candidates, v1 - v0), 1))
                     continue
                 if bias is not None and stored.dtype == dtype:
                     stored.add_(bias[v0:v1])
@@ -403,7 +397,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     product(g_loc[r0:r1], d_mm, w_blk)
                 if need_D and need_W:
                     product(grad_W[v0:v1], d_mm.T, loc_mm, overwrite=first and not scale_path_W)
-                if need_D and need_bias:
+                if d_cols is not None:
                     g_bias[v0:v1] += d_cols
 
         n_tok = max(n_valid, 1)
@@ -440,17 +434,85 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return (*saved_gradients(ctx, grad_loss), None, None, None)
 
 
-def chunk_tile_bytes(matmul_dtype: torch.dtype, dtype: torch.dtype, operator: bool, operator_tiles: tuple,
-                     candidates_copy: bool) -> int:
-    """Bytes per element of the [chunk × block] buffers `_ChunkedLMLoss` holds for a chunk, all together: the stored
-    products (`logits_dtype`), then the torch code's six float32 tiles (d, s, a, t, u and x) and, with narrower
-    products, three of theirs (the gradient, d and the products' scratch); or the operator's tiles in the products'
-    dtype, one per true flag of ``operator_tiles`` (scale_S, d, the OvR gradient), and x for the candidates' top-k
-    when ``candidates_copy``."""
-    size = logits_dtype(matmul_dtype, dtype).itemsize
-    if not operator:
-        return size + 6 * dtype.itemsize + 3 * matmul_dtype.itemsize * (matmul_dtype != dtype)
-    return size + matmul_dtype.itemsize * sum(map(bool, operator_tiles)) + dtype.itemsize * candidates_copy
+class LossUses(NamedTuple):
+    """What one call of `_ChunkedLMLoss` computes and with what, as far as its buffers depend on it: the OvR term,
+    the Triton operators (`operator`: loss_tile and block_logsumexp; `abs_operator`: the products with |W|), the
+    gradients it keeps (of loc_U, scale_U or b_noise, W_A, b_A, the thresholds), the location gradient D, the OvR's
+    gradients, the scale path's share of W_A's gradient, k candidates (0: none), and the operator's column-sum rows
+    (`dispatch.tile_thread_count`; 0 without the operator)."""
+
+    ovr: bool
+    operator: bool
+    abs_operator: bool
+    loc: bool
+    scale: bool
+    W: bool
+    bias: bool
+    thr: bool
+    D: bool
+    ovr_grads: bool
+    scale_path_W: bool
+    candidates: int
+    threads: int
+
+
+def lm_loss_buffers(n_valid: int, chunk: int, vblock: int, vocab: int, width: int, weight_dtype: torch.dtype,
+                    mm_dtype: torch.dtype, uses: LossUses) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]]:
+    """Every buffer `_ChunkedLMLoss` allocates once per call, by name: (shape, dtype, zero-filled). The forward
+    allocates exactly these, and `loss_plan` counts them; a buffer a call does not use has no elements."""
+    dtype = torch.promote_types(weight_dtype, torch.float32)
+    low = mm_dtype != dtype
+    stored = logits_dtype(mm_dtype, dtype)
+    op = uses.operator
+    torch_tile = 0 if op else chunk * vblock
+    grad_dtype = weight_dtype if weight_dtype == mm_dtype else dtype
+    # prod_lo holds a product of operands in the products' dtype whose destination is wider (`_product`): the
+    # location gradient [chunk × C], the scale path's [chunk × C] and its W share [block × C] without the |W|
+    # operator, W_A's [block × C] when its gradient is wider, and the torch code's scale_S tile
+    held = [chunk * width * (uses.D and uses.loc), vblock * width * (uses.D and uses.W and grad_dtype != mm_dtype),
+            chunk * width * (uses.ovr_grads and uses.scale and not uses.abs_operator),
+            vblock * width * (uses.ovr_grads and uses.scale_path_W), torch_tile * uses.ovr]
+    k = uses.candidates
+    return {
+        "g_loc": ((n_valid * uses.loc, width), dtype, True),
+        "g_scale": ((n_valid * uses.scale, width), dtype, True),
+        "g_bias": ((vocab * uses.bias,), dtype, True),
+        "g_thr": ((vocab * uses.thr,), dtype, True),
+        "grad_W": ((vocab * uses.W, width), grad_dtype, not (uses.D and n_valid)),
+        "logits": ((chunk * vocab if n_valid else 0,), stored, False),
+        **{name: ((torch_tile,), dtype, False) for name in ("d", "s", "a", "t", "u")},
+        "x": ((torch_tile,), dtype, False),
+        "abs_W": ((vblock * (uses.ovr and not uses.abs_operator), width), mm_dtype, False),
+        "w_lo": ((vblock * width * (weight_dtype != mm_dtype),), mm_dtype, False),
+        "xd_lo": ((torch_tile * low,), mm_dtype, False),
+        "prod_lo": ((max(held) * low,), mm_dtype, False),
+        "g_lo": ((torch_tile * low,), mm_dtype, False),
+        "tmp_W": ((vblock * uses.scale_path_W, width), dtype, False),
+        "u_row_sum": ((n_valid,), torch.float64, True),
+        "p_target": ((n_valid,), torch.float64, True),
+        "cand_top": ((n_valid * bool(k), k), torch.long, False),
+        "cand_lse": ((n_valid * bool(k),), torch.float32, False),
+        # the operator's scale_S input (its outputs d and g overwrite the logits and scale_S); its row sums and the
+        # [threads × block] column sums of D and of the thresholds' gradient
+        "s_tile": ((chunk * vblock * (op and uses.ovr),), mm_dtype, False),
+        "rows_out": ((4 * chunk * op,), dtype, False),
+        "col_sums": ((2 * op, uses.threads * vblock), dtype, False),
+    }
+
+
+def buffer_bytes(buffers: dict) -> int:
+    """Bytes of `lm_loss_buffers`' buffers, all together."""
+    return sum(math.prod(shape) * dt.itemsize for shape, dt, _ in buffers.values())
+
+
+def chunk_tile_bytes(mm_dtype: torch.dtype, weight_dtype: torch.dtype, uses: LossUses, vocab: int = 1 << 16,
+                     width: int = 64) -> float:
+    """Bytes per element of a [chunk × V] tile that `lm_loss_buffers` allocates per token of the chunk, all
+    together (the logits, every tile and scratch; a [chunk × C] or [chunk] one counted as its share of a row of V):
+    what a chunk budget divides by."""
+    grow = (buffer_bytes(lm_loss_buffers(2, 2, vocab, vocab, width, weight_dtype, mm_dtype, uses))
+            - buffer_bytes(lm_loss_buffers(2, 1, vocab, vocab, width, weight_dtype, mm_dtype, uses)))
+    return grow / vocab
 
 
 def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool, scratch: torch.Tensor):

@@ -430,37 +430,30 @@ def chunk_tokens(vocab_size: int, itemsize: int = 4, budget_bytes: int = LOGITS_
 CPU_VOCAB_BLOCK = 4096  # rows of W_A per block on the CPU: a tile of a few hundred tokens stays in cache
 
 
-# On an accelerator: a budget for the [chunk × V] buffers a chunk holds (the logits and every tile of the same
-# shape, all together), and the fewest chunks a loss is cut into (a chunk then holds at most an eighth of the
-# tokens). ACCELERATOR_LOGITS_BUDGET_BYTES: the candidates loss's budget.
-ACCELERATOR_LOGITS_BUDGET_BYTES = 8 * LOGITS_BUDGET_BYTES
-ACCELERATOR_TILES_BUDGET_BYTES = 4 * ACCELERATOR_LOGITS_BUDGET_BYTES
-ACCELERATOR_MIN_CHUNKS = 8
-
-
 def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
 def loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, itemsize: int,
-               tile_bytes: int) -> tuple[int, int]:
+               tile_bytes: float) -> tuple[int, int]:
     """(tokens per chunk, vocabulary rows per block) by default. On the CPU, the chunk's [chunk × V] logits of
     ``itemsize`` bytes fit `chunk_tokens`' budget and blocks of `CPU_VOCAB_BLOCK` rows keep a tile in cache.
 
-    On an accelerator one block spans the vocabulary (a product and a kernel per pass, not a loop over blocks), and a
-    chunk is as large as `ACCELERATOR_MIN_CHUNKS` allow, in a power-of-two number of tokens, never smaller than the
-    chunks of Liger-Kernel's fused linear cross-entropy (⌈V / C⌉ of them), and never larger than
-    `ACCELERATOR_TILES_BUDGET_BYTES` allows for its [chunk × V] buffers, ``tile_bytes`` per element all together
-    (the logits and the tiles of the pass that runs: a few for the Triton kernels, up to ten for the torch code). Each
-    chunk costs its launches and their Python whatever its size (about 60), which Liger's small chunks at a
-    vocabulary of 170 × C (Qwen2.5-0.5B) pay 128 times for 8k tokens, and a product of a few dozen rows leaves the
-    tensor cores idle."""
+    On an accelerator one block spans the vocabulary (a product and a kernel per pass, not a loop over blocks), and
+    a chunk's buffers, ``tile_bytes`` per [chunk × V] element all together (the logits, every tile and every
+    per-token buffer of the pass that runs: `lm_loss.chunk_tile_bytes`), fit the budget of Liger-Kernel's fused linear
+    cross-entropy: its one [chunk × V] logits buffer of ``itemsize`` bytes, at its chunk of
+    next_power_of_2(⌈N / ⌈V / C⌉⌉) tokens, which is about the bytes of the [N × C] input (as many as the largest chunk
+    that fits: a bf16 pass through the Triton kernels holds little more than its logits, about Liger's chunk)."""
     if device.type == "cpu":
         return chunk_tokens(vocab, itemsize), CPU_VOCAB_BLOCK
-    liger = _power_of_two_at_least(-(-max(n_tokens, 1) // -(-vocab // max(width, 1))))
-    few = _power_of_two_at_least(-(-max(n_tokens, 1) // ACCELERATOR_MIN_CHUNKS))
-    budget = 1 << (chunk_tokens(vocab, tile_bytes, ACCELERATOR_TILES_BUDGET_BYTES).bit_length() - 1)
-    return min(budget, max(liger, few)), vocab
+    return max(1, int(liger_logits_bytes(n_tokens, vocab, width, itemsize) // (vocab * tile_bytes))), vocab
+
+
+def liger_logits_bytes(n_tokens: int, vocab: int, width: int, itemsize: int = 2) -> int:
+    """Bytes of Liger-Kernel's fused linear cross-entropy's one [chunk × V] logits buffer for ``n_tokens`` (its
+    chunk: next_power_of_2(⌈N / ⌈V / C⌉⌉) tokens): the budget of the loss's chunks on an accelerator."""
+    return _power_of_two_at_least(-(-max(n_tokens, 1) // -(-vocab // max(width, 1)))) * vocab * itemsize
 
 
 def ovr_loss_shape(device: torch.device, n_tokens: int, vocab: int, width: int, operator: bool) -> tuple[int, int]:

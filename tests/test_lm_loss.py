@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_losses import NAMES, as_float64, assert_rel_close, grads_of, make_inputs
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from causalqwen_adapter.lm_loss import chunk_tile_bytes, chunked_lm_loss
+from causalqwen_adapter.lm_loss import chunked_lm_loss
 from causalqwen_adapter.losses import LOGITS_BUDGET_BYTES, DecisionHead, chunk_tokens, chunked_ovr_loss
 
 
@@ -180,51 +179,6 @@ def test_chunk_size_follows_the_memory_budget():
     budget = LOGITS_BUDGET_BYTES
     assert chunk_tokens(151936) * 4 * 151936 <= budget < (chunk_tokens(151936) + 1) * 4 * 151936
     assert chunk_tokens(10**9) == 1
-
-
-class TileAllocations(TorchDispatchMode):
-    """Bytes of the tensors allocated with ``numel`` elements (a chunk's [chunk × V] buffers, when no other tensor of
-    the loss has that size)."""
-
-    ALLOCATORS = {"empty", "empty_strided", "new_empty", "zeros", "new_zeros"}
-
-    def __init__(self, numel):
-        super().__init__()
-        self.numel, self.bytes = numel, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.__name__.split(".")[0] in self.ALLOCATORS and out.numel() == self.numel:
-            self.bytes += out.numel() * out.element_size()
-        return out
-
-
-def tile_bytes_held(loss: str, matmul_dtype=None, dtype=torch.float32):
-    """(the bytes of the [chunk × V] buffers a loss allocates, the operator flags and the products' dtype
-    `chunk_tile_bytes` takes for it) for 48 targets in chunks of 12 over a vocabulary of 37 in one block; C = 8, so
-    [V × C] and [chunk × C] tensors are not counted."""
-    tensors, labels = make_inputs(48, 8, 37, dtype=dtype)
-    labels.clamp_(min=0)
-    head = DecisionHead(*(tensors[k] for k in NAMES[2:]))
-    options = dict(chunk_size=12, vocab_chunk_size=37, matmul_dtype=matmul_dtype)
-    scale_U = None if loss in ("softmax", "candidates pass") else tensors["scale_U"]
-    with TileAllocations(12 * 37) as seen:
-        chunked_lm_loss(tensors["loc_U"], scale_U, head, labels, candidates=16 if loss == "candidates pass" else None,
-                        **options)
-    mm = matmul_dtype or head.weight.dtype
-    flags = (scale_U is not None, True, scale_U is not None)  # scale_S, d (all train), the OvR gradient
-    return seen.bytes, flags, mm
-
-
-@pytest.mark.parametrize("loss", ["vocabulary", "softmax", "candidates pass"])
-@pytest.mark.parametrize("products", ["float32", "bfloat16 products", "bfloat16 model"])
-def test_the_torch_codes_tiles_are_what_the_chunk_budget_counts(loss, products):
-    """On an accelerator the chunk size comes from a budget on the [chunk × V] buffers (`losses.loss_shape`): the
-    bytes per element `chunk_tile_bytes` counts for the torch code are the bytes it allocates."""
-    kwargs = {"float32": {}, "bfloat16 products": dict(matmul_dtype=torch.bfloat16),
-              "bfloat16 model": dict(dtype=torch.bfloat16)}[products]
-    held, flags, mm = tile_bytes_held(loss, **kwargs)
-    assert held == chunk_tile_bytes(mm, torch.float32, False, flags, False) * 12 * 37 > 0
 
 
 def test_zero_row_of_W_gives_finite_loss_and_gradients():

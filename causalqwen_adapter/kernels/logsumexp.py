@@ -19,7 +19,7 @@ from .triton_utils import (
     tl,
 )
 
-__all__ = ["block_logsumexp_triton"]
+__all__ = ["block_logsumexp_triton", "lse_partials_numel"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -82,11 +82,16 @@ def _lse_finish_kernel(part_ptr, n_seg, n_rows, out_ptr, out_stride):
     tl.store(out_ptr + row.to(tl.int64) * out_stride, top + log_total)
 
 
+def lse_partials_numel(n_rows: int, n_seg: int) -> int:
+    """float32 elements of the (max, sum) partials of ``n_rows`` rows over ``n_seg`` column segments."""
+    return n_seg * 2 * n_rows
+
+
 def _row_lse_partials(loc, bias, store_bias, segments=None):
     """(part, seg, n_seg): the rows' (max, sum) partials over column segments, [n_seg, 2, rows] float32."""
     n_rows, w = loc.shape
     seg, n_seg = _segments(w, n_rows, _ROW_BLOCK_N, loc.device, segments)
-    part = torch.empty(n_seg * 2 * n_rows, dtype=torch.float32, device=loc.device)
+    part = torch.empty(lse_partials_numel(n_rows, n_seg), dtype=torch.float32, device=loc.device)
     _lse_partial_kernel[(n_rows, n_seg)](
         loc, loc.stride(0), part if bias is None else bias, part, n_rows, w, seg,
         HAS_BIAS=bias is not None, STORE_BIAS=bool(store_bias) and bias is not None, BLOCK_N=_ROW_BLOCK_N,

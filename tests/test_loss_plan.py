@@ -1,0 +1,143 @@
+"""`loss_plan.loss_plan` against what the loss allocates and launches: `chunked_lm_loss` through the Triton kernels
+(the CUDA registration made for the CPU, the kernels under Triton's interpreter), its peak of live bytes tracked
+storage by storage, and its launches per chunk counted as the torch operators dispatched plus the Triton calls'."""
+
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import test_cuda_operators  # noqa: E402
+from test_cuda_operators import LaunchCount, kt  # noqa: E402
+from test_losses import make_inputs  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from causalqwen_adapter.lm_loss import chunked_lm_loss  # noqa: E402
+from causalqwen_adapter.loss_plan import loss_plan  # noqa: E402
+from causalqwen_adapter.losses import DecisionHead  # noqa: E402
+
+triton_operators = test_cuda_operators.triton_operators  # the fixture, by name
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes of storages created inside the mode and still alive (each freed storage subtracted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not torch.is_tensor(t):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self.live or storage.nbytes() == 0:
+                continue
+            self.live[key] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+def run_loss(mode, dtype, n=32, width=16, vocab=600, chunk=8):
+    tensors, labels = make_inputs(n, width, vocab, dtype=dtype, threshold="scalar_buffer")
+    labels.clamp_(min=0)
+    head = DecisionHead(*(tensors[k] for k in ("weight", "bias", "b_noise", "threshold")))
+    scale_U = tensors["scale_U"] if mode == "vocabulary" else None
+    return lambda: chunked_lm_loss(tensors["loc_U"], scale_U, head, labels, chunk_size=chunk,
+                                   vocab_chunk_size=vocab, candidates=16 if mode == "candidates pass" else None)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "candidates pass", "vocabulary"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plans_peak_is_the_bytes_the_loss_holds(triton_operators, mode, dtype):
+    loss = run_loss(mode, dtype)
+    with LiveBytes() as seen:
+        result = loss()
+    del result
+    plan = loss_plan(32, 600, 16, dtype, "cpu", mode, chunk=8, vblock=600, multiprocessors=None)
+    # every buffer counted, and the small per-chunk tensors modelled by their largest: never fewer bytes than held
+    assert seen.peak <= plan.peak_bytes <= 1.06 * seen.peak
+
+
+@pytest.mark.parametrize("mode", ["softmax", "candidates pass", "vocabulary"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plans_launches_per_chunk_are_the_loss_launches(triton_operators, monkeypatch, mode, dtype):
+    """Launches per chunk: torch operators dispatched plus three per Triton call (a kernel and its partials), the
+    difference between 4 and 2 chunks over 2."""
+    check_launches(triton_operators, monkeypatch, mode, dtype)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "vocabulary"])
+def test_the_plans_launches_with_a_gpus_one_row_of_column_sums(triton_operators, monkeypatch, mode):
+    """The GPU's path (one row of column sums, added into b_A's gradient by the kernel): 4 launches fewer."""
+    from causalqwen_adapter import lm_loss
+    from causalqwen_adapter import loss_plan as plan_module
+
+    for module in (lm_loss, plan_module):
+        monkeypatch.setattr(module, "tile_thread_count", lambda device: 1)
+    check_launches(triton_operators, monkeypatch, mode, torch.bfloat16)
+
+
+def check_launches(triton_operators, monkeypatch, mode, dtype):
+    for name in ("loss_tile_triton", "block_logsumexp_triton", "abs_linear_triton", "abs_matmul_triton"):
+        def quiet(*args, _fn=getattr(kt, name), **kwargs):  # the interpreter's own torch calls are not launches
+            with _disable_current_modes():
+                return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(kt, name, quiet)
+
+    def launches(chunk):
+        loss = run_loss(mode, dtype, chunk=chunk)
+        triton_operators.update(dict.fromkeys(triton_operators, 0))
+        with LaunchCount() as mode_count:
+            loss()
+        return mode_count.count + 3 * sum(triton_operators.values())
+
+    per_chunk = (launches(8) - launches(16)) / 2
+    plan = loss_plan(32, 600, 16, dtype, "cpu", mode, chunk=8, vblock=600, multiprocessors=None)
+    assert per_chunk == plan.launches_per_chunk
+
+
+def candidate_term(dtype, chunk, n=64, width=256, vocab=600, k=16):
+    from causalqwen_adapter.candidate_loss import candidate_ovr_loss, candidate_rows
+
+    tensors, labels = make_inputs(n, width, vocab, dtype=dtype, threshold="scalar_buffer")
+    labels.clamp_(min=0)
+    head = DecisionHead(*(tensors[key] for key in ("weight", "bias", "b_noise", "threshold")))
+    rows, _ = candidate_rows(tensors["loc_U"].detach(), head, labels, k)
+    return lambda: candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, k, rows=rows,
+                                      chunk_size=chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_candidate_terms_plan_is_what_it_holds_and_launches(dtype):
+    """`candidate_plan` against the candidates' term in plain torch (as on every device): its peak of live bytes
+    (the [chunk, k + 1, C] rows dominate at C = 256) and its launches per chunk (4 chunks against 2)."""
+    from causalqwen_adapter.loss_plan import candidate_plan
+
+    loss = candidate_term(dtype, 32)
+    with LiveBytes() as seen:
+        result = loss()
+    del result
+    plan = candidate_plan(64, 600, 256, dtype, 16, "cpu", chunk=32)
+    assert seen.peak <= plan.peak_bytes <= 1.1 * seen.peak
+
+    def launches(chunk):
+        term = candidate_term(dtype, chunk)
+        with LaunchCount() as count:
+            term()
+        return count.count
+
+    assert (launches(16) - launches(32)) / 2 == plan.launches_per_chunk
