@@ -71,7 +71,7 @@ def _loss_tile_kernel(
     for rb in range(0, group):
         rows = (pid_g * group + rb) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < r
-        adds = (tl.zeros([BLOCK_N], dtype=tl.int32) + rb) >= add_from  # a column mask (the interpreter's rb: an int)
+        adds = (tl.full([BLOCK_N], 0, tl.int32) + rb) >= add_from  # a column mask (the interpreter's rb: an int)
         lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
         target = tl.load(col_ptr + rows, mask=rmask, other=-1).to(tl.int64)
         if RELATIVE:
