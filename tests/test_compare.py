@@ -109,8 +109,14 @@ def test_the_table_is_the_paired_tests_of_the_chosen_runs(base_folder, tokenizer
 def test_held_out_classes_add_the_open_set_metrics(base_folder, tokenizer_dir, tmp_path):
     labels = [" blue", " mat", " four", " friends"]
     data = write_rows(tmp_path / "rows.jsonl", labels, n=80)
-    out = compare.main(argv(base_folder, data, tmp_path / "out", "--unknown_fraction", "0.25",
-                            tokenizer=tokenizer_dir))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        out = compare.main(argv(base_folder, data, tmp_path / "out", "--unknown_fraction", "0.25",
+                                tokenizer=tokenizer_dir))
+        assert torch.get_num_threads() == 3  # --threads 1 held for the command only, not the caller's process
+    finally:
+        torch.set_num_threads(threads)
     assert {r["metric"] for r in out["table"]} == {"accuracy", "macro_f1", "ece", "auroc", "fpr_at_95_tpr",
                                                    "open_set_macro_f1"}
     for seed, known in out["known"].items():

@@ -337,6 +337,7 @@ def quick_prepare_base(monkeypatch):
     monkeypatch.setattr(prepare_base, "join_parts", lambda spec, sources, path: path.write_bytes(b"gguf"))
     monkeypatch.setattr(prepare_base, "convert", convert)
     monkeypatch.setattr(prepare_base, "locate_parts", lambda spec: [])
+    monkeypatch.setattr(prepare_base, "missing_modules", lambda names: [])  # gguf (the demo extra): its reader is mocked
     return prepare_base
 
 

@@ -77,7 +77,7 @@ class CompareArguments:
     labels: list[str] | None = field(default=None, metadata={
         "help": "The label set (completion strings, leading spaces included). Default: every completion of the rows."})
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer folder or Hub id (default: the base's)."})
-    threads: int = field(default=0, metadata={"help": "CPU threads of the training (0: every core)."})
+    threads: int = field(default=0, metadata={"help": "CPU threads of the training and scoring, for this command only (0: torch's default)."})
     overwrite: bool = field(default=False, metadata={"help": "Replace an earlier run's comparison.json and .md."})
 
 
@@ -147,8 +147,17 @@ def run(args: CompareArguments, prepared: tuple | None = None) -> dict:
     if prepared is None:
         check_arguments(args)
         prepared = prepare(args)
+    threads = torch.get_num_threads()
+    if args.threads:  # for this call only: the caller's process keeps its own setting
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, prepared)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: CompareArguments, prepared: tuple) -> dict:
     tokenizer, labels, prompts, targets, protocol = prepared
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).eval()
     cache = args.cache_dir or os.path.join(args.output_dir, "features")
     features = cached_features(cache, base, prompts, targets, labels.token_ids, rebuild=args.rebuild_cache)
