@@ -42,7 +42,7 @@ from causalqwen_adapter.data import check_data_source, load_text_dataset
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 from causalqwen_adapter.evaluation import _format, load_model
 
-from .parsing import CliHfArgumentParser, install_hint, missing_modules, usage_errors
+from .parsing import CliHfArgumentParser, check_output_folder, install_hint, missing_modules, usage_errors
 
 ALIASES = {"--model": "--model_name_or_path", "--test_file": "--dataset_name",
            "--validation_file": "--validation_dataset_name", "--mode": "--inference_mode",
@@ -94,13 +94,7 @@ def check_arguments(args: ClassifyArguments) -> None:
     check_data_source(args.dataset_name, "--dataset_name")
     if args.validation_dataset_name is not None:
         check_data_source(args.validation_dataset_name, "--validation_dataset_name")
-    output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"output_dir {str(output_dir)!r} is a file, not a folder: choose another --output_dir")
-    found = [name for name in OUTPUT_FILES if (output_dir / name).exists()]
-    if found and not args.overwrite:
-        raise FileExistsError(f"{output_dir} already holds {', '.join(found)} (an earlier run's?): pass overwrite=True "
-                              "(--overwrite) to replace them, or choose another folder")
+    check_output_folder(args.output_dir, OUTPUT_FILES, args.overwrite)
 
 
 def tokenizer_source(args: ClassifyArguments) -> str:

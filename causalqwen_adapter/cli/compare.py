@@ -42,7 +42,7 @@ from causalqwen_adapter.configuration_causalqwen import check_number
 from causalqwen_adapter.data import check_data_source
 
 from .classify import read_rows, tokenizer_source
-from .parsing import CliHfArgumentParser, usage_errors
+from .parsing import CliHfArgumentParser, check_output_folder, usage_errors
 
 ALIASES = {"--base": "--model_name_or_path", "--data": "--dataset_name", "--batch_rows": "--per_device_train_batch_size",
            "--steps": "--max_steps", "--cache": "--cache_dir"}
@@ -96,13 +96,7 @@ def check_arguments(args: CompareArguments) -> None:
     check_protocol(protocol_of(args))
     check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
     check_data_source(args.dataset_name, "--dataset_name")
-    output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"output_dir {str(output_dir)!r} is a file, not a folder: choose another --output_dir")
-    found = [name for name in OUTPUT_FILES if (output_dir / name).exists()]
-    if found and not args.overwrite:
-        raise FileExistsError(f"{output_dir} already holds {', '.join(found)} (an earlier run's?): pass --overwrite "
-                              "to replace them, or choose another folder")
+    check_output_folder(args.output_dir, OUTPUT_FILES, args.overwrite)
 
 
 def prepare(args: CompareArguments):

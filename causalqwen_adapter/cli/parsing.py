@@ -10,6 +10,7 @@ import importlib.util
 import sys
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from transformers import HfArgumentParser
 
@@ -74,6 +75,18 @@ def usage_errors(parser: argparse.ArgumentParser):
         yield
     except (ValueError, OSError) as err:
         parser.error(str(err))
+
+
+def check_output_folder(output_dir: str, outputs: Sequence[str], overwrite: bool) -> None:
+    """Refuse, before any work, an --output_dir that is a file, or one holding an earlier run's ``outputs`` unless
+    --overwrite: a command's results never silently replace another's."""
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"output_dir {str(folder)!r} is a file, not a folder: choose another --output_dir")
+    found = [name for name in outputs if (folder / name).exists()]
+    if found and not overwrite:
+        raise FileExistsError(f"{folder} already holds {', '.join(found)} (an earlier run's?): pass overwrite=True "
+                              "(--overwrite) to replace them, or choose another folder")
 
 
 class SuggestingParser:

@@ -47,14 +47,6 @@ def extract(backbone, prompts: list[list[int]], label_ids: list[list[int]] | Non
     return out
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def base_fingerprint(base) -> dict:
     """What identifies a loaded base: its name, the sha256 of its config, and (for a local folder or a Hub snapshot)
     the name, size and modification time of each weight file (hashing gigabytes on every run would cost more than the
