@@ -169,8 +169,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
         targets = labels[rows]
         check_labels(targets, vocab)
         n_valid = rows.numel()
-        loc = loc_U[rows].to(dtype)
-        scale = fuse_noise(loc, scale_U[rows].to(dtype), b_noise.to(dtype), "standard", temperature)[1] if ovr else None
+        # No [N × C] copy of the inputs: each chunk gathers its rows (`chunk_rows`), the scale's with the training
+        # noise T·|b_noise| (float32) added
+        noise_width = (fuse_noise(None, torch.zeros(width, dtype=dtype, device=dev), b_noise.to(dtype), "standard",
+                                  temperature)[1] if ovr else None)
         thr = threshold.to(dtype) if torch.is_tensor(threshold) else threshold
         thr_per_token = torch.is_tensor(thr) and thr.dim() == 1
         if num_items_in_batch is None:
@@ -214,8 +216,14 @@ class _ChunkedLMLoss(torch.autograd.Function):
         buf = {name: (torch.zeros if zero else torch.empty)(shape, dtype=dt, device=dev)
                for name, (shape, dt, zero) in lm_loss_buffers(n_valid, chunk, vblock, vocab, width, weight.dtype,
                                                               mm_dtype, uses).items()}
+        # loc_U's and scale_U's gradients are written in their own dtype chunk by chunk, from a [chunk × C] float32
+        # (g_scale: the |W| product adds in float32, then scaled) or, with one block, product-dtype (g_loc: the one
+        # product's own rounding) accumulator: no [N × C] float32 gradient
         g_loc, g_scale, g_bias, g_thr = (buf[k] if on else None for k, on in (
-            ("g_loc", uses.loc), ("g_scale", uses.scale), ("g_bias", uses.bias), ("g_thr", uses.thr)))
+            ("g_loc", uses.loc and need_D), ("g_scale", uses.scale), ("g_bias", uses.bias), ("g_thr", uses.thr)))
+        grad_loc = torch.zeros_like(loc_U) if need_loc else None
+        grad_scale = torch.zeros_like(scale_U) if ovr and need_scale else None
+        g_noise = buf["g_noise"]  # Σ_rows of the scale's gradient, unscaled, for b_noise's
         # grad_W: in W's dtype when the products run in it (a bfloat16 W sums its chunks' products in bfloat16, as
         # autograd sums a bfloat16 .grad over micro-batches: a second V × C tensor in float32 would cost more memory
         # than the logits), else float32. Written, not added to, by the first chunk when D exists (no pass to zero
@@ -340,12 +348,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
         for r0 in range(0, n_valid, chunk):
             r1 = min(r0 + chunk, n_valid)
             r, first = r1 - r0, r0 == 0
-            loc_r, tgt = loc[r0:r1], targets[r0:r1]
-            loc_mm = loc_r.to(mm_dtype)  # [chunk × C]: small next to the tiles
-            scale_mm = scale[r0:r1].to(mm_dtype) if ovr else None
+            idx, tgt = rows[r0:r1], targets[r0:r1]
+            loc_mm = chunk_rows(loc_U, idx, dtype).to(mm_dtype)  # [chunk × C]: small next to the tiles
+            scale_mm = torch.add(chunk_rows(scale_U, idx, dtype), noise_width).to(mm_dtype) if ovr else None
+            g_loc_r = None if g_loc is None else g_loc[:r]
+            g_scale_r = None if g_scale is None else g_scale[:r]
+            if g_scale_r is not None and abs_add is not None:  # the operator adds
+                g_scale_r.zero_()
             # Block b's logits are the contiguous [r, w] slice logits_buf[r·v0 : r·v1].
             logits = [logits_buf[r * v0 : r * v1].view(r, v1 - v0) for v0, v1 in blocks]
-            block_lse = loc.new_empty(r, len(blocks))
+            block_lse = torch.empty(r, len(blocks), dtype=dtype, device=dev)
             block_top = []
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass A
                 product(stored, loc_mm, lowered(weight[v0:v1], w_lo).T, overwrite=True)
@@ -382,9 +394,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 x_mm, d_mm, d_cols = tile(i, v0, v1, stored, w_blk, abs_w, r, r0, r1, tgt, scale_mm)
                 if ovr_grads and g_scale is not None:
                     if abs_add is not None:
-                        abs_add(x_mm, w_blk, g_scale[r0:r1])
+                        abs_add(x_mm, w_blk, g_scale_r)
                     else:
-                        product(g_scale[r0:r1], x_mm, abs_w)
+                        product(g_scale_r, x_mm, abs_w, overwrite=i == 0)
                 if ovr_grads and scale_path_W:  # ∂/∂W of |W|·scale is sign(W)·(…), with the scale path's minus sign
                     tmp = product(tmp_W[:w], x_mm.T, scale_mm, overwrite=True)
                     tmp.mul_(torch.sign(w_blk) if abs_w is None else torch.sign(w_blk, out=abs_w))  # abs_w's last use
@@ -394,11 +406,18 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     else:
                         grad_W[v0:v1] += tmp
                 if need_D and need_loc:
-                    product(g_loc[r0:r1], d_mm, w_blk)
+                    product(g_loc_r, d_mm, w_blk, overwrite=i == 0)
                 if need_D and need_W:
                     product(grad_W[v0:v1], d_mm.T, loc_mm, overwrite=first and not scale_path_W)
                 if d_cols is not None:
                     g_bias[v0:v1] += d_cols
+            if g_loc_r is not None:
+                grad_loc.index_copy_(0, idx, g_loc_r.to(grad_loc.dtype))
+            if g_scale_r is not None:
+                if need_noise:
+                    g_noise += g_scale_r.sum(0)
+                if grad_scale is not None:
+                    grad_scale.index_copy_(0, idx, g_scale_r.mul_(-ovr_factor).to(grad_scale.dtype))
 
         n_tok = max(n_valid, 1)
         loss = ((softmax_weight * nll_sum + ovr_sum) / denom).to(torch.float32)
@@ -411,15 +430,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         )
         ctx.mark_non_differentiable(*stats, cand_lse)
 
-        grad_loc = grad_scale = grad_bias = grad_noise = grad_thr = None
-        if need_loc:
-            grad_loc = torch.zeros_like(loc_U).index_copy_(0, rows, g_loc.to(loc_U.dtype))
-        if g_scale is not None:
-            g_scale.mul_(-ovr_factor)
-            if need_scale:
-                grad_scale = torch.zeros_like(scale_U).index_copy_(0, rows, g_scale.to(scale_U.dtype))
-            if need_noise:
-                grad_noise = (temperature * b_noise.to(dtype).sign() * g_scale.sum(0)).to(b_noise.dtype)
+        grad_bias = grad_noise = grad_thr = None
+        if ovr and need_noise:
+            grad_noise = (temperature * b_noise.to(dtype).sign() * g_noise.mul_(-ovr_factor)).to(b_noise.dtype)
         if need_bias:
             grad_bias = g_bias.to(bias.dtype)
         if g_thr is not None:
@@ -467,15 +480,18 @@ def lm_loss_buffers(n_valid: int, chunk: int, vblock: int, vocab: int, width: in
     torch_tile = 0 if op else chunk * vblock
     grad_dtype = weight_dtype if weight_dtype == mm_dtype else dtype
     # prod_lo holds a product of operands in the products' dtype whose destination is wider (`_product`): the
-    # location gradient [chunk × C], the scale path's [chunk × C] and its W share [block × C] without the |W|
+    # location gradient [chunk × C] with several blocks, the scale path's [chunk × C] and its W share [block × C] without the |W|
     # operator, W_A's [block × C] when its gradient is wider, and the torch code's scale_S tile
-    held = [chunk * width * (uses.D and uses.loc), vblock * width * (uses.D and uses.W and grad_dtype != mm_dtype),
+    held = [chunk * width * (uses.D and uses.loc and vblock < vocab), vblock * width * (uses.D and uses.W and grad_dtype != mm_dtype),
             chunk * width * (uses.ovr_grads and uses.scale and not uses.abs_operator),
             vblock * width * (uses.ovr_grads and uses.scale_path_W), torch_tile * uses.ovr]
     k = uses.candidates
     return {
-        "g_loc": ((n_valid * uses.loc, width), dtype, True),
-        "g_scale": ((n_valid * uses.scale, width), dtype, True),
+        # a chunk's gradients of loc_U (one block: in the products' dtype, their one product's rounding) and of the
+        # scale (float32); the Σ_rows of the latter for b_noise's
+        "g_loc": ((chunk * (uses.loc and uses.D), width), mm_dtype if vblock >= vocab else dtype, False),
+        "g_scale": ((chunk * uses.scale, width), dtype, False),
+        "g_noise": ((width * uses.scale,), dtype, True),
         "g_bias": ((vocab * uses.bias,), dtype, True),
         "g_thr": ((vocab * uses.thr,), dtype, True),
         "grad_W": ((vocab * uses.W, width), grad_dtype, not (uses.D and n_valid)),
@@ -513,6 +529,13 @@ def chunk_tile_bytes(mm_dtype: torch.dtype, weight_dtype: torch.dtype, uses: Los
     grow = (buffer_bytes(lm_loss_buffers(2, 2, vocab, vocab, width, weight_dtype, mm_dtype, uses))
             - buffer_bytes(lm_loss_buffers(2, 1, vocab, vocab, width, weight_dtype, mm_dtype, uses)))
     return grow / vocab
+
+
+def chunk_rows(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``idx`` of an input, a fresh tensor, rounded to ``dtype`` when it is wider (from a narrower one any later
+    cast rounds once, as from its ``dtype`` copy)."""
+    rows = x[idx]
+    return rows.to(dtype) if rows.dtype.itemsize > dtype.itemsize else rows
 
 
 def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool, scratch: torch.Tensor):

@@ -89,12 +89,13 @@ def loss_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.
     chunk, vblock = equal_chunk_size(n_tokens, chunk), min(vblock, vocab)
     specs = lm_loss_buffers(n_tokens, chunk, vblock, vocab, width, dtype, dtype, uses)
     held = {name: buffer_bytes({name: spec}) for name, spec in specs.items() if buffer_bytes({name: spec})}
-    # the rows with a target, as the math's dtype (and the fused scale); the chunk's operands in the products' dtype
-    held["loc"] = n_tokens * width * math_dtype.itemsize
-    held["loc, chunk operand"] = chunk * width * dtype.itemsize * (dtype != math_dtype)
+    # the inputs' gradients in their dtype, written chunk by chunk; the chunk's rows of the inputs, gathered, in the
+    # products' dtype (loc_U's in its own, the fused scale's from a float32 sum)
+    held["grad_loc out"] = n_tokens * width * dtype.itemsize
+    held["loc, chunk operand"] = chunk * width * dtype.itemsize
     if uses.ovr:
-        held["scale"] = held["loc"]
-        held["scale, chunk operand"] = held["loc, chunk operand"]
+        held["grad_scale out"] = held["grad_loc out"]
+        held["scale, chunk operand"] = chunk * width * dtype.itemsize
     held["pass A logsumexp"] = 2 * chunk * 4
     # b_A in float32 for the kernels, and a chunk's column sums of D
     held["bias, float32"] = vocab * 4 * (bias and operator and dtype != torch.float32)
@@ -102,12 +103,8 @@ def loss_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.
     if uses.candidates:  # top-k values and ids, then their merge
         held["top-k"] = chunk * uses.candidates * (4 + 8)
     scratch = _kernel_scratch(uses, chunk, vocab, width, dtype, multiprocessors) if operator else {}
-    # at the end: the inputs' gradients in their dtype, next to the buffers (the largest of those or the scratch)
-    outputs = {"grad_loc out": n_tokens * width * (dtype.itemsize + dtype.itemsize * (dtype != math_dtype))}
-    if uses.ovr:
-        outputs["grad_scale out"] = outputs["grad_loc out"]
-    transient = max([scratch, outputs], key=lambda d: sum(d.values()))
-    held.update(transient)
+    if scratch:  # the kernels run one after another: their largest scratch
+        held.update([max(scratch.items(), key=lambda kv: kv[1])])
     launches = loss_launches(uses, dtype)
     return LossPlan(chunk, -(-n_tokens // chunk), held, sum(held.values()), launches)
 
