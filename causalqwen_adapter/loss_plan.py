@@ -60,12 +60,14 @@ def _kernel_scratch(uses: LossUses, chunk: int, vocab: int, width: int, mm_dtype
     groups = loss_tile.loss_tile_row_groups(chunk)[0]
     block_n = loss_tile._LOSS_BLOCK_N[mm_dtype if mm_dtype in loss_tile._LOSS_BLOCK_N else torch.float32]
     seg = triton_utils._segments(vocab, groups, block_n, device, segments(groups))[1]
-    scratch["loss tile partials"] = sum(loss_tile.loss_tile_scratch_numel(chunk, vocab, flags, seg)) * 4
+    rows, *cols = loss_tile.loss_tile_scratch_numel(chunk, vocab, flags, seg)
+    # with several row groups, each column partial's sum over them, [w], before it is added
+    scratch["loss tile partials"] = (rows + sum(cols) + vocab * sum(map(bool, cols))) * 4
     if uses.abs_operator and uses.scale:
         bm, bv, bk, _ = abs_matmul._matmul_blocks(chunk, triton_utils._precision(mm_dtype), reduced="V")
         across = -(-chunk // bm) * -(-width // bk)
         seg = triton_utils._segments(vocab, across, bv, device, segments(across))[1]
-        scratch["|W| product partials"] = seg * chunk * width * 4 * (seg > 1)
+        scratch["|W| product partials"] = (seg + 1) * chunk * width * 4 * (seg > 1)  # and their sum
     return scratch
 
 
@@ -92,16 +94,19 @@ def loss_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.
     # the inputs' gradients in their dtype, written chunk by chunk; the chunk's rows of the inputs, gathered, in the
     # products' dtype (loc_U's in its own, the fused scale's from a float32 sum)
     held["grad_loc out"] = n_tokens * width * dtype.itemsize
+    held["rows, targets"] = 2 * n_tokens * 8  # the positions with a target, their labels
     held["loc, chunk operand"] = chunk * width * dtype.itemsize
     if uses.ovr:
         held["grad_scale out"] = held["grad_loc out"]
         held["scale, chunk operand"] = chunk * width * dtype.itemsize
+        held["noise width"] = width * math_dtype.itemsize  # T·|b_noise|
     held["pass A logsumexp"] = 2 * chunk * 4
     # b_A in float32 for the kernels, and a chunk's column sums of D
     held["bias, float32"] = vocab * 4 * (bias and operator and dtype != torch.float32)
     held["column sums"] = vblock * 4 * (bias and operator)
-    if uses.candidates:  # top-k values and ids, then their merge
-        held["top-k"] = chunk * uses.candidates * (4 + 8)
+    if uses.candidates:  # the block's top-k values and ids, then their merge (float32 values), alive to the next chunk
+        held["top-k"] = chunk * uses.candidates * (dtype.itemsize + 8 + 4 + 8)
+    held["target columns, sums"] = chunk * 8 + 2 * 8  # the chunk's target columns; the loss's two float64 sums
     scratch = _kernel_scratch(uses, chunk, vocab, width, dtype, multiprocessors) if operator else {}
     if scratch:  # the kernels run one after another: their largest scratch
         held.update([max(scratch.items(), key=lambda kv: kv[1])])

@@ -2,6 +2,8 @@
 (the CUDA registration made for the CPU, the kernels under Triton's interpreter), its peak of live bytes tracked
 storage by storage, and its launches per chunk counted as the torch operators dispatched plus the Triton calls'."""
 
+import gc
+import sys
 import weakref
 
 import pytest
@@ -15,6 +17,7 @@ from test_losses import make_inputs  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
+from causalqwen_adapter.kernels.cuda import TRITON_MODULES  # noqa: E402
 from causalqwen_adapter.lm_loss import chunked_lm_loss  # noqa: E402
 from causalqwen_adapter.loss_plan import loss_plan  # noqa: E402
 from causalqwen_adapter.losses import DecisionHead  # noqa: E402
@@ -24,14 +27,22 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserW
 
 
 class LiveBytes(TorchDispatchMode):
-    """The peak of the bytes of storages created inside the mode and still alive (each freed storage subtracted)."""
+    """The peak of the bytes of storages created inside the mode and still alive (each freed storage subtracted).
+    `inside` gives a mode counting into the same totals, for the torch calls an operator makes (a mode is off while
+    it runs the operator it sees)."""
 
     def __init__(self):
         super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
+        self.live, self.now, self.peak, self.counts = {}, 0, 0, self
+
+    def inside(self):
+        inner = LiveBytes()
+        inner.counts = self
+        return inner
 
     def _free(self, key):
-        self.now -= self.live.pop(key, 0)
+        counts = self.counts
+        counts.now -= counts.live.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
@@ -39,15 +50,50 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if not torch.is_tensor(t):
                 continue
-            storage = t.untyped_storage()
+            storage, counts = t.untyped_storage(), self.counts
             key = storage.data_ptr()
-            if key in inputs or key in self.live or storage.nbytes() == 0:
+            if key in inputs or key in counts.live or storage.nbytes() == 0:
                 continue
-            self.live[key] = storage.nbytes()
-            self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now)
-            weakref.finalize(storage, self._free, key)
+            counts.live[key] = storage.nbytes()
+            counts.now += storage.nbytes()
+            counts.peak = max(counts.peak, counts.now)
+            weakref.finalize(storage, counts._free, key)
         return out
+
+
+TRITON_CALLS = ("loss_tile_triton", "block_logsumexp_triton", "abs_linear_triton", "abs_matmul_triton")
+
+
+class _Launch:
+    """A Triton kernel whose launches run with the modes off: the interpreter's own torch calls stand for the
+    GPU's registers and shared memory, not for allocations. The interpreter leaves its arguments in reference cycles
+    (a kernel's partial sums would outlive the function that freed them): collected after each launch."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with _disable_current_modes():
+                self.kernel[grid](*args, **kwargs)
+            gc.collect()
+
+        return launch
+
+
+def seen_inside_the_kernels(monkeypatch, seen: LiveBytes):
+    """The Triton functions' own allocations (their partial sums) counted into ``seen``, their launches not."""
+    package = kt.available.__module__.rpartition(".")[0]  # the interpreted copy's
+    for module in (sys.modules[f"{package}.{name}"] for name in TRITON_MODULES):
+        for attr, value in vars(module).copy().items():
+            if attr.endswith("_kernel"):
+                monkeypatch.setattr(module, attr, _Launch(value))
+    for name in TRITON_CALLS:
+        def counted(*args, _fn=getattr(kt, name), **kwargs):
+            with seen.inside():
+                return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(kt, name, counted)
 
 
 def run_loss(mode, dtype, n=32, width=16, vocab=600, chunk=8):
