@@ -143,6 +143,18 @@ def test_loss_with_the_gpu_operators_in_bfloat16(triton_operators):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vocabulary_loss_at_a_real_ish_vocabulary(triton_operators, dtype):
+    """The OvR loss over the vocabulary with the cross-entropy through the Triton operators at V = 5,003 (a prime: a
+    last partial column block in every kernel, several column segments), positions without a target and three chunks
+    against the float64 reference: loc_U's and the scale's gradients, written chunk by chunk into their
+    rows, and b_noise's, summed chunk by chunk."""
+    tensors, labels = make_inputs(23, 16, 5003, dtype=dtype, threshold="vector")
+    tol = dict(rtol=1e-5, grad_rtol=1e-5) if dtype == torch.float32 else dict(rtol=4e-3, grad_rtol=3e-2)
+    check(tensors, labels, ovr_trains_location=True, chunk_size=7, vocab_chunk_size=5003, **tol)
+    assert triton_operators["loss_tile_triton"] == 3 and triton_operators["abs_matmul_triton"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_candidates_from_the_gpu_operators_pass(triton_operators, dtype):
     """The cross-entropy's pass through the Triton operators (float32 logits with b_A added by the logsumexp
     kernel, bf16 ones too, rounded: the top-k reads them in place) finds the same candidates as
