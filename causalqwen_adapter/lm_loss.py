@@ -480,9 +480,10 @@ def lm_loss_buffers(n_valid: int, chunk: int, vblock: int, vocab: int, width: in
     torch_tile = 0 if op else chunk * vblock
     grad_dtype = weight_dtype if weight_dtype == mm_dtype else dtype
     # prod_lo holds a product of operands in the products' dtype whose destination is wider (`_product`): the
-    # location gradient [chunk × C] with several blocks, the scale path's [chunk × C] and its W share [block × C] without the |W|
-    # operator, W_A's [block × C] when its gradient is wider, and the torch code's scale_S tile
-    held = [chunk * width * (uses.D and uses.loc and vblock < vocab), vblock * width * (uses.D and uses.W and grad_dtype != mm_dtype),
+    # location gradient [chunk × C] with several blocks, the scale path's [chunk × C] and its W share [block × C]
+    # without the |W| operator, W_A's [block × C] when its gradient is wider, and the torch code's scale_S tile
+    held = [chunk * width * (uses.D and uses.loc and vblock < vocab),
+            vblock * width * (uses.D and uses.W and grad_dtype != mm_dtype),
             chunk * width * (uses.ovr_grads and uses.scale and not uses.abs_operator),
             vblock * width * (uses.ovr_grads and uses.scale_path_W), torch_tile * uses.ovr]
     k = uses.candidates
@@ -532,8 +533,8 @@ def chunk_tile_bytes(mm_dtype: torch.dtype, weight_dtype: torch.dtype, uses: Los
 
 
 def chunk_rows(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``idx`` of an input, a fresh tensor, rounded to ``dtype`` when it is wider (from a narrower one any later
-    cast rounds once, as from its ``dtype`` copy)."""
+    """Rows ``idx`` of an input, a fresh tensor: rounded to ``dtype`` first where the input is wider, as the math's
+    copy of it is (from a narrower input, ``dtype`` is exact and a later cast rounds as from that copy)."""
     rows = x[idx]
     return rows.to(dtype) if rows.dtype.itemsize > dtype.itemsize else rows
 
