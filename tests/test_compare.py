@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from causalqwen_adapter.classification import LabelSet
 from causalqwen_adapter.cli import compare
 from causalqwen_adapter.comparison import runs as runs_module
+from causalqwen_adapter.comparison.plots import PLOT_FILES, draw
 from causalqwen_adapter.comparison.runs import Protocol, run_comparison, seed_data
 from causalqwen_adapter.comparison.training import FreshHeads, RecipeRates, train_arm
 from causalqwen_adapter.comparison.verdicts import paired_table
@@ -124,6 +125,11 @@ def test_held_out_classes_add_the_open_set_metrics(base_folder, tokenizer_dir, t
     for run in out["runs"]:
         assert run["test"]["rejection_score"] == ("ovr_max_prob" if run["arm"] == "ovr_candidates" else "energy")
         assert 0 <= run["test"]["auroc"] <= 1 and 0 <= run["test"]["open_set_macro_f1"] <= 1
+    # the plots, beside the JSON: one panel per metric of the table, the open-set ones included
+    assert all((tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG" for name in PLOT_FILES)
+    saved = json.loads((tmp_path / "out" / "comparison.json").read_text())
+    assert [ax.get_title().split(" (")[0] for ax in draw(saved)["comparison_differences.png"].axes] == \
+        ["accuracy", "macro_f1", "ece", "auroc", "fpr_at_95_tpr", "open_set_macro_f1"]
 
 
 def _features(base, n=30, seed=0):
