@@ -106,7 +106,8 @@ def open_set(model, arm, z, fine, known: list[int], val_z, val_fine, labels, cov
     below that threshold) over the known classes and "unknown". The OvR acceptance max_k P_k is read under the arm's
     link: its threshold is a P_k under that link, and the rows are ranked by max_k x_k, the same order as max_k P_k
     under either link (F increases), without P rounding to 0 or 1 where |x| is large (σ(x) is 0 in float32 below
-    x ≈ −104, where heads started at γ₀ = 0.005 put most rows, and every tie counts half in the AUROC)."""
+    x ≈ −104, and every tie counts half in the AUROC; heads started at γ₀ = 0.005 put every row of the tests' tiny
+    base near x ≈ −700)."""
     index = {k: i for i, k in enumerate(known)}
     is_known = torch.tensor([f in index for f in fine.tolist()])
     if is_known.all() or not is_known.any():
