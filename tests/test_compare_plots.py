@@ -83,6 +83,9 @@ def test_a_saved_comparison_is_drawn_again(tmp_path, capsys):
     written = plots.main([str(tmp_path / "comparison.json")])
     assert written == [tmp_path / name for name in plots.PLOT_FILES]
     assert all(path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG" for path in written)
+    elsewhere = plots.main([str(tmp_path / "comparison.json"), "--output_dir", str(tmp_path / "new" / "plots")])
+    assert elsewhere == [tmp_path / "new" / "plots" / name for name in plots.PLOT_FILES]  # the folder is made
+    assert all(path.is_file() for path in elsewhere)
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(SystemExit) as error:
         plots.main([str(tmp_path / "other.json")])

@@ -114,6 +114,7 @@ def draw(results: dict) -> dict:
 def write_plots(results: dict, output_dir) -> list[Path]:
     """Draw `results` into `output_dir`; the paths written."""
     output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)  # a redraw's --output_dir may be new
     written = []
     for name, fig in draw(results).items():
         fig.savefig(output_dir / name, dpi=110)
