@@ -136,7 +136,7 @@ def candidate_chunk_tokens(k: int, width: int, device: torch.device | str = "cpu
     element, within a budget: the cross-entropy's logits budget on the CPU (a chunk's tensors stay small next to its
     tiles), the cross-entropy's on an accelerator (Liger-Kernel's logits for ``n_tokens`` at ``vocab``,
     `losses.liger_logits_bytes`: 316 tokens at k = 16, C = 896, V = 151,936, 16k targets), where each chunk costs
-    about 20 kernel launches whatever its size (`loss_plan.candidate_launches` counts them)."""
+    about 19 kernel launches whatever its size (`loss_plan.candidate_launches` counts them)."""
     cpu = torch.device(device).type == "cpu"
     budget = LOGITS_BUDGET_BYTES if cpu else liger_logits_bytes(n_tokens, vocab, width)
     per_element = 16 if cpu else CANDIDATE_CHUNK_BYTES_PER_ROW  # the CPU's chunks as they were timed
@@ -168,7 +168,7 @@ def _score_gradients(x, scale_S, floored, sign, minus_weight, one):
     place: ∂(−log Q(z))/∂z = 1/((1 + z²)·atan2(1, z)) (autograd's formula), ∂ℓ/∂C = −∂ℓ/∂loc_S; the floor of scale_S
     passes no gradient. ``minus_weight`` = −sign·weight, ``one`` a 0-dim 1."""
     z = x * sign
-    d_threshold = minus_weight / z.square().add_(1).mul_(torch.atan2(one, z)).mul_(floored)
+    d_threshold = minus_weight / torch.addcmul(one, z, z).mul_(torch.atan2(one, z)).mul_(floored)
     d_scale = (d_threshold * x).masked_fill_(scale_S < torch.finfo(scale_S.dtype).tiny, 0.0)
     return d_threshold, d_scale
 

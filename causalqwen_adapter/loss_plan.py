@@ -133,7 +133,7 @@ def candidate_launches(dtype: torch.dtype = torch.bfloat16, trains_location: boo
     [N, k + 1] terms' values, the sums and b_A's, the thresholds' and b_noise's gradients."""
     low = int(dtype != torch.float32)
     launches = {"W_A rows: gather, cast, |rows|": 2 + low, "loc_U cast": low, "fused scale": 1,
-                "x: 2 batched products, floor, divide": 4, "gradient's elementwise": 10, "grad scale_U product": 1}
+                "x: 2 batched products, floor, divide": 4, "gradient's elementwise": 9, "grad scale_U product": 1}
     if trains_location:
         launches.update({"grad loc_U product": 1, "grad W_A rows and their index_add": 5})
     return launches
