@@ -324,7 +324,12 @@ class CausalAdapterMixin:
         if "torch_dtype" in kwargs:
             dtype = kwargs.pop("torch_dtype")
         if not os.path.isdir(adapter):  # a Hub id not found or out of reach (HF_HUB_OFFLINE): transformers' answer
-            cached_file(adapter, "config.json", **hub_kwargs)
+            try:
+                cached_file(adapter, "config.json", **hub_kwargs)
+            except OSError as err:  # the offline answer does not say which repository it could not reach
+                if adapter in str(err):
+                    raise
+                raise OSError(f"cannot load the adapter {adapter!r}: {err}") from err
         if not isinstance(config, cls.config_class):
             if cached_file(adapter, "config.json", _raise_exceptions_for_missing_entries=False, **hub_kwargs) is None:
                 aside = interrupted_swap(Path(adapter)) if os.path.isdir(adapter) else None

@@ -4,12 +4,13 @@ candidates come from the cross-entropy's fused pass (`lm_loss.chunked_lm_loss`) 
 no-grad pass; the loss reads only their rows of W_A, token chunk by token chunk.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .cauchy import check_labels, fuse_noise, ovr_log_probs, ovr_standardize
+from .cauchy import check_labels, fuse_noise
 from .losses import (
     LOGITS_BUDGET_BYTES,
     DecisionHead,
@@ -125,8 +126,8 @@ def candidate_ovr_loss(
     return loss, stats
 
 
-CANDIDATE_CHUNK_BYTES_PER_ROW = 12  # per element of [chunk, k + 1, C]: W_A's rows and |W_A's| in float32, and the
-# copy of |W_A's| rows transposed that the scale's gradient (bmm's backward) makes on the CPU (loss_plan counts them)
+CANDIDATE_CHUNK_BYTES_PER_ROW = 8  # per element of [chunk, k + 1, C]: W_A's rows and their |W_A| in float32 (W_A's
+# rows' gradient, when the locations train, is written over the rows; a bf16 gather is freed by its cast)
 
 
 def candidate_chunk_tokens(k: int, width: int, device: torch.device | str = "cpu", n_tokens: int = 16384,
@@ -134,31 +135,49 @@ def candidate_chunk_tokens(k: int, width: int, device: torch.device | str = "cpu
     """Tokens per chunk of `candidate_ovr_loss`: its [chunk, k + 1, C] tensors, `CANDIDATE_CHUNK_BYTES_PER_ROW` per
     element, within a budget: the cross-entropy's logits budget on the CPU (a chunk's tensors stay small next to its
     tiles), the cross-entropy's on an accelerator (Liger-Kernel's logits for ``n_tokens`` at ``vocab``,
-    `losses.liger_logits_bytes`: 190 tokens at k = 16, C = 896, V = 151,936, 16k targets), where each chunk costs
-    about 120 kernel launches whatever its size."""
+    `losses.liger_logits_bytes`: 316 tokens at k = 16, C = 896, V = 151,936, 16k targets), where each chunk costs
+    about 19 kernel launches whatever its size (`loss_plan.candidate_launches` counts them)."""
     cpu = torch.device(device).type == "cpu"
     budget = LOGITS_BUDGET_BYTES if cpu else liger_logits_bytes(n_tokens, vocab, width)
     per_element = 16 if cpu else CANDIDATE_CHUNK_BYTES_PER_ROW  # the CPU's chunks as they were timed
     return max(1, budget // (per_element * (k + 1) * max(width, 1)))
 
 
-def _candidate_terms(loc, scale, weight_rows, bias_rows, threshold, rows: CandidateRows, targets):
-    """Σ of the candidates' BCE terms and their P [r, k + 1] on one token chunk: the loss's formula, written once.
-    ``loc``, ``scale``: the chunk's fused individual law [r, C]; ``weight_rows`` [r, k + 1, C]; ``bias_rows``
-    [r, k + 1] or None; ``threshold``: a float, a 0-dim tensor or the chunk's per-candidate thresholds."""
-    loc_S = torch.bmm(weight_rows, loc.unsqueeze(-1)).squeeze(-1)
-    scale_S = torch.bmm(weight_rows.abs(), scale.unsqueeze(-1)).squeeze(-1)
-    if bias_rows is not None:
-        loc_S = loc_S + bias_rows
-    if rows.log_partition is not None:
-        loc_S = loc_S - rows.log_partition.unsqueeze(1)
-    log_p, log_not_p = ovr_log_probs(ovr_standardize(loc_S, scale_S, threshold))
-    is_target = rows.ids == targets.unsqueeze(1)
-    loss = -torch.where(is_target, log_p, log_not_p).masked_fill(~rows.counted, 0.0).sum()
-    return loss, log_p.detach().exp().masked_fill(~rows.counted, 0.0), is_target
+def _standardized_scores(w_rows, abs_rows, loc, scale, shift):
+    """(x, scale_S, scale_S floored) [r, k + 1] on one token chunk: x = (loc_S − C) / scale_S (`ovr_standardize`), loc_S
+    = W_A's rows · ``loc`` + ``shift`` (b_A's rows minus the log-partition and the threshold), scale_S = |W_A's rows|
+    · ``scale`` (the fused scale): two batched products, the shift added by the first."""
+    loc_S = torch.baddbmm(shift.unsqueeze(-1), w_rows, loc.unsqueeze(-1)).squeeze(-1)
+    scale_S = torch.bmm(abs_rows, scale.unsqueeze(-1)).squeeze(-1)
+    floored = scale_S.clamp_min(torch.finfo(scale_S.dtype).tiny)
+    return loc_S / floored, scale_S, floored
+
+
+def _candidate_losses(x, sign):
+    """(−log of each candidate's likelihood, P) [N, k + 1] from x and ``sign`` (−1 at the target, +1 elsewhere): with
+    z = sign·x the likelihood is Q(z) = atan2(1, z)/π (P_y at the target, 1 − P_j elsewhere: `cauchy.ovr_log_probs`),
+    its log through log1p(−atan2(1, −z)/π) below 0 so that no digit of a small 1 − Q is lost."""
+    z = x * sign
+    q = torch.atan2(torch.ones((), dtype=x.dtype, device=x.device), z.abs()) / math.pi  # min(Q, 1 − Q)
+    minus_log = torch.where(z < 0, torch.log1p(-q), torch.log(q)).neg_()
+    return minus_log, torch.where(x < 0, q, 1 - q)
+
+
+def _score_gradients(x, scale_S, floored, sign, minus_weight, one):
+    """(∂ℓ/∂C, ∂ℓ/∂scale_S) [r, k + 1] of one chunk's ℓ = Σ weight·(−log Q(sign·x)) (`_candidate_losses`), by hand in
+    place: ∂(−log Q(z))/∂z = 1/((1 + z²)·atan2(1, z)) (autograd's formula), ∂ℓ/∂C = −∂ℓ/∂loc_S; the floor of scale_S
+    passes no gradient. ``minus_weight`` = −sign·weight, ``one`` a 0-dim 1."""
+    z = x * sign
+    d_threshold = minus_weight / torch.addcmul(one, z, z).mul_(torch.atan2(one, z)).mul_(floored)
+    d_scale = (d_threshold * x).masked_fill_(scale_S < torch.finfo(scale_S.dtype).tiny, 0.0)
+    return d_threshold, d_scale
 
 
 class _CandidateOvRLoss(torch.autograd.Function):
+    """Forward and gradients in one pass, token chunk by chunk (`candidate_ovr_loss`): per chunk a gather of W_A's
+    rows, two batched products for x, the gradient's elementwise work in place and one batched product per input
+    that trains; the [N, k + 1] terms (x, the gradient at the shift) kept, their values and sums taken once."""
+
     @staticmethod
     def forward(ctx, loc_U, scale_U, weight, bias, b_noise, threshold, rows, options, grad_enabled):
         relative, trains_location, temperature, chunk = options
@@ -168,58 +187,75 @@ class _CandidateOvRLoss(torch.autograd.Function):
         # the thresholds only).
         need_loc, need_W, need_bias = (need and trains_location for need in (need_loc, need_W, need_bias))
         dtype = torch.promote_types(weight.dtype, torch.float32)
-        n, vocab = len(rows.ids), weight.shape[0]
-        targets = rows.ids[:, -1]
+        n, (vocab, width), k1 = len(rows.ids), weight.shape, rows.ids.shape[1]
         thr_is_tensor = torch.is_tensor(threshold)
-        thr_vector = thr_is_tensor and threshold.dim() == 1
-        noise = b_noise.detach().to(dtype).requires_grad_(need_noise)
-        thr = threshold.detach().to(dtype).requires_grad_(need_thr) if thr_is_tensor else threshold
-        grads = {
-            "loc": torch.zeros_like(loc_U, dtype=dtype) if need_loc else None,
-            "scale": torch.zeros_like(scale_U, dtype=dtype) if need_scale else None,
-            "W": weight.new_zeros(vocab, weight.shape[1], dtype=dtype) if need_W else None,
-            "bias": bias.new_zeros(vocab, dtype=dtype) if need_bias else None,
-            "noise": torch.zeros_like(noise) if need_noise else None,
-            "thr": torch.zeros_like(thr) if thr_is_tensor and need_thr else None,
-        }
-        loss = torch.zeros((), dtype=torch.float64, device=weight.device)
-        p_target = torch.zeros((), dtype=torch.float64, device=weight.device)
-        p_sum = torch.zeros((), dtype=torch.float64, device=weight.device)
+        need_thr = need_thr and thr_is_tensor
+        flat_ids = rows.ids.reshape(-1)
+        # per position, once: the sign of z (−1 at the target), the weights (0 for a target already among the top-k)
+        is_target = rows.ids == rows.ids[:, -1:]
+        sign = torch.where(is_target, -1.0, 1.0).to(dtype)
+        weight_of = rows.counted.to(dtype)
+        minus_weight = -sign * weight_of
+        # loc_S − C = W_A's rows · loc + shift: b_A's rows − the threshold (a [V] vector's rows) − the log-partition
+        thr = threshold.detach().to(dtype) if thr_is_tensor else threshold
+        base = (0.0 if bias is None else bias.detach().to(dtype)) - thr
+        shift = (base[rows.ids] if torch.is_tensor(base) and base.dim() == 1
+                 else torch.zeros(rows.ids.shape, dtype=dtype, device=weight.device) + base)
+        if relative:
+            shift = shift - rows.log_partition.to(dtype).unsqueeze(1)
+        noise = b_noise.detach().to(dtype)
+        widen = fuse_noise(noise, torch.zeros_like(noise), noise, "standard", temperature)[1]  # T·|b_noise|
+        one = torch.ones((), dtype=dtype, device=weight.device)
+        backward = need_loc or need_scale or need_W or need_bias or need_noise or need_thr
+        grad_loc = loc_U.new_zeros(loc_U.shape, dtype=dtype) if need_loc else None  # −∂ℓ/∂loc_U until the end
+        grad_scale = scale_U.new_zeros(scale_U.shape, dtype=dtype) if need_scale or need_noise else None
+        grad_W = weight.new_zeros(vocab, width, dtype=dtype) if need_W else None
+        xs, d_thresholds = [], []
         for r0 in range(0, n, chunk):
             r1 = min(r0 + chunk, n)
-            part = CandidateRows(rows.ids[r0:r1], rows.counted[r0:r1],
-                                 rows.log_partition[r0:r1].to(dtype) if relative else None)
-            flat = part.ids.reshape(-1)
-            with torch.enable_grad():
-                loc = loc_U[r0:r1].detach().to(dtype).requires_grad_(need_loc)
-                scale = scale_U[r0:r1].detach().to(dtype).requires_grad_(need_scale)
-                w_rows = weight.detach()[flat].to(dtype).view(r1 - r0, -1, weight.shape[1]).requires_grad_(need_W)
-                b_rows = None if bias is None else (
-                    bias.detach()[flat].to(dtype).view(r1 - r0, -1).requires_grad_(need_bias))
-                fused_loc, fused_scale = fuse_noise(loc, scale, noise, "standard", temperature)
-                t = thr[part.ids] if thr_vector else thr
-                chunk_loss, probs, is_target = _candidate_terms(fused_loc, fused_scale, w_rows, b_rows, t, part,
-                                                                targets[r0:r1])
-                leaves = {"loc": loc, "scale": scale, "W": w_rows, "bias": b_rows, "noise": noise,
-                          "thr": thr if thr_is_tensor else None}
-                wanted = [name for name, g in grads.items() if g is not None]
-                if wanted:
-                    found = torch.autograd.grad(chunk_loss, [leaves[name] for name in wanted])
-                    for name, g in zip(wanted, found):
-                        if name in ("loc", "scale"):
-                            grads[name][r0:r1] = g
-                        elif name == "W":
-                            grads["W"].index_add_(0, flat, g.reshape(-1, g.shape[-1]))
-                        elif name == "bias":
-                            grads["bias"].index_add_(0, flat, g.reshape(-1))
-                        else:
-                            grads[name] += g
-            loss += chunk_loss.detach().double()
-            p_target += (probs * is_target).sum(dtype=torch.float64)
-            p_sum += probs.sum(dtype=torch.float64)
+            flat = flat_ids[r0 * k1 : r1 * k1]
+            w_rows = weight.detach().index_select(0, flat).to(dtype).view(r1 - r0, k1, width)
+            abs_rows = w_rows.abs()
+            loc = loc_U[r0:r1].detach().to(dtype)
+            fused_scale = (scale_U[r0:r1].detach() + widen).to(dtype)  # fuse_noise's training scale
+            x, scale_S, floored = _standardized_scores(w_rows, abs_rows, loc, fused_scale, shift[r0:r1])
+            xs.append(x)
+            if backward:
+                d_thr, d_scale = _score_gradients(x, scale_S, floored, sign[r0:r1], minus_weight[r0:r1], one)
+                if need_bias or need_thr:
+                    d_thresholds.append(d_thr)
+                if grad_scale is not None:
+                    torch.bmm(d_scale.unsqueeze(1), abs_rows, out=grad_scale[r0:r1].unsqueeze(1))
+                if need_loc:
+                    torch.bmm(d_thr.unsqueeze(1), w_rows, out=grad_loc[r0:r1].unsqueeze(1))
+                if need_W:  # ∂ℓ/∂W_A's rows = sign(W)·∂ℓ/∂scale_S ⊗ scale − ∂ℓ/∂C ⊗ loc, written over the rows
+                    w_rows.sign_().mul_(d_scale.unsqueeze(-1)).mul_(fused_scale.unsqueeze(1))
+                    w_rows.baddbmm_(d_thr.unsqueeze(-1), loc.unsqueeze(1), alpha=-1)
+                    grad_W.index_add_(0, flat, w_rows.view(-1, width))
+            del w_rows, abs_rows, loc, fused_scale  # freed before the next chunk's
+        del shift, minus_weight
+        x = torch.cat(xs) if xs else sign.new_zeros(0, k1)
+        del xs
+        minus_log, probs = _candidate_losses(x, sign)
+        loss = (minus_log * weight_of).sum(dtype=torch.float64)
+        probs = probs * weight_of
         n_pos = max(n, 1)
-        stats = ((p_target / n_pos).to(torch.float32), (p_sum / n_pos).to(torch.float32))
+        stats = ((probs * is_target).sum(dtype=torch.float64) / n_pos, probs.sum(dtype=torch.float64) / n_pos)
+        stats = tuple(s.to(torch.float32) for s in stats)
         ctx.mark_non_differentiable(*stats)
+        del x, minus_log, probs, sign, weight_of, is_target  # before the gradients' copies in their dtypes
+        grads = {"loc": None, "scale": grad_scale if need_scale else None, "W": grad_W, "bias": None,
+                 "noise": None, "thr": None}
+        if need_loc:
+            grads["loc"] = grad_loc.neg_()
+        if need_noise:
+            grads["noise"] = grad_scale.sum(0).mul_(noise.sign()).mul_(temperature)
+        d_thr = torch.cat(d_thresholds) if d_thresholds else noise.new_zeros(0, k1)
+        if need_bias:
+            grads["bias"] = bias.new_zeros(vocab, dtype=dtype).index_add_(0, flat_ids, d_thr.view(-1), alpha=-1)
+        if need_thr:
+            grads["thr"] = (thr.new_zeros(vocab).index_add_(0, flat_ids, d_thr.view(-1)) if thr.dim() == 1
+                            else d_thr.sum())
         dtypes = {"loc": loc_U.dtype, "scale": scale_U.dtype, "W": weight.dtype,
                   "bias": None if bias is None else bias.dtype, "noise": b_noise.dtype,
                   "thr": threshold.dtype if thr_is_tensor else None}

@@ -128,23 +128,48 @@ def loss_launches(uses: LossUses, dtype: torch.dtype) -> int:
             + uses.ovr * (19 + 2 * low))
 
 
+def candidate_launches(dtype: torch.dtype = torch.bfloat16, trains_location: bool = False) -> dict:
+    """Kernel launches per token chunk of `candidate_loss.candidate_ovr_loss` by what launches them (the torch
+    operators `_CandidateOvRLoss.forward` dispatches per chunk; tests/test_loss_plan.py counts them), for a head and
+    inputs in ``dtype``: W_A's rows gathered (and cast from a narrower dtype), their |·|, loc_U's chunk cast, the fused
+    scale; x from two batched products, the floor and a division; the gradient's elementwise work
+    (`candidate_loss._score_gradients`) and the scale's gradient product; with ``trains_location`` loc_U's gradient
+    product and W_A's rows' gradient (written over the rows, then added into [V × C]). Per call, not per chunk: the
+    [N, k + 1] terms' values, the sums and b_A's, the thresholds' and b_noise's gradients."""
+    low = int(dtype != torch.float32)
+    launches = {"W_A rows: gather, cast, |rows|": 2 + low, "loc_U cast": low, "fused scale": 1,
+                "x: 2 batched products, floor, divide": 4, "gradient's elementwise": 9, "grad scale_U product": 1}
+    if trains_location:
+        launches.update({"grad loc_U product": 1, "grad W_A rows and their index_add": 5})
+    return launches
+
+
 def candidate_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16, k: int = 16,
                    device_type: str = "cuda", *, chunk: int | None = None) -> LossPlan:
     """The plan of `candidate_loss.candidate_ovr_loss` (the default loss's second part, ``trains_location`` off: the
-    gradient reaches scale_U, b_noise and the thresholds) for ``n_tokens`` positions: per chunk the [chunk, k + 1, C]
-    float32 tensors `candidate_loss.CANDIDATE_CHUNK_BYTES_PER_ROW` counts, the formula's [chunk, k + 1] float32
-    intermediates (22 alive at the peak, as measured) and the chunk's [chunk × C] float32 operands (its fused law;
-    with the inputs' copies from a narrower dtype), the scale's float32 gradient [N × C] and the one returned in
-    ``dtype``. Launches per chunk: its chunk's autograd, 116 in float32, 4 casts more from bf16 (counted by
-    tests/test_loss_plan.py)."""
+    gradient reaches scale_U and b_noise; the threshold a buffer) for ``n_tokens`` positions. Its peak is the larger of
+    two phases. Over the chunks: the [chunk, k + 1, C] float32 tensors `candidate_loss.CANDIDATE_CHUNK_BYTES_PER_ROW`
+    counts, the chunk's [chunk × C] float32 operands (the fused scale; loc_U's copy from a narrower dtype), its
+    [chunk, k + 1] terms (x, scale_S, the gradient's: 29 bytes per element at the peak), the per-position [N, k + 1]
+    terms (sign, weight, shift, the x kept, the target mask: 25 bytes) and the scale's float32 gradient [N × C]. At the
+    end: that gradient with the [N, k + 1] terms' values (x, its loss terms, P: 34 bytes per element) or, after them,
+    its copy returned in ``dtype``. Launches per chunk: `candidate_launches`."""
     from .candidate_loss import CANDIDATE_CHUNK_BYTES_PER_ROW, candidate_chunk_tokens
 
     chunk = equal_chunk_size(n_tokens, chunk or candidate_chunk_tokens(k, width, device_type, n_tokens, vocab))
-    buffers = {"candidate rows": chunk * (k + 1) * width * CANDIDATE_CHUNK_BYTES_PER_ROW,
-               "chunk terms": chunk * (k + 1) * 4 * 22,
-               "chunk operands": chunk * width * 4 * (2 + 4 * (dtype != torch.float32)),
-               "grad_scale, float32": n_tokens * width * 4, "grad_scale out": n_tokens * width * dtype.itemsize}
-    return LossPlan(chunk, -(-n_tokens // chunk), buffers, sum(buffers.values()), 116 + 4 * (dtype != torch.float32))
+    low = dtype != torch.float32
+    per_position = n_tokens * (k + 1)
+    fixed = {"grad_scale, float32": n_tokens * width * 4, "vectors": vocab * 4 + width * 12 + n_tokens * 4 + 64}  # and 0-dim ones
+    over_chunks = {"candidate rows": chunk * (k + 1) * width * CANDIDATE_CHUNK_BYTES_PER_ROW,
+                   "chunk operands": chunk * width * 4 * (1 + low), "chunk terms": chunk * (k + 1) * 29,
+                   "position terms": per_position * 25, **fixed}
+    # the values' [N, k + 1] terms, freed before the gradient's copy in dtype
+    at_end = {**fixed, "position values": per_position * 34}
+    if n_tokens * width * dtype.itemsize * low > per_position * 34:
+        at_end = {**fixed, "grad_scale out": n_tokens * width * dtype.itemsize}
+    buffers = max(over_chunks, at_end, key=lambda d: sum(d.values()))
+    return LossPlan(chunk, -(-n_tokens // chunk), buffers, sum(buffers.values()),
+                    sum(candidate_launches(dtype).values()))
 
 
 def liger_flce_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16,
@@ -191,4 +216,4 @@ def default_loss_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype 
     return term, max(loss_plan(n_tokens, vocab, width, dtype).peak_bytes, kept + term.peak_bytes)
 
 
-__all__ = ["LossPlan", "MODES", "candidate_plan", "default_loss_plan", "liger_flce_plan", "loss_launches", "loss_plan", "plan_table", "training_uses"]
+__all__ = ["LossPlan", "MODES", "candidate_launches", "candidate_plan", "default_loss_plan", "liger_flce_plan", "loss_launches", "loss_plan", "plan_table", "training_uses"]

@@ -24,12 +24,13 @@ NUM_TOKEN = "<NUM>"
 #   more (versions 1.2.3, addresses 192.168.0.1) and digit runs with a leading zero (007, 02139), whose spelling a
 #   value cannot give back;
 # - a number (group `number`): "42", "3.5", ".5", "6.02e23", standard thousands grouping "1,234,567.5" (groups of
-#   exactly three digits), with a sign only where it cannot be a hyphen or a dash: not after a letter, a digit, "_",
+#   exactly three digits after a first group that does not start with 0: "0,125" is 0 and 125, a list, never 125),
+#   with a sign only where it cannot be a hyphen or a dash: not after a letter, a digit, "_",
 #   ".", a closing bracket or "%", so "10-20" is 10 and 20, "COVID-19" is 19, "x=-5" and "(-5" are -5.
 NUMBER_PATTERN = re.compile(
     r"(?P<text>\d{4}-\d{2}-\d{2}(?!\d)|\d{1,2}:\d{2}(?::\d{2})?(?![\d:])|\d+(?:\.\d+){2,}|0\d+)"
     r"|(?P<number>(?:(?<![\w.)\]}%])[-+])?"
-    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d|,\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)(?:[eE][-+]?\d+)?)"
+    r"(?:(?:[1-9]\d{0,2}(?:,\d{3})+(?!\d|,\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)(?:[eE][-+]?\d+)?)"
 )
 
 # The same for text written with decimal commas (`decimal_comma=True`; docs/numbers.md), as most of Europe writes:
@@ -39,9 +40,9 @@ NUMBER_PATTERN = re.compile(
 # three-digit groups is a number here, no longer a version kept as text.
 DECIMAL_COMMA_PATTERN = re.compile(
     r"(?P<text>\d{4}-\d{2}-\d{2}(?!\d)|\d{1,2}:\d{2}(?::\d{2})?(?![\d:])"
-    r"|(?!\d{1,3}(?:\.\d{3})+(?!\d|\.\d))\d+(?:\.\d+){2,}|0\d+)"
+    r"|(?![1-9]\d{0,2}(?:\.\d{3})+(?!\d|\.\d))\d+(?:\.\d+){2,}|0\d+)"
     r"|(?P<number>(?:(?<![\w.)\]}%])[-+])?"
-    r"(?:(?P<commas>\d{1,3}(?:,\d{3}){2,}(?!\d|,\d))(?:\.\d+)?|(?P<dots>\d{1,3}(?:\.\d{3})+(?!\d|\.\d))(?:,\d+)?"
+    r"(?:(?P<commas>[1-9]\d{0,2}(?:,\d{3}){2,}(?!\d|,\d))(?:\.\d+)?|(?P<dots>[1-9]\d{0,2}(?:\.\d{3})+(?!\d|\.\d))(?:,\d+)?"
     r"|\d+(?:[.,]\d+)?|(?<![\d.])\.\d+)(?:[eE][-+]?\d+)?)"
 )
 

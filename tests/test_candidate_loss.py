@@ -88,6 +88,63 @@ def test_matches_float64_reference(threshold, trains_location, relative, k):
     torch.testing.assert_close(stats["softmax_nll"].double(), F.cross_entropy(loc_S, targets), rtol=1e-5, atol=1e-6)
 
 
+def rows_reference(loc_U, scale_U, weight, bias, b_noise, threshold, rows, temperature):
+    """The candidates' term, float64, naively from its definition: every score of the vocabulary, then the BCE of
+    each position's set (its top-k ids and its target, each once), with the rows' log-partition as the reference."""
+    loc_S = loc_U @ weight.T + bias - rows.log_partition.double().unsqueeze(1)
+    scale_S = (scale_U + temperature * b_noise.abs()) @ weight.abs().T
+    P = 0.5 + torch.atan((loc_S - threshold) / scale_S) / math.pi
+    targets = rows.ids[:, -1]
+    member = torch.zeros_like(P, dtype=torch.bool).scatter_(1, rows.ids[:, :-1], True)
+    member[torch.arange(len(targets)), targets] = True
+    one_hot = F.one_hot(targets, weight.shape[0]).bool()
+    return -torch.where(one_hot, P.log(), (1 - P).log())[member].sum(), P, member
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("trains_location", [False, True])
+@pytest.mark.parametrize("threshold", ["vector", "scalar"])
+def test_real_shapes_match_a_float64_reference(dtype, trains_location, threshold):
+    """At a real width (C = 896, k = 16, 4,096 tokens, 150 positions in chunks of 64: a last partial chunk of 22, some
+    targets among their top-k): the loss, its statistics and every input's gradient within rounding of the float64
+    term on the same (rounded) inputs and candidate rows; gradients returned in the inputs' dtype."""
+    n, c, v, k = 150, 896, 4096, 16
+    g = torch.Generator().manual_seed(5)
+    tensors = {"loc_U": torch.randn(n, c, generator=g), "scale_U": torch.rand(n, c, generator=g) * 0.3 + 0.05,
+               "weight": torch.randn(v, c, generator=g) / 30, "bias": torch.randn(v, generator=g),
+               "b_noise": torch.randn(c, generator=g) * 0.1,
+               "threshold": torch.randn(v, generator=g) - 2 if threshold == "vector" else torch.tensor(-1.5)}
+    tensors = {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}
+    head = DecisionHead(*(tensors[name] for name in NAMES[2:]))
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[::3] = candidate_rows(tensors["loc_U"].detach(), head, targets, k)[0].ids[::3, 5]  # among the top-k
+    rows, _ = candidate_rows(tensors["loc_U"].detach(), head, targets, k)
+    assert (~rows.counted[:, -1]).sum() >= n // 3
+    loss, stats = candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, targets, k, rows=rows,
+                                     trains_location=trains_location, temperature=0.7, chunk_size=64)
+    wide = {name: t.detach().double().requires_grad_() for name, t in tensors.items()}
+    if not trains_location:
+        for name in ("loc_U", "weight", "bias"):
+            wide[name].requires_grad_(False)
+    expected, P, member = rows_reference(*wide.values(), rows, 0.7)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(stats["target_prob"].double(), P.detach()[torch.arange(n), targets].mean(),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["candidate_prob_sum"].double(), (P.detach() * member).sum(-1).mean(),
+                               rtol=1e-5, atol=1e-6)
+    got = dict(zip(NAMES, torch.autograd.grad(loss, list(tensors.values()), allow_unused=True)))
+    wanted = [name for name in NAMES if wide[name].requires_grad]
+    want = dict(zip(wanted, torch.autograd.grad(expected, [wide[name] for name in wanted])))
+    rtol = 1e-4 if dtype == torch.float32 else 8e-3  # float32 math; bf16: the gradient rounded to bf16
+    for name in NAMES:
+        if name not in want:
+            assert got[name] is None or not got[name].abs().sum(), name
+            continue
+        assert got[name].dtype == dtype, name
+        torch.testing.assert_close(got[name].double(), want[name], rtol=rtol, atol=rtol * want[name].abs().max(),
+                                   msg=name)
+
+
 def same_rows(got, want):
     """Candidate rows equal as sets per position (the order of the top-k is not part of the loss)."""
     assert got.ids.shape == want.ids.shape

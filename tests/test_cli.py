@@ -242,3 +242,16 @@ def test_a_wrong_file_or_folder_flag_is_a_usage_error_not_a_traceback(capsys, tm
         for words in says:
             assert words in err, (argv, words, err)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_out_of_reach_offline_is_one_error_line_naming_it(tmp_path):
+    """`HF_HUB_OFFLINE=1` and a Hub id that is not cached: the command says which repository it could not load and
+    exits 1, no traceback through transformers' hub code (an empty cache in tmp_path)."""
+    code = "import sys; from causalqwen_adapter.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "generate", "--model_name_or_path", "someone/not-cached",
+                           "--prompt", "hi"], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1",
+                               "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("causalqwen generate: error: cannot load the adapter 'someone/not-cached'")

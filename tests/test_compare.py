@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from causalqwen_adapter.classification import LabelSet
 from causalqwen_adapter.cli import compare
 from causalqwen_adapter.comparison import runs as runs_module
+from causalqwen_adapter.comparison.plots import PLOT_FILES, draw
 from causalqwen_adapter.comparison.runs import Protocol, run_comparison, seed_data
 from causalqwen_adapter.comparison.training import FreshHeads, RecipeRates, train_arm
 from causalqwen_adapter.comparison.verdicts import paired_table
@@ -124,6 +125,11 @@ def test_held_out_classes_add_the_open_set_metrics(base_folder, tokenizer_dir, t
     for run in out["runs"]:
         assert run["test"]["rejection_score"] == ("ovr_max_prob" if run["arm"] == "ovr_candidates" else "energy")
         assert 0 <= run["test"]["auroc"] <= 1 and 0 <= run["test"]["open_set_macro_f1"] <= 1
+    # the plots, beside the JSON: one panel per metric of the table, the open-set ones included
+    assert all((tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG" for name in PLOT_FILES)
+    saved = json.loads((tmp_path / "out" / "comparison.json").read_text())
+    assert [ax.get_title().split(" (")[0] for ax in draw(saved)["comparison_differences.png"].axes] == \
+        ["accuracy", "macro_f1", "ece", "auroc", "fpr_at_95_tpr", "open_set_macro_f1"]
 
 
 def _features(base, n=30, seed=0):
@@ -236,3 +242,56 @@ def test_a_cache_of_another_base_or_other_rows_is_refused(base_folder, tokenizer
     out = compare.main(argv(other_base, data, tmp_path / "d", "--cache_dir", str(cache), "--rebuild_cache",
                             "--max_steps", "1", "--lrs", "1e-3", tokenizer=tokenizer_dir))
     assert len(out["runs"]) == 6
+
+
+def _naive_open_set(log_P_test, pred_test, log_P_val, fine_test, known, coverage=0.95):
+    """AUROC, FPR at 95 % TPR, threshold and open-set macro-F1 by loops over Python floats (log P in float64 ranks as
+    P does, without underflow)."""
+    is_known = [f in known for f in fine_test]
+    pos = [s for s, k in zip(log_P_test, is_known) if k]
+    neg = [s for s, k in zip(log_P_test, is_known) if not k]
+    pairs = [(a > b) + 0.5 * (a == b) for a in pos for b in neg]
+    t95 = sorted(pos)[math.floor(0.05 * len(pos))]
+    threshold = sorted(log_P_val)[math.floor((1 - coverage) * len(log_P_val))]
+    pred = [p if s >= threshold else -1 for p, s in zip(pred_test, log_P_test)]
+    target = [known.index(f) if f in known else -1 for f in fine_test]
+    f1 = []
+    for k in sorted(set(pred) | set(target)):
+        tp = sum(p == k and t == k for p, t in zip(pred, target))
+        f1.append(2 * tp / (2 * tp + sum(p == k and t != k for p, t in zip(pred, target))
+                            + sum(p != k and t == k for p, t in zip(pred, target))))
+    return {"auroc": sum(pairs) / len(pairs), "fpr_at_95_tpr": sum(b >= t95 for b in neg) / len(neg),
+            "threshold": math.exp(threshold), "open_set_macro_f1": sum(f1) / len(f1)}
+
+
+@pytest.mark.parametrize("arm, lr", [("ovr_alone_logistic", 1e-3), ("ovr_alone_absolute_logistic", 1e-2)])
+def test_open_set_reads_a_logistic_arm_under_its_own_link(base_folder, arm, lr):
+    """The OvR acceptance max_k P_k of a logistic arm, on test and validation rows, is max_k σ(x_k): its AUROC, FPR at
+    95 % TPR, threshold and open-set macro-F1 equal a naive float64 computation from σ(x). At 1e-3 this arm leaves x
+    ≈ −700 on every row, where float32's σ is 0: read through P the AUROC would be ½; read through the Cauchy CDF the
+    threshold would be ≈ 1/(π|x|), not σ(x)."""
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    H, n, known = base.config.hidden_size, 80, [0, 1, 2]
+    features = {"z": 3 * torch.randn(n, H, generator=generator), "z_label": torch.randn(n, 3, H, generator=generator)}
+    fine = torch.arange(n) % 4  # class 3 never trained: the unknown one
+    labels = LabelSet([" a", " b", " c"], [10, 11, 12])
+    rows = torch.tensor([r for r in range(40) if fine[r] in known])
+    model = train_arm(base, arm, features, rows, [f % 3 for f in fine.tolist()], labels, 2, lr, 8, 4, 0, RecipeRates())
+    test, val = torch.arange(40, 80), torch.arange(0, 40)
+    got = evidence.open_set(model, arm, features["z"][test], fine[test], known, features["z"][val], fine[val],
+                            labels)["ovr_max_prob"]
+
+    def log_sigmoid(x):  # log σ(x) in float64, written for both signs without overflow
+        return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+    with torch.no_grad():
+        _, _, loc_S, scale_S = model.causal_heads(features["z"], "standard", model.config.causal_temperature)
+        x = model.ovr(loc_S, scale_S)[:, labels.token_ids].double()
+    log_P = [max(log_sigmoid(v) for v in row) for row in x.tolist()]
+    pred = [max(range(3), key=lambda k: row[k]) for row in x.tolist()]
+    expected = _naive_open_set([log_P[r] for r in test], [pred[r] for r in test],
+                               [log_P[r] for r in val if fine[r] in known], fine[test].tolist(), known)
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-300)
+    if lr == 1e-3:
+        assert max(log_P) < -104  # σ(x) is 0 in float32 on every row: the case P itself could not rank

@@ -166,7 +166,7 @@ def check_launches(triton_operators, monkeypatch, mode, dtype):
     assert per_chunk == plan.launches_per_chunk, (per_chunk, plan.launches_per_chunk)
 
 
-def candidate_term(dtype, chunk, n=64, width=256, vocab=600, k=16):
+def candidate_term(dtype, chunk, n=64, width=256, vocab=600, k=16, trains_location=False):
     from causalqwen_adapter.candidate_loss import candidate_ovr_loss, candidate_rows
 
     tensors, labels = make_inputs(n, width, vocab, dtype=dtype, threshold="scalar_buffer")
@@ -174,26 +174,39 @@ def candidate_term(dtype, chunk, n=64, width=256, vocab=600, k=16):
     head = DecisionHead(*(tensors[key] for key in ("weight", "bias", "b_noise", "threshold")))
     rows, _ = candidate_rows(tensors["loc_U"].detach(), head, labels, k)
     return lambda: candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, k, rows=rows,
-                                      chunk_size=chunk)
+                                      chunk_size=chunk, trains_location=trains_location)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_candidate_terms_plan_is_what_it_holds_and_launches(dtype):
-    """`candidate_plan` against the candidates' term in plain torch (as on every device): its peak of live bytes
-    (the [chunk, k + 1, C] rows dominate at C = 256) and its launches per chunk (4 chunks against 2)."""
+@pytest.mark.parametrize("chunk, n, width", [(32, 64, 256), (2, 2048, 64)])
+def test_the_candidate_terms_plan_is_what_it_holds(dtype, chunk, n, width):
+    """`candidate_plan`'s peak against the candidates' term's live bytes in each of its phases: over the chunks (the
+    [chunk, k + 1, C] rows dominate at C = 256) and at the end (many positions, small chunks: the [N × C] gradient
+    and the [N, k + 1] terms)."""
     from causalqwen_adapter.loss_plan import candidate_plan
 
-    loss = candidate_term(dtype, 32)
+    loss = candidate_term(dtype, chunk, n, width)
     with LiveBytes() as seen:
         result = loss()
     del result
-    plan = candidate_plan(64, 600, 256, dtype, 16, "cpu", chunk=32)
+    plan = candidate_plan(n, 600, width, dtype, 16, "cpu", chunk=chunk)
     assert seen.peak <= plan.peak_bytes <= 1.1 * seen.peak
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("trains_location", [False, True])
+def test_the_candidate_terms_launches_per_chunk_are_what_it_launches(dtype, trains_location):
+    """`candidate_launches` against the candidates' term in plain torch (as on every device): the operators it
+    dispatches, 4 chunks against 2; within issue 50's 50 per chunk."""
+    from causalqwen_adapter.loss_plan import candidate_launches, candidate_plan
+
     def launches(chunk):
-        term = candidate_term(dtype, chunk)
+        term = candidate_term(dtype, chunk, trains_location=trains_location)
         with LaunchCount() as count:
             term()
         return count.count
 
-    assert (launches(16) - launches(32)) / 2 == plan.launches_per_chunk
+    planned = sum(candidate_launches(dtype, trains_location).values())
+    assert (launches(16) - launches(32)) / 2 == planned <= 50
+    if not trains_location:
+        assert candidate_plan(64, 600, 256, dtype, 16, "cpu", chunk=32).launches_per_chunk == planned

@@ -250,7 +250,8 @@ def test_a_corrupted_feature_shard_is_refused(sft_base, tmp_path):
 # (text, the numbers by default, the numbers with decimal_comma=True): by hand, as a reader of each convention reads them
 DECIMAL_COMMA_CASES = [
     ("3,5", [3, 5], [3.5]),  # by default a list; a decimal comma when the text is written so
-    ("costs 0,125 and 12,34", [125, 12, 34], [0.125, 12.34]),
+    ("costs 0,125 and 12,34", [0, 125, 12, 34], [0.125, 12.34]),  # a thousands group never follows a lone 0
+    ("0.125 and 0.125.000", [0.125], [0.125]),  # nor a dotted one: 0.125 is a decimal, 0.125.000 a version either way
     ("x=-3,5 (-0,5)", [-3, 5, 0, 5], [-3.5, -0.5]),  # by default -3, 5, -0 and 5
     ("2,500 kg", [2500], [2.5]),
     ("1,000", [1000], [1]),

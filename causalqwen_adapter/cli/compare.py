@@ -18,7 +18,10 @@ against `--baseline` (the softmax), a two-sided paired t-test, Holm-adjusted ove
 verdict ahead / behind / tie at α = 0.05. Metrics: accuracy, macro-F1 and ECE of the arm's own rule (argmax P_k for
 the OvR arms, the label logits otherwise) on the test rows of known classes; with held-out classes also the AUROC,
 FPR at 95 % TPR and open-set macro-F1 of the arm's rejection score (max_k P_k, or the softmax's energy score).
-Writes `comparison.json` (every run) and `comparison.md` to `--output_dir`. The library is
+Writes `comparison.json` (every run) and `comparison.md` to `--output_dir`, and the plots (needs matplotlib, the
+`plots` extra; `--no_plots` skips them): `comparison_differences.png`, per metric each arm's per-seed differences from
+the baseline with their mean and its Bonferroni α/m interval, and `comparison_rates.png`, the rate each seed chose.
+`python -m causalqwen_adapter.comparison.plots comparison.json` draws them again from a saved run. The library is
 `causalqwen_adapter.comparison`; docs/evidence.md, "On your own data", says how to read it.
 """
 
@@ -35,6 +38,7 @@ from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.classification import label_set, tokenize_prompts
 from causalqwen_adapter.comparison.arms import ARMS
 from causalqwen_adapter.comparison.features import cached_features
+from causalqwen_adapter.comparison.plots import PLOT_FILES, write_plots
 from causalqwen_adapter.comparison.runs import NOISE_METRICS, UNKNOWN_METRICS, Protocol, check_protocol, run_comparison
 from causalqwen_adapter.comparison.splits import parse_noise
 from causalqwen_adapter.comparison.verdicts import markdown, paired_table
@@ -42,11 +46,11 @@ from causalqwen_adapter.configuration_causalqwen import check_number
 from causalqwen_adapter.data import check_data_source
 
 from .classify import read_rows, tokenizer_source
-from .parsing import CliHfArgumentParser, check_output_folder, usage_errors
+from .parsing import CliHfArgumentParser, check_output_folder, install_hint, missing_modules, usage_errors
 
 ALIASES = {"--base": "--model_name_or_path", "--data": "--dataset_name", "--batch_rows": "--per_device_train_batch_size",
            "--steps": "--max_steps", "--cache": "--cache_dir"}
-OUTPUT_FILES = ("comparison.json", "comparison.md")
+OUTPUT_FILES = ("comparison.json", "comparison.md", *PLOT_FILES)
 DEFAULT_ARMS = ["ovr_candidates", "ovr_alone", "softmax"]
 
 
@@ -55,7 +59,7 @@ class CompareArguments:
     model_name_or_path: str = field(metadata={"help": "The base the heads attach to (folder or Hub id)."})
     dataset_name: str = field(metadata={"help": "Labelled prompt/completion rows: a .jsonl/.json/.parquet/.csv file or "
                                         "a `datasets` name."})
-    output_dir: str = field(metadata={"help": "Where comparison.json and comparison.md are written."})
+    output_dir: str = field(metadata={"help": "Where comparison.json, comparison.md and the plots are written."})
     arms: list[str] = field(default_factory=lambda: list(DEFAULT_ARMS), metadata={
         "help": f"The arms trained (the baseline among them). Choices: {', '.join(ARMS)}."})
     baseline: str = field(default="softmax", metadata={"help": "The arm every other is compared with."})
@@ -78,7 +82,9 @@ class CompareArguments:
         "help": "The label set (completion strings, leading spaces included). Default: every completion of the rows."})
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer folder or Hub id (default: the base's)."})
     threads: int = field(default=0, metadata={"help": "CPU threads of the training and scoring, for this command only (0: torch's default)."})
-    overwrite: bool = field(default=False, metadata={"help": "Replace an earlier run's comparison.json and .md."})
+    plots: bool = field(default=True, metadata={"help": f"Write {' and '.join(PLOT_FILES)} (needs matplotlib)."})
+    overwrite: bool = field(default=False, metadata={
+        "help": "Replace an earlier run's comparison.json, .md and plots (with --no_plots its plots are removed)."})
 
 
 def protocol_of(args: CompareArguments) -> Protocol:
@@ -97,6 +103,9 @@ def check_arguments(args: CompareArguments) -> None:
     check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
     check_data_source(args.dataset_name, "--dataset_name")
     check_output_folder(args.output_dir, OUTPUT_FILES, args.overwrite)
+    if args.plots and missing_modules(["matplotlib"]):  # before the features and the runs, not after
+        raise ValueError(f"the plots are drawn with matplotlib, not installed here: {install_hint('plots')}; or pass "
+                         "--no_plots")
 
 
 def prepare(args: CompareArguments):
@@ -132,7 +141,7 @@ def summary(args: CompareArguments, labels, protocol: Protocol, out: dict, secon
              f"{len(table)} comparisons below, α = {protocol.alpha}. A tie is a tie.", "",
              *markdown(table, protocol.baseline), "",
              f"{len(out['runs'])} runs in {seconds / 60:.1f} min of training and scoring (threads: {torch.get_num_threads()})."]
-    results = {"args": vars(args), "labels": labels.labels, "table": table,
+    results = {"args": vars(args), "labels": labels.labels, "table": table, "alpha": protocol.alpha,
                "seconds": seconds, **out}
     return results, "\n".join(lines) + "\n"
 
@@ -162,6 +171,11 @@ def _run(args: CompareArguments, prepared: tuple) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "comparison.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (output_dir / "comparison.md").write_text(text)
+    if args.plots:
+        write_plots(results, output_dir)
+    else:  # only with --overwrite (checked before): an earlier run's plots would not show these results
+        for name in PLOT_FILES:
+            (output_dir / name).unlink(missing_ok=True)
     print(text)
     return results
 

@@ -68,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     command = COMMANDS[name]
     require(name, command.requires, command.extra)
     module = importlib.import_module(f"causalqwen_adapter.cli.{command.module}")
-    module.main(args, prog=f"causalqwen {name}")
+    try:
+        module.main(args, prog=f"causalqwen {name}")
+    except OSError as err:
+        # a model or file that cannot be read or written (not on the Hub, offline and not cached, no space left):
+        # the message says which and what to do; a traceback through transformers' hub code adds nothing
+        sys.stderr.write(f"causalqwen {name}: error: {err}\n")
+        return 1
     return 0
 
 

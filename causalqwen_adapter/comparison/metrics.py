@@ -6,6 +6,7 @@ TPR, open-set macro-F1)."""
 import torch
 import torch.nn.functional as F
 
+from ..cauchy import ovr_log_prob, ovr_probs
 from ..classification import (
     abstention_threshold,
     auroc,
@@ -18,27 +19,40 @@ from ..classification import (
 from .arms import ARMS
 
 
+def logistic(arm: str) -> bool:
+    return ARMS[arm]["loss"] == "logistic"
+
+
 @torch.no_grad()
-def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log P_k, scale_S) [N, K] of the labels under the arm's link (the Cauchy CDF, or σ for the logistic arms),
-    standard mode, in chunks of prompts: no [N, V] tensor."""
+def label_odds(model, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, scale_S) [N, K] of the labels, standard mode, in chunks of prompts (no [N, V] tensor): x is what the OvR
+    link reads, P_k = F(x_k) with F the Cauchy CDF, or σ for the logistic arms."""
     ids = torch.tensor(labels.token_ids)
-    log_P, scale = [], []
+    x, scale = [], []
     for start in range(0, len(z), chunk_size):
         _, _, loc_S, scale_S = model.causal_heads(z[start : start + chunk_size], "standard",
                                                   model.config.causal_temperature)
-        if ARMS[arm]["loss"] == "logistic":  # the same x, the logistic link
-            log_P.append(F.logsigmoid(model.ovr(loc_S, scale_S)[:, ids]))
-        else:
-            log_P.append(model.ovr_log_probs(loc_S, scale_S)[:, ids])
+        x.append(model.ovr(loc_S, scale_S)[:, ids])
         scale.append(scale_S[:, ids])
-    return torch.cat(log_P), torch.cat(scale)
+    return torch.cat(x), torch.cat(scale)
+
+
+def link_prob(arm: str, x: float) -> float:
+    """P = F(x) under the arm's link, in float64."""
+    x = torch.tensor(x, dtype=torch.float64)
+    return (torch.sigmoid(x) if logistic(arm) else ovr_probs(x)).item()
+
+
+def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log P_k, scale_S) [N, K] of the labels under the arm's link (the Cauchy CDF, or σ for the logistic arms)."""
+    x, scale = label_odds(model, z, labels, chunk_size)
+    return (F.logsigmoid(x) if logistic(arm) else ovr_log_prob(x)), scale
 
 
 def arm_scores(model, arm: str, z, labels):
     """`classification.label_scores` of the arm, its OvR probabilities under the arm's link."""
     scores = label_scores(model, z, labels)
-    if ARMS[arm]["loss"] == "logistic":
+    if logistic(arm):
         scores.log_P = label_ovr(model, arm, z, labels)[0]
     return scores
 
@@ -87,25 +101,36 @@ def head_outputs(model, arm: str, z, labels) -> dict[str, float] | None:
 
 
 def open_set(model, arm, z, fine, known: list[int], val_z, val_fine, labels, coverage=0.95) -> dict[str, dict]:
-    """Per rejection score: AUROC and FPR at 95 % TPR of known (fine ∈ known) against unknown test rows, and the
-    open-set macro-F1 of (argmax label, or "unknown" below the threshold that keeps `coverage` of the validation's
-    known rows) over the known classes and "unknown"."""
+    """Per rejection score: AUROC and FPR at 95 % TPR of known (fine ∈ known) against unknown test rows, the threshold
+    that keeps `coverage` of the validation's known rows, and the open-set macro-F1 of (argmax label, or "unknown"
+    below that threshold) over the known classes and "unknown". The OvR acceptance max_k P_k is read under the arm's
+    link: its threshold is a P_k under that link, and the rows are ranked by max_k x_k, the same order as max_k P_k
+    under either link (F increases), without P rounding to 0 or 1 where |x| is large (σ(x) is 0 in float32 below
+    x ≈ −104, and every tie counts half in the AUROC; heads started at γ₀ = 0.005 put every row of the tests' tiny
+    base near x ≈ −700)."""
     index = {k: i for i, k in enumerate(known)}
     is_known = torch.tensor([f in index for f in fine.tolist()])
     if is_known.all() or not is_known.any():
         raise ValueError("the test split has no unknown class (or no known one): lower (raise) the fraction of "
                          "classes known in training")
     target = torch.tensor([index.get(f, -1) for f in fine.tolist()])
-    scores, val_scores = label_scores(model, z, labels), label_scores(model, val_z, labels)
     val_known = torch.tensor([f in index for f in val_fine.tolist()])
+    # per score: (test scores, test predictions, validation scores of known rows, the threshold in the score's units)
+    read = {}
+    if model.config.objective == "ovr":  # the softmax objective never trained the scales
+        top, pred = label_odds(model, z, labels)[0].max(-1)
+        val_top = label_odds(model, val_z, labels)[0].max(-1).values
+        read["ovr_max_prob"] = (top, pred, val_top[val_known], lambda x: link_prob(arm, x))
+    scores = label_scores(model, z, labels)
+    test_scores, pred = rejection_scores(scores), scores.decide("softmax")[0]
+    for name, val_score in rejection_scores(label_scores(model, val_z, labels)).items():
+        if name != "ovr_max_prob":
+            read[name] = (test_scores[name], pred, val_score[val_known], float)
     out = {}
-    for name, score in rejection_scores(scores).items():
-        if name == "ovr_max_prob" and model.config.objective != "ovr":
-            continue  # scales the softmax objective never trained
-        pred = scores.decide("ovr" if name == "ovr_max_prob" else "softmax")[0]
-        threshold = abstention_threshold(rejection_scores(val_scores)[name][val_known], coverage)
+    for name, (score, pred, val_score, units) in read.items():
+        threshold = abstention_threshold(val_score, coverage)
         pred = torch.where(score >= threshold, pred, torch.full_like(pred, -1))
         out[name] = {"auroc": auroc(score[is_known], score[~is_known]),
                      "fpr_at_95_tpr": fpr_at_tpr(score[is_known], score[~is_known], 0.95),
-                     "open_set_macro_f1": macro_f1(pred, target)}
+                     "open_set_macro_f1": macro_f1(pred, target), "threshold": units(threshold)}
     return out

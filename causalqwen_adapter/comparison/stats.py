@@ -47,6 +47,25 @@ def t_two_sided_p(t: float, df: int) -> float:
     return regularized_beta(df / 2.0, 0.5, df / (df + t * t))
 
 
+def t_critical(alpha: float, df: int) -> float:
+    """The t with P(|T| ≥ t) = `alpha` for Student's t with `df` degrees of freedom (the half-width of a two-sided
+    1 − alpha interval in standard errors), by bisection on `t_two_sided_p`."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    low, high = 0.0, 1.0
+    while t_two_sided_p(high, df) > alpha:
+        low, high = high, 2 * high
+    for _ in range(200):
+        middle = (low + high) / 2
+        if t_two_sided_p(middle, df) > alpha:
+            low = middle
+        else:
+            high = middle
+        if high - low <= 1e-12 * high:
+            break
+    return (low + high) / 2
+
+
 def paired_t(differences) -> dict:
     """The two-sided paired t-test of per-seed differences against 0: mean, standard error (sd/√n), t, degrees of
     freedom and p. Fewer than two differences are refused (no standard error). Differences all equal: p = 1 when they
