@@ -7,9 +7,8 @@ no-grad pass; the loss reads only their rows of W_A, token chunk by token chunk.
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from .cauchy import check_labels, fuse_noise, ovr_log_probs, ovr_standardize
+from .cauchy import check_labels, few_rows_linear, fuse_noise, ovr_log_probs, ovr_standardize
 from .losses import (
     LOGITS_BUDGET_BYTES,
     DecisionHead,
@@ -51,7 +50,7 @@ def candidate_rows(loc_U: torch.Tensor, head: DecisionHead, targets: torch.Tenso
     chunk_size = chunk_size or chunk_tokens(weight.shape[0])
     top, lse, nll = [], [], []
     for r0 in range(0, len(loc_U), chunk_size):
-        logits = F.linear(loc_U[r0 : r0 + chunk_size].to(mm_dtype), w).float()
+        logits = few_rows_linear(loc_U[r0 : r0 + chunk_size].to(mm_dtype), w).float()  # F.linear, CPU layout
         if bias is not None:
             logits += bias.float()
         tgt = targets[r0 : r0 + chunk_size]

@@ -6,11 +6,13 @@ TPR, open-set macro-F1)."""
 import torch
 import torch.nn.functional as F
 
+from ..cauchy import ovr_log_prob
 from ..classification import (
     abstention_threshold,
     auroc,
     expected_calibration_error,
     fpr_at_tpr,
+    label_heads,
     label_scores,
     macro_f1,
     rejection_scores,
@@ -25,13 +27,9 @@ def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.T
     ids = torch.tensor(labels.token_ids)
     log_P, scale = [], []
     for start in range(0, len(z), chunk_size):
-        _, _, loc_S, scale_S = model.causal_heads(z[start : start + chunk_size], "standard",
-                                                  model.config.causal_temperature)
-        if ARMS[arm]["loss"] == "logistic":  # the same x, the logistic link
-            log_P.append(F.logsigmoid(model.ovr(loc_S, scale_S)[:, ids]))
-        else:
-            log_P.append(model.ovr_log_probs(loc_S, scale_S)[:, ids])
-        scale.append(scale_S[:, ids])
+        _, scale_S, x = label_heads(model, z[start : start + chunk_size], ids, model.config.causal_temperature)
+        log_P.append(F.logsigmoid(x) if ARMS[arm]["loss"] == "logistic" else ovr_log_prob(x))  # x: either link's
+        scale.append(scale_S)
     return torch.cat(log_P), torch.cat(scale)
 
 
