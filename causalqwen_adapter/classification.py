@@ -148,11 +148,14 @@ class LabelScores:
 
 @torch.no_grad()
 def label_scores(model, z: torch.Tensor, labels: LabelSet, *, inference_mode: str = "standard",
-                 causal_temperature: float | None = None, chunk_size: int = 64) -> LabelScores:
+                 causal_temperature: float | None = None, chunk_size: int = 64,
+                 label_columns: bool = False) -> LabelScores:
     """`LabelScores` from final hidden states `z` [N, H]: a CausalQwen model's heads (in `inference_mode`, which
     fuses the noise as docs/design.md, Action network says), or a causal LM's `lm_head`. In `compatible` mode an
     adapter is read through loc_S alone, as a base through its logits: no OvR probabilities (`log_P` None), the
-    `softmax` rule only."""
+    `softmax` rule only. `label_columns`: in the standard mode, scale_S at the labels' columns alone (`label_heads`:
+    about half the work; equal within rounding, not bit for bit, and so not where a tie between two scorings of one
+    prompt decides a count)."""
     ids = torch.tensor(labels.token_ids)
     heads = getattr(model, "causal_heads", None)
     if heads is not None:  # checked here: the standard mode's scores below do not pass through `causal_heads`
@@ -161,7 +164,7 @@ def label_scores(model, z: torch.Tensor, labels: LabelSet, *, inference_mode: st
     loc, log_z, log_P = [], [], []
     for start in range(0, len(z), chunk_size):
         zz = z[start : start + chunk_size].to(device)
-        if heads is not None and inference_mode == "standard":  # scale_S at the labels' columns alone
+        if heads is not None and inference_mode == "standard" and label_columns:
             loc_S, _, x = label_heads(model, zz, ids.to(device), temperature)
             log_P.append(ovr_log_prob(x).cpu())
         elif heads is not None:
@@ -190,7 +193,7 @@ def label_heads(model, z: torch.Tensor, ids: torch.Tensor, temperature: float):
         weight = action.effective_weight()
         loc_S = few_rows_linear(loc_U, weight)
         loc_S = loc_S if action.bias is None else loc_S.add_(action.bias)
-        return loc_S, few_rows_linear(scale_U, weight[ids].abs())
+        return loc_S, torch.mm(scale_U, weight[ids].abs().T)  # [K × C]: nothing to gain from the layout
 
     def scores(ovr, loc_S, scale_S):
         loc = loc_S.float()

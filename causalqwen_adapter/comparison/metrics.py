@@ -35,7 +35,7 @@ def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.T
 
 def arm_scores(model, arm: str, z, labels):
     """`classification.label_scores` of the arm, its OvR probabilities under the arm's link."""
-    scores = label_scores(model, z, labels)
+    scores = label_scores(model, z, labels, label_columns=True)
     if ARMS[arm]["loss"] == "logistic":
         scores.log_P = label_ovr(model, arm, z, labels)[0]
     return scores
@@ -94,7 +94,7 @@ def open_set(model, arm, z, fine, known: list[int], val_z, val_fine, labels, cov
         raise ValueError("the test split has no unknown class (or no known one): lower (raise) the fraction of "
                          "classes known in training")
     target = torch.tensor([index.get(f, -1) for f in fine.tolist()])
-    scores, val_scores = label_scores(model, z, labels), label_scores(model, val_z, labels)
+    scores, val_scores = (label_scores(model, x, labels, label_columns=True) for x in (z, val_z))
     val_known = torch.tensor([f in index for f in val_fine.tolist()])
     out = {}
     for name, score in rejection_scores(scores).items():
