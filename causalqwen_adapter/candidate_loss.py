@@ -8,9 +8,8 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from .cauchy import check_labels, fuse_noise
+from .cauchy import check_labels, few_rows_linear, fuse_noise
 from .losses import (
     LOGITS_BUDGET_BYTES,
     DecisionHead,
@@ -52,7 +51,7 @@ def candidate_rows(loc_U: torch.Tensor, head: DecisionHead, targets: torch.Tenso
     chunk_size = chunk_size or chunk_tokens(weight.shape[0])
     top, lse, nll = [], [], []
     for r0 in range(0, len(loc_U), chunk_size):
-        logits = F.linear(loc_U[r0 : r0 + chunk_size].to(mm_dtype), w).float()
+        logits = few_rows_linear(loc_U[r0 : r0 + chunk_size].to(mm_dtype), w).float()  # F.linear, CPU layout
         if bias is not None:
             logits += bias.float()
         tgt = targets[r0 : r0 + chunk_size]

@@ -99,6 +99,25 @@ def cauchy_linear_blocked(
     return loc_S.reshape(*shape[:-1], vocab), scale_S.reshape(*shape[:-1], vocab)
 
 
+SKINNY_ROWS = 128  # up to this many rows, x @ Wᵀ on the CPU is faster as (W @ xᵀ)ᵀ (BENCHMARKS.md, compare)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                    scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weightᵀ, [N, V] for x [N, C] and weight [V, C], into ``out`` when given. On the CPU with N ≤ `SKINNY_ROWS`
+    the product runs as weight @ xᵀ into [V, N] (``scratch``, at least N·V elements of x's dtype, or a new tensor)
+    and is copied transposed: MKL runs the x @ Wᵀ layout up to 2× slower for a skinny x (on 2 threads; about 1.1–1.3×
+    on one). The same sums, in another order: equal within rounding. ``out`` may be wider than x (the product runs
+    in x's dtype, then is copied)."""
+    n, v = x.shape[0], weight.shape[0]
+    if x.device.type != "cpu" or n > SKINNY_ROWS:
+        if out is None or out.dtype == x.dtype:
+            return torch.mm(x, weight.T, out=out)
+        return out.copy_(torch.mm(x, weight.T, out=None if scratch is None else scratch[: n * v].view(n, v)))
+    product = torch.mm(weight, x.T, out=None if scratch is None else scratch[: n * v].view(v, n))
+    return product.T.contiguous() if out is None else out.copy_(product.T)
+
+
 def cauchy_linear_rows(
     loc_U: torch.Tensor,
     scale_U: torch.Tensor,

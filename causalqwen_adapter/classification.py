@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cauchy import few_rows_linear, fuse_noise, ovr_log_prob, ovr_standardize
 from .evaluation import ECE_BINS, _Bins
 from .evaluation import auroc as rank_auroc  # the rank statistic; here with the open-set check
 
@@ -147,20 +148,26 @@ class LabelScores:
 
 @torch.no_grad()
 def label_scores(model, z: torch.Tensor, labels: LabelSet, *, inference_mode: str = "standard",
-                 causal_temperature: float | None = None, chunk_size: int = 64) -> LabelScores:
+                 causal_temperature: float | None = None, chunk_size: int = 64,
+                 label_columns: bool = False) -> LabelScores:
     """`LabelScores` from final hidden states `z` [N, H]: a CausalQwen model's heads (in `inference_mode`, which
     fuses the noise as docs/design.md, Action network says), or a causal LM's `lm_head`. In `compatible` mode an
     adapter is read through loc_S alone, as a base through its logits: no OvR probabilities (`log_P` None), the
-    `softmax` rule only."""
+    `softmax` rule only. `label_columns`: in the standard mode, scale_S at the labels' columns alone (`label_heads`:
+    about half the work; equal within rounding, not bit for bit, and so not where a tie between two scorings of one
+    prompt decides a count)."""
     ids = torch.tensor(labels.token_ids)
     heads = getattr(model, "causal_heads", None)
-    if heads is not None:
-        temperature = model.config.causal_temperature if causal_temperature is None else causal_temperature
+    if heads is not None:  # checked here: the standard mode's scores below do not pass through `causal_heads`
+        inference_mode, temperature = model._resolve_mode(inference_mode, causal_temperature)
     device = next(model.parameters()).device
     loc, log_z, log_P = [], [], []
     for start in range(0, len(z), chunk_size):
         zz = z[start : start + chunk_size].to(device)
-        if heads is not None:
+        if heads is not None and inference_mode == "standard" and label_columns:
+            loc_S, _, x = label_heads(model, zz, ids.to(device), temperature)
+            log_P.append(ovr_log_prob(x).cpu())
+        elif heads is not None:
             _, _, loc_S, scale_S = heads(zz, inference_mode, temperature)
             if scale_S is not None:  # None in compatible mode, which scores with loc_S alone
                 log_P.append(model.ovr_log_probs(loc_S, scale_S)[:, ids.to(device)].float().cpu())
@@ -170,6 +177,32 @@ def label_scores(model, z: torch.Tensor, labels: LabelSet, *, inference_mode: st
         loc.append(loc_S[:, ids.to(device)].cpu())
         log_z.append(torch.logsumexp(loc_S, -1).cpu())
     return LabelScores(torch.cat(loc), torch.cat(log_z), torch.cat(log_P) if log_P else None)
+
+
+@torch.no_grad()
+def label_heads(model, z: torch.Tensor, ids: torch.Tensor, temperature: float):
+    """(loc_S [N, V], scale_S [N, K], x [N, K]) of a CausalQwen model in the standard mode at final hidden states
+    `z`: loc_S over the whole vocabulary (its logsumexp, and log softmax(loc_S) for relative thresholds, need every
+    column), scale_S and the OvR scores x_k = (loc_S_k or log softmax_k − C_k) / scale_S_k at the label columns `ids`
+    alone: the values of `causal_heads` and `model.ovr` read at those columns, without the [N × V] scale_S (half
+    the products, and the elementwise work on V columns nothing reads)."""
+    loc_U, scale_U = model.abduction(z.to(model.action.bias.dtype))
+
+    def law(action, loc_U, scale_U):
+        loc_U, scale_U = fuse_noise(loc_U, scale_U, action.b_noise, "standard", temperature)
+        weight = action.effective_weight()
+        loc_S = few_rows_linear(loc_U, weight)
+        loc_S = loc_S if action.bias is None else loc_S.add_(action.bias)
+        return loc_S, torch.mm(scale_U, weight[ids].abs().T)  # [K × C]: nothing to gain from the layout
+
+    def scores(ovr, loc_S, scale_S):
+        loc = loc_S.float()
+        reference = loc[:, ids] - torch.logsumexp(loc, -1, keepdim=True) if ovr.relative else loc[:, ids]
+        threshold = ovr.threshold.float()
+        return ovr_standardize(reference, scale_S.float(), threshold[ids] if threshold.dim() else threshold)
+
+    loc_S, scale_S = model.action(loc_U, scale_U, read=law)
+    return loc_S, scale_S, model.ovr(loc_S, scale_S, read=scores)
 
 
 def rejection_scores(scores: LabelScores) -> dict[str, torch.Tensor]:

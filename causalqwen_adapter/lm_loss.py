@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from .candidate_loss import candidate_ovr_loss, candidate_set
-from .cauchy import check_labels, fuse_noise
+from .cauchy import check_labels, few_rows_linear, fuse_noise
 from .dispatch import (
     TILE_COL_D,
     TILE_COL_T,
@@ -244,6 +244,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
         def product(out, a, b, overwrite=False):
             return _product(out, a, b, overwrite, prod_lo)
 
+        def product_t(out, a, b, scratch):
+            """out = a @ bᵀ, b a block of W_A or |W_A|: on the CPU's torch tiles in `few_rows_linear`'s layout (its
+            [block × chunk] product in ``scratch``, a free tile of a's dtype), elsewhere `product`."""
+            if tile_kernel is None and dev.type == "cpu" and scratch.dtype == a.dtype:
+                return few_rows_linear(a, b, out=out, scratch=scratch)
+            return product(out, a, b.T, overwrite=True)
+
         tmp_W = buf["tmp_W"] if scale_path_W else None  # one block of sign(W) ⊙ (…) for the scale path's share
         nll_sum = torch.zeros((), dtype=torch.float64, device=dev)
         ovr_sum = torch.zeros((), dtype=torch.float64, device=dev)
@@ -295,7 +302,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     d.zero_()
             x_mm = None
             if ovr:
-                product(s, scale_mm, abs_w.T, overwrite=True)
+                product_t(s, scale_mm, abs_w, a_buf if mm_dtype == dtype else g_lo)  # a, g_lo: free until ovr_tile
                 x.sub_(thr[v0:v1] if thr_per_token else thr)  # the logits' last use: x becomes loc_S − C
                 if relative:
                     x.sub_(lse.unsqueeze(1))
@@ -360,7 +367,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             block_lse = torch.empty(r, len(blocks), dtype=dtype, device=dev)
             block_top = []
             for i, ((v0, v1), stored) in enumerate(zip(blocks, logits)):  # pass A
-                product(stored, loc_mm, lowered(weight[v0:v1], w_lo).T, overwrite=True)
+                product_t(stored, loc_mm, lowered(weight[v0:v1], w_lo), d_buf if mm_dtype == dtype else xd_lo)
                 if tile_kernel is not None:  # the stored logits keep b_A from here on
                     lse_kernel(stored, None if bias_f is None else bias_f[v0:v1], True, block_lse[:, i],
                                tile_threads)

@@ -50,9 +50,9 @@ def _rows(pairs):
     return [{"prompt": p, "completion": c} for p, c in pairs]
 
 
-def _adapter(base, seed=0):
+def _adapter(base, seed=0, **heads):
     """Heads moved off their init (scales, noise, locations), so that P_k and the rules differ from the base's."""
-    model = CausalQwenForCausalLM.from_base(base, dtype=torch.float32)
+    model = CausalQwenForCausalLM.from_base(base, dtype=torch.float32, **heads)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in (model.abduction.scale.weight, model.abduction.loc.weight, model.action.bias):
@@ -94,27 +94,34 @@ def test_label_set_refuses_what_it_cannot_score(tokenizer_dir):
 # ---------------------------------------------------------------------------------------------- scores
 
 
-@pytest.mark.parametrize("kind", ["adapter", "base"])
-def test_label_scores_match_the_full_forward(sft_base, tokenizer_dir, kind):
+@pytest.mark.parametrize("kind, label_columns", [("adapter", False), ("adapter", True), ("absolute", True),
+                                                  ("base", False)])
+def test_label_scores_match_the_full_forward(sft_base, tokenizer_dir, kind, label_columns):
     """z at the prompt's end → label logits, log-partition and log P_k equal a whole forward of each prompt alone,
-    P_k from the design's formula in float64."""
+    P_k from the design's formula in float64; with `label_columns` (scale_S at the labels' columns alone) too, and
+    for absolute, learnable thresholds (`absolute`: one C_k per token, each its own)."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     base = Qwen2ForCausalLM.from_pretrained(sft_base, dtype=torch.float32).eval()
-    model = _adapter(base) if kind == "adapter" else base
+    model = base
+    if kind != "base":
+        model = _adapter(base, **({} if kind == "adapter" else dict(ovr_relative_threshold=False,
+                                                                    learnable_threshold=True)))
+        with torch.no_grad():
+            model.ovr.threshold.add_(0.5 * torch.randn(model.ovr.threshold.shape))
     labels = label_set(tokenizer, LABELS, 128)
     prompts, targets = tokenize_prompts(tokenizer, _rows(ROWS), labels)
     assert targets == [LABELS.index(c) for _, c in ROWS]
     z = prompt_hidden_states(model.model, prompts, batch_size=5)  # batches of unequal lengths, right-padded
-    scores = label_scores(model, z, labels, chunk_size=4)
+    scores = label_scores(model, z, labels, chunk_size=4, label_columns=label_columns)
     ids = labels.token_ids
     for n, prompt in enumerate(prompts):
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([prompt]), inference_mode="standard") if kind == "adapter" else \
+            out = model(input_ids=torch.tensor([prompt]), inference_mode="standard") if kind != "base" else \
                 model(input_ids=torch.tensor([prompt]))
-        loc = (out.loc_S if kind == "adapter" else out.logits)[0, -1].double()
+        loc = (out.loc_S if kind != "base" else out.logits)[0, -1].double()
         torch.testing.assert_close(scores.loc[n].double(), loc[ids], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(scores.log_partition[n].double(), torch.logsumexp(loc, 0), rtol=1e-5, atol=1e-5)
-        if kind == "adapter":
+        if kind != "base":
             log_P = decision_scores_float64(out.loc_S[0, -1], out.scale_S[0, -1], model.ovr.threshold,
                                             model.config.ovr_relative_threshold, "normalize")
             torch.testing.assert_close(scores.log_P[n].double(), log_P[ids], rtol=1e-4, atol=1e-6)
@@ -134,7 +141,7 @@ def test_label_scores_match_the_full_forward(sft_base, tokenizer_dir, kind):
         assert math.isclose(reject["softmax_vocab_label_mass"][n].item(), vocab.sum().item(), rel_tol=1e-4)
         assert math.isclose(reject["energy"][n].item(), math.log(sum(math.exp(v) for v in loc.tolist())), rel_tol=1e-5)
         assert reject["max_logit"][n].item() == scores.loc[n].max().item()
-        if kind == "adapter":
+        if kind != "base":
             P = scores.log_P[n].double().exp()
             pred, conf = scores.decide("ovr")
             assert pred[n].item() == int(P.argmax()) and math.isclose(conf[n].item(), P.max().item(), rel_tol=1e-5)

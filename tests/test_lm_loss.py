@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from test_losses import NAMES, as_float64, assert_rel_close, grads_of, make_inputs
 
+from causalqwen_adapter.cauchy import SKINNY_ROWS, few_rows_linear
 from causalqwen_adapter.lm_loss import chunked_lm_loss
 from causalqwen_adapter.losses import LOGITS_BUDGET_BYTES, DecisionHead, chunk_tokens, chunked_ovr_loss
 
@@ -204,3 +205,24 @@ def test_zero_row_of_W_gives_finite_loss_and_gradients():
     for t in tensors:
         assert torch.isfinite(t.grad).all()
     assert bias.grad[0] == 0 and threshold.grad[0] == 0
+
+
+@pytest.mark.parametrize("rows", [1, 32, SKINNY_ROWS, SKINNY_ROWS + 3])
+def test_few_rows_linear_is_the_product(rows):
+    """x @ Wᵀ in the transposed layout (few rows) or as it is (more), into `out` (float32 or wider) or a new tensor:
+    the float64 product within float32 rounding."""
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 64, generator=generator), torch.randn(300, 64, generator=generator)
+    expected = x.double() @ weight.double().T
+    scratch = torch.empty(rows * 300)
+    for out in (None, torch.empty(rows, 300), torch.empty(rows, 300, dtype=torch.float64)):
+        got = few_rows_linear(x, weight, out=out, scratch=scratch if out is not None else None)
+        assert got.shape == (rows, 300) and got.is_contiguous() and (out is None or got is out)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_loss_chunk_beyond_the_few_rows_layout_matches_the_reference():
+    """A chunk of more than SKINNY_ROWS tokens takes the products as they are; one of fewer the transposed layout
+    (the other tests): both the float64 reference."""
+    tensors, labels = make_inputs(SKINNY_ROWS + 5, 8, 37)
+    check(tensors, labels, ovr_trains_location=True, chunk_size=SKINNY_ROWS + 5, vocab_chunk_size=16)

@@ -12,6 +12,7 @@ from ..classification import (
     auroc,
     expected_calibration_error,
     fpr_at_tpr,
+    label_heads,
     label_scores,
     macro_f1,
     rejection_scores,
@@ -30,10 +31,9 @@ def label_odds(model, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, to
     ids = torch.tensor(labels.token_ids)
     x, scale = [], []
     for start in range(0, len(z), chunk_size):
-        _, _, loc_S, scale_S = model.causal_heads(z[start : start + chunk_size], "standard",
-                                                  model.config.causal_temperature)
-        x.append(model.ovr(loc_S, scale_S)[:, ids])
-        scale.append(scale_S[:, ids])
+        _, scale_S, x_k = label_heads(model, z[start : start + chunk_size], ids, model.config.causal_temperature)
+        x.append(x_k)
+        scale.append(scale_S)
     return torch.cat(x), torch.cat(scale)
 
 
@@ -51,7 +51,7 @@ def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.T
 
 def arm_scores(model, arm: str, z, labels):
     """`classification.label_scores` of the arm, its OvR probabilities under the arm's link."""
-    scores = label_scores(model, z, labels)
+    scores = label_scores(model, z, labels, label_columns=True)
     if logistic(arm):
         scores.log_P = label_ovr(model, arm, z, labels)[0]
     return scores
@@ -121,9 +121,9 @@ def open_set(model, arm, z, fine, known: list[int], val_z, val_fine, labels, cov
         top, pred = label_odds(model, z, labels)[0].max(-1)
         val_top = label_odds(model, val_z, labels)[0].max(-1).values
         read["ovr_max_prob"] = (top, pred, val_top[val_known], lambda x: link_prob(arm, x))
-    scores = label_scores(model, z, labels)
+    scores = label_scores(model, z, labels, label_columns=True)
     test_scores, pred = rejection_scores(scores), scores.decide("softmax")[0]
-    for name, val_score in rejection_scores(label_scores(model, val_z, labels)).items():
+    for name, val_score in rejection_scores(label_scores(model, val_z, labels, label_columns=True)).items():
         if name != "ovr_max_prob":
             read[name] = (test_scores[name], pred, val_score[val_known], float)
     out = {}
