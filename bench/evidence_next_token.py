@@ -240,7 +240,6 @@ def main(argv=None) -> None:
     parser.add_argument("--keep-adapters", action="store_true", help="keep each seed's adapter folder")
     parser.add_argument("--out", default="build/evidence/next-token.json")
     args = parser.parse_args(argv)
-    faulthandler.enable()  # a crash in native code prints the Python stack of every thread before the process dies
     seeds = DECLARATION["seeds"] if args.seeds is None else args.seeds
     undeclared = sorted(set(seeds) - set(DECLARATION["seeds"]))
     if undeclared:
@@ -268,4 +267,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash in native code prints the Python stack of every thread before the process dies
     main()
