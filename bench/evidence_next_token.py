@@ -12,6 +12,8 @@ t-test over the seeds and Holm's adjustment over the hypothesis's comparisons: t
 (bench/evidence_preregistered.py, its `hypothesis` rows), read from that driver's result files with --classification.
 
 One JSON record per seed in --out, written as it ends; a second invocation with the same --out skips the seeds there.
+Each stage is logged (timestamped, flushed) as it starts, and a seed's trained adapter is kept, with a marker, until
+its record is written: a process that dies in the evaluation is resumed from the evaluation, not from training.
 
     python bench/evidence_next_token.py --dry-run                     # the plan and its estimated time; trains nothing
     OMP_NUM_THREADS=2 python bench/evidence_next_token.py --base build/demo-base --out bench/results/next-token.json
@@ -20,9 +22,12 @@ One JSON record per seed in --out, written as it ends; a second invocation with 
 """
 
 import argparse
+import faulthandler
 import gc
 import hashlib
+import json
 import platform
+import resource
 import shutil
 import sys
 import time
@@ -49,9 +54,9 @@ DECLARATION = {
     "ece_bins": 15,
     "alpha": protocol.FAMILY["alpha"],
 }
-# one demo-size seed (training, then the held-out evaluation in two modes) measured on this project's CPU machine;
-# None: not measured (docs/evidence.md says what was seen)
-MEASURED_SECONDS_PER_SEED = None
+# declared seeds (30 steps, then the held-out evaluation in two modes) measured on this project's 2-core machine, one
+# thread, shared with other jobs, 2026-11-29: seeds 0 and 1 took 710 and 601 s of wall clock (docs/evidence.md)
+MEASURED_SECONDS_PER_SEED = 656.0
 
 
 def held_out_digest(texts: list[str]) -> str:
@@ -76,31 +81,89 @@ def next_token_metrics(results: dict) -> dict:
             "ece_standard_top1": standard["ece_top1"], "num_tokens": standard["num_tokens"]}
 
 
+TRAINED_MARKER = "trained.json"  # written in a seed's folder once its adapter is saved: what trained it, how long
+
+
+def log_stage(message: str) -> None:
+    """A timestamped line, flushed at once: a process killed from outside leaves the stage it was in."""
+    print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}", flush=True)
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak resident set (VmHWM) to its current size (Linux ≥ 4.0); False where not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    """The peak resident set since the last `reset_peak_rss` (VmHWM), else of the whole process (ru_maxrss)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def train_or_reuse(seed: int, base: str, tokenizer, steps: int, folder: Path, log) -> dict:
+    """The seed's adapter in `folder`: reused when its marker says it was trained from `base` with `steps` (a run that
+    died after training), else trained; the marker's training seconds, CPU seconds and peak RSS."""
+    marker = folder / TRAINED_MARKER
+    wanted = {"seed": seed, "steps": steps, "base": str(base)}
+    if marker.exists():
+        trained = json.loads(marker.read_text())
+        if {key: trained.get(key) for key in wanted} == wanted:
+            log(f"seed {seed}: reusing the adapter trained earlier in {folder} ({trained['train_seconds']:.0f} s)")
+            return trained
+        log(f"seed {seed}: {folder} holds an adapter of {trained}; training again")
+    shutil.rmtree(folder, ignore_errors=True)  # a half-written folder from a death in training
+    log(f"seed {seed}: training {steps} steps into {folder}")
+    exact_peak = reset_peak_rss()
+    start, cpu = time.perf_counter(), time.process_time()  # CPU time too: on a shared machine wall time says little
+    demo.train_heads(base, tokenizer, steps, folder, seed=seed)
+    gc.collect()  # the trainer's reference cycles would keep the trained model beside the reloaded one
+    trained = {**wanted, "train_seconds": time.perf_counter() - start, "train_cpu_seconds": time.process_time() - cpu,
+               "train_peak_rss_mib": peak_rss_mib() if exact_peak else None}
+    marker.write_text(json.dumps(trained))
+    return trained
+
+
 def run_seed(seed: int, base: str, tokenizer, rows, workdir: Path, *, steps: int = demo.TRAIN_STEPS,
-             keep_adapter: bool = False) -> dict:
+             keep_adapter: bool = False, log=log_stage) -> dict:
     """One seed: the demo's training with `seed`, then the held-out metrics of the adapter it saved, reloaded as a
-    user would (AutoModelForCausalLM, trust_remote_code)."""
+    user would (AutoModelForCausalLM, trust_remote_code). The adapter is deleted only once its metrics are in hand."""
     from transformers import AutoModelForCausalLM
 
     from causalqwen_adapter.data import batches
     from causalqwen_adapter.evaluation import evaluate
 
     folder = workdir / f"seed-{seed}"
-    start, cpu = time.perf_counter(), time.process_time()  # CPU time too: on a shared machine wall time says little
-    demo.train_heads(base, tokenizer, steps, folder, seed=seed)
-    gc.collect()  # the trainer's reference cycles would keep the trained model beside the reloaded one
-    trained = time.perf_counter()
+    trained = train_or_reuse(seed, base, tokenizer, steps, folder, log)
+    log(f"seed {seed}: reloading the adapter")
+    start, cpu = time.perf_counter(), time.process_time()
+    exact_peak = reset_peak_rss()
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    log(f"seed {seed}: evaluating {len(rows)} held-out texts in the compatible and standard modes")
     results = evaluate(model, batches(rows, demo.HELD_OUT_BATCH, tokenizer.pad_token_id or 0),
                        ("compatible", "standard"))
+    metrics = next_token_metrics(results)
+    evaluate_seconds, evaluate_cpu = time.perf_counter() - start, time.process_time() - cpu
+    log(f"seed {seed}: evaluated in {evaluate_seconds:.0f} s")
     if not keep_adapter:  # an adapter of the 0.5B base is hundreds of MB; the record is what the report reads
         shutil.rmtree(folder)
-    return {"seed": seed, **next_token_metrics(results), "train_seconds": trained - start,
-            "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu}
+    return {"seed": seed, **metrics, "train_seconds": trained["train_seconds"],
+            "seconds": trained["train_seconds"] + evaluate_seconds,
+            "cpu_seconds": trained["train_cpu_seconds"] + evaluate_cpu, "evaluate_seconds": evaluate_seconds,
+            "train_peak_rss_mib": trained["train_peak_rss_mib"],
+            "evaluate_peak_rss_mib": peak_rss_mib() if exact_peak else None}
 
 
 def run_seeds(seeds, base: str, out: Path, workdir: Path, *, steps: int = demo.TRAIN_STEPS, keep_adapters=False,
-              log=print) -> dict:
+              log=log_stage) -> dict:
     """Every seed of `seeds` not yet in `out`, each record written as it ends; the records by seed."""
     from transformers import AutoTokenizer
 
@@ -116,7 +179,8 @@ def run_seeds(seeds, base: str, out: Path, workdir: Path, *, steps: int = demo.T
     held_out = {"digest": digest, "texts": len(texts), "python": platform.python_version()}
     torch.manual_seed(0)
     for seed in todo:
-        record = {**run_seed(seed, base, tokenizer, rows, workdir, steps=steps, keep_adapter=keep_adapters),
+        record = {**run_seed(seed, base, tokenizer, rows, workdir, steps=steps, keep_adapter=keep_adapters,
+                                     log=log),
                   "held_out": held_out, "steps": steps, "base": str(base), "commit": _commit()}
         records[str(seed)] = record
         save(out, DECLARATION, records, {"base": str(base)})
@@ -130,7 +194,8 @@ def merge(paths) -> dict:
     records = {}
     for path in paths:
         for seed, record in load(Path(path), DECLARATION).items():
-            timeless = {"seconds": 0, "train_seconds": 0, "cpu_seconds": 0}
+            timeless = dict.fromkeys(("seconds", "train_seconds", "cpu_seconds", "evaluate_seconds",
+                                      "train_peak_rss_mib", "evaluate_peak_rss_mib"))
             if seed in records and {**records[seed], **timeless} != {**record, **timeless}:
                 raise ValueError(f"{path}: seed {seed} has two different records; keep one of the files")
             records.setdefault(seed, record)
@@ -154,7 +219,7 @@ def dry_run(seeds, out: Path) -> list[str]:
     done = [r["seconds"] for r in records.values()]
     per_seed = sum(done) / len(done) if done else MEASURED_SECONDS_PER_SEED
     source = (f"the mean of the {len(done)} seeds in {out}" if done else
-              "one seed measured on the 2-core machine (docs/evidence.md)" if per_seed else None)
+              "declared seeds measured on the 2-core machine, docs/evidence.md" if per_seed else None)
     if per_seed is None:
         lines.append("estimated time: unmeasured (no seed has run on this machine and none was measured)")
     else:
@@ -202,4 +267,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash in native code prints the Python stack of every thread before the process dies
     main()
