@@ -292,6 +292,8 @@ def test_open_set_reads_a_logistic_arm_under_its_own_link(base_folder, arm, lr):
     pred = [max(range(3), key=lambda k: row[k]) for row in x.tolist()]
     expected = _naive_open_set([log_P[r] for r in test], [pred[r] for r in test],
                                [log_P[r] for r in val if fine[r] in known], fine[test].tolist(), known)
-    assert got == pytest.approx(expected, rel=1e-6, abs=1e-300)
+    # compare scores x at the label columns alone (`label_heads`), which rounds x differently in float32 from the whole
+    # forward above (|Δx| ≈ 1e-6 at |x| ≈ 20): the threshold σ(x) carries that as a relative error e^|Δx| − 1
+    assert got == pytest.approx(expected, rel=2e-5, abs=1e-300)
     if lr == 1e-3:
         assert max(log_P) < -104  # σ(x) is 0 in float32 on every row: the case P itself could not rank
