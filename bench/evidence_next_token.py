@@ -55,8 +55,9 @@ DECLARATION = {
     "alpha": protocol.FAMILY["alpha"],
 }
 # declared seeds (30 steps, then the held-out evaluation in two modes) measured on this project's 2-core machine, one
-# thread, shared with other jobs, 2026-11-29: seeds 0 and 1 took 710 and 601 s of wall clock (docs/evidence.md)
-MEASURED_SECONDS_PER_SEED = 656.0
+# thread, shared with other jobs, 2026-11-29: the 10 declared seeds took 601–943 s of wall clock, 750 s on average
+# (bench/results/next-token.md; docs/evidence.md)
+MEASURED_SECONDS_PER_SEED = 750.0
 
 
 def held_out_digest(texts: list[str]) -> str:
