@@ -25,9 +25,10 @@ def test_a_death_in_the_evaluation_is_resumed_from_the_evaluation(sft_base, tmp_
     fresh = next_token.run_seeds([0], str(sft_base), tmp_path / "fresh.json", tmp_path / "fresh-work", steps=2,
                                  log=lambda _: None)["0"]
     assert not (tmp_path / "fresh-work" / "seed-0").exists()  # the adapter goes once the record is written
+    # measured per stage (VmHWM reset at each stage's start). The reset lowers what getrusage reports too, so its
+    # ru_maxrss now bounds the last stage's peak (the evaluation's) and says nothing of the training's
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    for stage in ("train_peak_rss_mib", "evaluate_peak_rss_mib"):
-        assert 0 < fresh[stage] <= peak + 1  # measured per stage (VmHWM reset), never above the process's peak
+    assert 0 < fresh["train_peak_rss_mib"] and 0 < fresh["evaluate_peak_rss_mib"] <= peak + 1
 
     out, workdir, lines = tmp_path / "next-token.json", tmp_path / "work", []
 
