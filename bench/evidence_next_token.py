@@ -123,12 +123,13 @@ def train_or_reuse(seed: int, base: str, tokenizer, steps: int, folder: Path, lo
         log(f"seed {seed}: {folder} holds an adapter of {trained}; training again")
     shutil.rmtree(folder, ignore_errors=True)  # a half-written folder from a death in training
     log(f"seed {seed}: training {steps} steps into {folder}")
+    commit = _commit()  # the code that trains: HEAD may move before the record is saved
     exact_peak = reset_peak_rss()
     start, cpu = time.perf_counter(), time.process_time()  # CPU time too: on a shared machine wall time says little
     demo.train_heads(base, tokenizer, steps, folder, seed=seed)
     gc.collect()  # the trainer's reference cycles would keep the trained model beside the reloaded one
     trained = {**wanted, "train_seconds": time.perf_counter() - start, "train_cpu_seconds": time.process_time() - cpu,
-               "train_peak_rss_mib": peak_rss_mib() if exact_peak else None}
+               "train_peak_rss_mib": peak_rss_mib() if exact_peak else None, "commit": commit}
     marker.write_text(json.dumps(trained))
     return trained
 
@@ -160,7 +161,8 @@ def run_seed(seed: int, base: str, tokenizer, rows, workdir: Path, *, steps: int
             "seconds": trained["train_seconds"] + evaluate_seconds,
             "cpu_seconds": trained["train_cpu_seconds"] + evaluate_cpu, "evaluate_seconds": evaluate_seconds,
             "train_peak_rss_mib": trained["train_peak_rss_mib"],
-            "evaluate_peak_rss_mib": peak_rss_mib() if exact_peak else None}
+            "evaluate_peak_rss_mib": peak_rss_mib() if exact_peak else None,
+            "commit": trained.get("commit", "unknown")}  # HEAD when the adapter's training started
 
 
 def run_seeds(seeds, base: str, out: Path, workdir: Path, *, steps: int = demo.TRAIN_STEPS, keep_adapters=False,
@@ -182,7 +184,7 @@ def run_seeds(seeds, base: str, out: Path, workdir: Path, *, steps: int = demo.T
     for seed in todo:
         record = {**run_seed(seed, base, tokenizer, rows, workdir, steps=steps, keep_adapter=keep_adapters,
                                      log=log),
-                  "held_out": held_out, "steps": steps, "base": str(base), "commit": _commit()}
+                  "held_out": held_out, "steps": steps, "base": str(base)}
         records[str(seed)] = record
         save(out, DECLARATION, records, {"base": str(base)})
         log(f"seed {seed}: ECE P_top {record['ece_P_top']:.4f}, softmax max {record['ece_softmax_max_prob']:.4f}, "

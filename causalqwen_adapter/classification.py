@@ -124,11 +124,12 @@ def prompt_hidden_states(backbone, prompts: list[list[int]], batch_size: int = 1
 class LabelScores:
     """What a model says about each label at each prompt: `loc` [N, K] the label logits (loc_S, or a base's
     logits), `log_partition` [N] their full-vocabulary logsumexp, `log_P` [N, K] the OvR log-probabilities (None for
-    a base)."""
+    a base); `x` [N, K] the OvR scores P_k = F(x_k) reads, where kept (`label_scores(label_columns=True)`)."""
 
     loc: torch.Tensor
     log_partition: torch.Tensor
     log_P: torch.Tensor | None = None
+    x: torch.Tensor | None = None
 
     def rules(self) -> tuple[str, ...]:
         return RULES if self.log_P is not None else ("softmax",)
@@ -155,18 +156,19 @@ def label_scores(model, z: torch.Tensor, labels: LabelSet, *, inference_mode: st
     adapter is read through loc_S alone, as a base through its logits: no OvR probabilities (`log_P` None), the
     `softmax` rule only. `label_columns`: in the standard mode, scale_S at the labels' columns alone (`label_heads`:
     about half the work; equal within rounding, not bit for bit, and so not where a tie between two scorings of one
-    prompt decides a count)."""
+    prompt decides a count); the scores keep x, the OvR scores before the link."""
     ids = torch.tensor(labels.token_ids)
     heads = getattr(model, "causal_heads", None)
     if heads is not None:  # checked here: the standard mode's scores below do not pass through `causal_heads`
         inference_mode, temperature = model._resolve_mode(inference_mode, causal_temperature)
     device = next(model.parameters()).device
-    loc, log_z, log_P = [], [], []
+    loc, log_z, log_P, xs = [], [], [], []
     for start in range(0, len(z), chunk_size):
         zz = z[start : start + chunk_size].to(device)
         if heads is not None and inference_mode == "standard" and label_columns:
             loc_S, _, x = label_heads(model, zz, ids.to(device), temperature)
             log_P.append(ovr_log_prob(x).cpu())
+            xs.append(x.float().cpu())
         elif heads is not None:
             _, _, loc_S, scale_S = heads(zz, inference_mode, temperature)
             if scale_S is not None:  # None in compatible mode, which scores with loc_S alone
@@ -176,7 +178,8 @@ def label_scores(model, z: torch.Tensor, labels: LabelSet, *, inference_mode: st
         loc_S = loc_S.float()
         loc.append(loc_S[:, ids.to(device)].cpu())
         log_z.append(torch.logsumexp(loc_S, -1).cpu())
-    return LabelScores(torch.cat(loc), torch.cat(log_z), torch.cat(log_P) if log_P else None)
+    return LabelScores(torch.cat(loc), torch.cat(log_z), torch.cat(log_P) if log_P else None,
+                       torch.cat(xs) if xs else None)
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from causalqwen_adapter.classification import LabelSet
 from causalqwen_adapter.cli import compare
 from causalqwen_adapter.comparison import runs as runs_module
+from causalqwen_adapter.comparison.metrics import noise_metrics
 from causalqwen_adapter.comparison.plots import PLOT_FILES, draw
 from causalqwen_adapter.comparison.runs import Protocol, run_comparison, seed_data
 from causalqwen_adapter.comparison.training import FreshHeads, RecipeRates, train_arm
@@ -297,3 +298,46 @@ def test_open_set_reads_a_logistic_arm_under_its_own_link(base_folder, arm, lr):
     assert got == pytest.approx(expected, rel=2e-5, abs=1e-300)
     if lr == 1e-3:
         assert max(log_P) < -104  # σ(x) is 0 in float32 on every row: the case P itself could not rank
+
+
+@pytest.mark.parametrize("arm, lr", [("ovr_alone_logistic", 1e-3), ("ovr_alone", 1e-3)])
+def test_noise_metrics_read_the_ovr_confidence_from_x(base_folder, arm, lr):
+    """The own rule's confidence max_k P_k of an OvR arm: its ECE and its AUROC (right top-1 against wrong) equal a
+    naive float64 computation from x, P = F(x) under the arm's link. The logistic arm at 1e-3 leaves x ≈ −700, where
+    float32's σ is 0 on every row: read through a float32 P the AUROC was ½."""
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    H, n = base.config.hidden_size, 60
+    features = {"z": 3 * torch.randn(n, H, generator=generator), "z_label": torch.randn(n, 3, H, generator=generator)}
+    y = (torch.arange(n) % 3).tolist()
+    labels = LabelSet([" a", " b", " c"], [10, 11, 12])
+    model = train_arm(base, arm, features, torch.arange(30), y, labels, 2, lr, 8, 4, 0, RecipeRates())
+    test = torch.arange(30, 60)
+    target = torch.tensor(y)[test].roll(1)  # targets some rows' top-1 hits and others miss
+    got = noise_metrics(model, arm, features["z"][test], target, labels)
+
+    def link(v):  # F(x) in float64: σ, or the Cauchy CDF ½ + atan(x)/π
+        if arm.endswith("logistic"):
+            return 1 / (1 + math.exp(-v)) if v >= 0 else math.exp(v) / (1 + math.exp(v))
+        return 0.5 + math.atan(v) / math.pi
+
+    with torch.no_grad():
+        _, _, loc_S, scale_S = model.causal_heads(features["z"][test], "standard", model.config.causal_temperature)
+        x = model.ovr(loc_S, scale_S)[:, labels.token_ids].double().tolist()
+    top = [max(row) for row in x]
+    right = [max(range(3), key=lambda k: row[k]) == t for row, t in zip(x, target.tolist())]
+    assert 0 < sum(right) < len(right)
+    pos = [s for s, r in zip(top, right) if r]
+    neg = [s for s, r in zip(top, right) if not r]
+    auroc = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg) / (len(pos) * len(neg))
+    bins = {}
+    for s, r in zip(top, right):
+        p = link(s)
+        bins.setdefault(min(int(p * 15), 14), []).append((p, r))
+    ece = sum(abs(sum(p for p, _ in b) - sum(r for _, r in b)) for b in bins.values()) / len(top)
+    assert got["accuracy"] == pytest.approx(sum(right) / len(right))
+    assert got["confidence_auroc"] == pytest.approx(auroc)
+    assert got["ece"] == pytest.approx(ece, rel=1e-5, abs=1e-12)
+    if arm.endswith("logistic"):
+        assert max(top) < -104  # float32's σ(x) is 0 on every row
+        assert auroc != 0.5

@@ -70,3 +70,15 @@ def test_an_adapter_of_other_steps_is_trained_again(sft_base, tmp_path, monkeypa
     trained = next_token.train_or_reuse(0, str(sft_base), None, 2, folder, lines.append)
     assert calls == [(2, 0)] and trained["steps"] == 2 and "training again" in lines[0]
     assert json.loads((folder / next_token.TRAINED_MARKER).read_text()) == trained
+
+
+def test_the_record_names_the_commit_that_trained_the_adapter(sft_base, tmp_path, monkeypatch):
+    """HEAD when a seed's training starts, kept in the marker: a commit made while the seed runs, or before a resumed
+    evaluation, is not the code that trained it."""
+    heads = iter(["aaaaaaa", "bbbbbbb", "ccccccc"])
+    monkeypatch.setattr(next_token, "_commit", lambda: next(heads))
+    train = next_token.demo.train_heads
+    monkeypatch.setattr(next_token.demo, "train_heads", lambda *a, **k: (next(heads), train(*a, **k)))
+    record = next_token.run_seeds([0], str(sft_base), tmp_path / "out.json", tmp_path / "work", steps=1,
+                                  log=lambda _: None)["0"]
+    assert record["commit"] == "aaaaaaa"

@@ -37,10 +37,15 @@ def label_odds(model, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, to
     return torch.cat(x), torch.cat(scale)
 
 
+def link_probs(arm: str, x: torch.Tensor) -> torch.Tensor:
+    """P = F(x) under the arm's link, in float64 (σ(x) is 0 in float32 below x ≈ −104; in float64 below −745)."""
+    x = x.double()
+    return torch.sigmoid(x) if logistic(arm) else ovr_probs(x)
+
+
 def link_prob(arm: str, x: float) -> float:
-    """P = F(x) under the arm's link, in float64."""
-    x = torch.tensor(x, dtype=torch.float64)
-    return (torch.sigmoid(x) if logistic(arm) else ovr_probs(x)).item()
+    """`link_probs` of one x."""
+    return link_probs(arm, torch.tensor(x, dtype=torch.float64)).item()
 
 
 def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +55,11 @@ def label_ovr(model, arm: str, z, labels, chunk_size: int = 64) -> tuple[torch.T
 
 
 def arm_scores(model, arm: str, z, labels):
-    """`classification.label_scores` of the arm, its OvR probabilities under the arm's link."""
+    """`classification.label_scores` of the arm, its OvR probabilities under the arm's link (read from the scores'
+    x: one scoring)."""
     scores = label_scores(model, z, labels, label_columns=True)
     if logistic(arm):
-        scores.log_P = label_ovr(model, arm, z, labels)[0]
+        scores.log_P = F.logsigmoid(scores.x)
     return scores
 
 
@@ -76,15 +82,21 @@ def noise_metrics(model, arm: str, z, target, labels, scores=None) -> dict[str, 
     """Test metrics on `target`: accuracy by the arm's own rule and by the softmax rule on loc_S, macro-F1 of the own
     rule, the ECE (15 bins) of the own rule's confidence (max_k P_k under the arm's link for the OvR arms, the label
     set's maximum softmax probability otherwise), and the AUROC of that confidence separating the right top-1 from
-    the wrong. `scores`: the arm's scores of `z` when already computed."""
+    the wrong. `scores`: the arm's scores of `z` when already computed. The OvR confidence is F(max_k x_k) in float64
+    and its AUROC ranks max_k x_k (the same order, F increases): a float32 P rounds to 0 or 1 where |x| is large and
+    every tie counts half in the AUROC (as `open_set`)."""
     scores = arm_scores(model, arm, z, labels) if scores is None else scores
     pred, confidence = scores.decide(own_rule(model))
+    rank = confidence
+    if own_rule(model) == "ovr" and scores.x is not None:
+        rank = scores.x.max(-1).values
+        confidence = link_probs(arm, rank)
     correct = pred == target
     both = bool(correct.any()) and not bool(correct.all())
     return {"accuracy": correct.double().mean().item(),
             "accuracy_softmax_rule": (scores.decide("softmax")[0] == target).double().mean().item(),
             "ece": expected_calibration_error(confidence, correct),
-            "confidence_auroc": auroc(confidence[correct], confidence[~correct]) if both else float("nan")}
+            "confidence_auroc": auroc(rank[correct], rank[~correct]) if both else float("nan")}
 
 
 def head_outputs(model, arm: str, z, labels) -> dict[str, float] | None:
@@ -117,13 +129,13 @@ def open_set(model, arm, z, fine, known: list[int], val_z, val_fine, labels, cov
     val_known = torch.tensor([f in index for f in val_fine.tolist()])
     # per score: (test scores, test predictions, validation scores of known rows, the threshold in the score's units)
     read = {}
-    if model.config.objective == "ovr":  # the softmax objective never trained the scales
-        top, pred = label_odds(model, z, labels)[0].max(-1)
-        val_top = label_odds(model, val_z, labels)[0].max(-1).values
-        read["ovr_max_prob"] = (top, pred, val_top[val_known], lambda x: link_prob(arm, x))
     scores = label_scores(model, z, labels, label_columns=True)
+    val_scores = label_scores(model, val_z, labels, label_columns=True)
+    if model.config.objective == "ovr":  # the softmax objective never trained the scales
+        top, pred = scores.x.max(-1)
+        read["ovr_max_prob"] = (top, pred, val_scores.x.max(-1).values[val_known], lambda x: link_prob(arm, x))
     test_scores, pred = rejection_scores(scores), scores.decide("softmax")[0]
-    for name, val_score in rejection_scores(label_scores(model, val_z, labels, label_columns=True)).items():
+    for name, val_score in rejection_scores(val_scores).items():
         if name != "ovr_max_prob":
             read[name] = (test_scores[name], pred, val_score[val_known], float)
     out = {}
