@@ -19,7 +19,8 @@ wheels; datasets with dill and multiprocess) into a folder on PYTHONPATH, with t
 4. loss: forward + backward at 8,192 and 32,768 target tokens in bf16 on the real head shape (bench/loss.py's
    steps): `forward(labels=...)`'s loss (d) against lm_head + cross-entropy (a) and Liger-Kernel's
    `LigerFusedLinearCrossEntropyLoss` (l, when `liger_kernel` imports), the loss over the vocabulary (v), and (d)
-   through the torch code alone (r: the remote code's path without the package's Triton kernels); time (CUDA events,
+   through the torch code alone (r: the remote code's path without the package's Triton kernels), and (d) at
+   `--chunk-factors` times its chunk (d×2, d×4: fewer launches per step, more memory); time (CUDA events,
    the fastest of --repeat steps per round), peak memory above the inputs, kernels per step. A variant that runs out
    of memory says so.
 
@@ -278,9 +279,12 @@ def decode(base_path: Path, batches: list[int], new_tokens: int, rounds: int, de
 
 
 def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype: str = "bfloat16",
-         deadline: Deadline | None = None) -> None:
+         deadline: Deadline | None = None, chunk_factors=(2, 4)) -> None:
+    """(a), (d), (v), (r), (l) as the docstring says, and (d) at each of `chunk_factors` × its chunk ("d×2"): fewer
+    chunks, fewer launches, more memory (`loss_plan` at that chunk, printed), to read which chunk a GPU runs fastest."""
     deadline = deadline or Deadline(float("inf"))
     variants = ["a", "d", "v"]
+    names = dict(LOSS_VARIANTS)
     if device.type == "cpu":
         deadline.skip("loss (r)", "on the CPU it is (d): no Triton kernels to leave out")
     else:
@@ -304,18 +308,30 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
             continue
         # (d) is the default loss: the cross-entropy's pass, which finds the candidates, through the Triton kernels;
         # (r) the same pass through the torch code
+        chunks = {}
         for v, operator in (("d", device.type == "cuda"), ("r", False)):
             if v in variants:
                 plan = loss_plan(n, 151936, 896, getattr(torch, dtype), device.type, "candidates pass",
                                  operator=operator)
+                chunks[v] = plan.chunk
                 print(f"N={n}: ({v}) in chunks of {plan.chunk} tokens ({plan.chunks} chunks, loss_plan)")
+        wider = {}  # (d) at a multiple of its chunk, while that is fewer chunks
+        for factor in chunk_factors:
+            if factor > 1 and chunks["d"] * factor // 2 < n:
+                v = f"d×{factor}"
+                wider[v] = chunks["d"] * factor
+                plan = loss_plan(n, 151936, 896, getattr(torch, dtype), device.type, "candidates pass",
+                                 chunk=wider[v], operator=device.type == "cuda")
+                names[v] = f"(d), chunks of {wider[v]}"
+                print(f"N={n}: ({v}) in chunks of {plan.chunk} tokens ({plan.chunks} chunks), planned peak "
+                      f"{plan.peak_bytes / 2**20:.0f} MiB, {plan.launches_per_chunk * plan.chunks} launches (loss_plan)")
         steps = {}
-        for v in variants:  # build_step sets `dtype` as the default dtype, as bench/loss.py's --dtype runs
+        for v in [*variants, *wider]:  # build_step sets `dtype` as the default dtype, as bench/loss.py's --dtype runs
             empty_cache(device)
             try:
-                steps[v] = build_step(v, n, dtype=dtype, device=str(device))
+                steps[v] = build_step(v[0], n, chunk_size=wider.get(v, 0), dtype=dtype, device=str(device))
             except torch.cuda.OutOfMemoryError:
-                print(f"N={n} ({v}) {LOSS_VARIANTS[v]}: out of memory building its inputs")
+                print(f"N={n} ({v}) {names[v]}: out of memory building its inputs")
         times = {v: [] for v in steps}
         peaks, kernels = {}, {}
 
@@ -351,13 +367,14 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
                         best = min(best, timed_step(lambda: one_step(v), device))
                     times[v].append(best)
                 except torch.cuda.OutOfMemoryError:
-                    print(f"N={n} ({v}) {LOSS_VARIANTS[v]}: out of memory")
+                    print(f"N={n} ({v}) {names[v]}: out of memory")
                     del steps[v], times[v]
                     empty_cache(device)
         for v in times:
-            print(f"N={n} ({v}) {LOSS_VARIANTS[v]:<24} {statistics.median(times[v]) * 1e3:8.1f} ms (median of rounds)  "
+            print(f"N={n} ({v}) {names[v]:<24} {statistics.median(times[v]) * 1e3:8.1f} ms (median of rounds)  "
                   f"peak above inputs {peaks.get(v, float('nan')):8.0f} MiB  kernels per step {kernels.get(v, 0)}")
-        for mine, other in (("d", "a"), ("d", "l"), ("v", "a"), ("v", "l"), ("l", "a"), ("r", "a"), ("r", "d")):
+        pairs = [("d", "a"), ("d", "l"), ("v", "a"), ("v", "l"), ("l", "a"), ("r", "a"), ("r", "d")]
+        for mine, other in pairs + [(v, other) for v in wider for other in ("d", "a", "l")]:
             if mine in times and other in times:
                 print(f"N={n} {mine}/{other} time {spread(round_ratios(times[mine], times[other]))}×  "
                       f"peak memory {peaks[mine] / peaks[other]:.2f}×")
@@ -398,6 +415,8 @@ def main() -> None:
                         "after it is skipped (and said so), subprocesses get at most what is left")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for pytest -m gpu")
     parser.add_argument("--launch-timeout", type=float, default=150, help="seconds per accelerate launch")
+    parser.add_argument("--chunk-factors", type=int, nargs="*", default=[2, 4],
+                        help="loss: also time (d) at these multiples of its chunk (fewer launches, more memory)")
     parser.add_argument("--loss-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="loss: the weights' and activations' dtype")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -428,7 +447,7 @@ def main() -> None:
             decode(base, args.batch, args.new_tokens, args.rounds, device, deadline)
             empty_cache(device)  # the decode models are gone
         if "loss" in args.parts and deadline.allows("loss"):
-            loss(args.n, args.rounds, args.repeat, device, args.loss_dtype, deadline)
+            loss(args.n, args.rounds, args.repeat, device, args.loss_dtype, deadline, args.chunk_factors)
     print(f"\nall parts: {time.perf_counter() - begin:.0f} s (deadline {args.deadline:.0f} s)")
     print("skipped: " + ("; ".join(deadline.skipped) if deadline.skipped else "nothing"))
 

@@ -27,12 +27,16 @@ def test_decode_part_prints_every_variant_against_the_base(sft_base, capsys):
 def test_loss_part_times_every_variant_and_their_ratios(monkeypatch, capsys):
     monkeypatch.setattr(loss_bench, "V", 640)  # the loss bench's head shape, read when each step is built
     monkeypatch.setattr(loss_bench, "C", 24)
-    gpu.loss([32], rounds=2, repeat=1, device=torch.device("cpu"), dtype="float32")
+    gpu.loss([32, 300], rounds=2, repeat=1, device=torch.device("cpu"), dtype="float32", chunk_factors=(2, 4))
     out = capsys.readouterr().out
     assert torch.get_default_dtype() == torch.float32  # restored after build_step set it
     for variant in ("a", "d", "v"):
         assert f"N=32 ({variant}) " in out
     assert "N=32 d/a time " in out and "N=32 v/a time " in out
+    # (d) at twice its planned chunk (150 tokens on the CPU at N = 300) where that is fewer chunks, never where not
+    assert "N=300: (d×2) in chunks of 300 tokens (1 chunks)" in out and "N=300 (d×2) (d), chunks of 300" in out
+    assert "N=300 d×2/d time " in out and "N=300 d×2/a time " in out
+    assert "(d×4)" not in out and "N=32 (d×2)" not in out
     assert "(l)" not in out.split("===")[-1]  # Liger's Triton kernels only on a GPU: never silently left out
     assert "skipped loss (l) Liger-Kernel: " in out.split("===")[0]
 
