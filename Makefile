@@ -23,8 +23,9 @@ $(DEMO_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[train,demo,dev]"
 	touch $@
 
+# one worker per core, up to 4, each test file on one worker (its module fixtures built once, its tests in order)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check causalqwen_adapter recipes bench tests
