@@ -165,7 +165,11 @@ def test_compare_gives_the_benchs_numbers(base_folder):
     features, labels = _features(base, n=45), LabelSet([" a", " b", " c"], [10, 11, 12])
     protocol = Protocol(arms=["ovr_alone_logistic", "softmax"], lrs=[1e-3, 1e-2], seeds=[0, 1], noise=("uniform", 0.2),
                         steps=3, batch_rows=4)
-    out = run_comparison(base, features, labels, 2, protocol, log=lambda *a: None)
+    lines = []
+    out = run_comparison(base, features, labels, 2, protocol, log=lines.append)
+    # a line per run, numbered, with the time left estimated from the runs so far
+    assert [line.split("]")[0] for line in lines] == [f"[{i}/8" for i in range(1, 9)]
+    assert all(" left)" in line for line in lines[:-1]) and " left" not in lines[-1]
     for run in out["runs"]:
         d = seed_data(features, labels, protocol, run["seed"])
         model = evidence.train_arm(base, run["arm"], d.features, d.train_rows, d.train_labels, d.labels, 2, run["lr"],

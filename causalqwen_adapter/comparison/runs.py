@@ -139,6 +139,10 @@ def check_seed_data(data: SeedData, seed: int, features: dict, unknown: bool) ->
                          "least) or hold out a smaller --unknown_fraction")
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 def run_comparison(base, features: dict, labels: LabelSet, eos: int, protocol: Protocol, *, rates=RecipeRates(),
                    log=print, on_run=None) -> dict:
     """Every (arm, seed, rate) run, arms outermost (an arm's fresh heads are built once, `FreshHeads`); returns {runs:
@@ -150,6 +154,7 @@ def run_comparison(base, features: dict, labels: LabelSet, eos: int, protocol: P
         check_seed_data(d, seed, features, bool(protocol.unknown_fraction))
     heads = FreshHeads(base)
     runs, per_seed, chosen = [], {}, {}
+    total, began = len(protocol.arms) * len(protocol.seeds) * len(protocol.lrs), time.perf_counter()
     for arm in protocol.arms:
         for seed in protocol.seeds:
             d, by_lr = data[seed], {}
@@ -164,8 +169,10 @@ def run_comparison(base, features: dict, labels: LabelSet, eos: int, protocol: P
                        "test": test_metrics(model, arm, features, d), "seconds": time.perf_counter() - start}
                 runs.append(run)
                 by_lr[lr] = run
-                log(f"{arm} seed {seed} lr {lr:g}: validation {validation:.4f}, test accuracy "
-                    f"{run['test']['accuracy']:.4f} ({run['seconds']:.0f}s)")
+                left = (time.perf_counter() - began) / len(runs) * (total - len(runs))
+                log(f"[{len(runs)}/{total}] {arm} seed {seed} lr {lr:g}: validation {validation:.4f}, test accuracy "
+                    f"{run['test']['accuracy']:.4f} ({run['seconds']:.0f}s" + (f"; about {_duration(left)} left)"
+                                                                             if len(runs) < total else ")"))
                 if on_run is not None:
                     on_run(run)
             lr = choose_rate({lr: run["validation"] for lr, run in by_lr.items()})
