@@ -21,7 +21,9 @@ FPR at 95 % TPR and open-set macro-F1 of the arm's rejection score (max_k P_k, o
 Writes `comparison.json` (every run) and `comparison.md` to `--output_dir`, and the plots (needs matplotlib, the
 `plots` extra; `--no_plots` skips them): `comparison_differences.png`, per metric each arm's per-seed differences from
 the baseline with their mean and its Bonferroni α/m interval, and `comparison_rates.png`, the rate each seed chose.
-`python -m causalqwen_adapter.comparison.plots comparison.json` draws them again from a saved run. The library is
+`python -m causalqwen_adapter.comparison.plots comparison.json` draws them again from a saved run. Each run is kept
+in `--output_dir`'s `comparison_runs.jsonl` as it ends: the same command again after an interruption trains only the
+runs still missing (the results are an uninterrupted run's); the file goes once comparison.json is written. The library is
 `causalqwen_adapter.comparison`; docs/evidence.md, "On your own data", says how to read it.
 """
 
@@ -37,8 +39,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from causalqwen_adapter.adapter_io import MODEL_HINT, check_found
 from causalqwen_adapter.classification import label_set, tokenize_prompts
 from causalqwen_adapter.comparison.arms import ARMS
-from causalqwen_adapter.comparison.features import cached_features
+from causalqwen_adapter.comparison.features import cached_features, data_fingerprint
 from causalqwen_adapter.comparison.plots import PLOT_FILES, write_plots
+from causalqwen_adapter.comparison.progress import RunLog, comparison_key
 from causalqwen_adapter.comparison.runs import NOISE_METRICS, UNKNOWN_METRICS, Protocol, check_protocol, run_comparison
 from causalqwen_adapter.comparison.splits import parse_noise
 from causalqwen_adapter.comparison.verdicts import markdown, paired_table
@@ -77,14 +80,16 @@ class CompareArguments:
     cache_dir: str | None = field(default=None, metadata={
         "help": "Folder of the cached features (default: <output_dir>/features)."})
     rebuild_cache: bool = field(default=False, metadata={
-        "help": "Extract the features again into a cache_dir that holds another base's or other rows' features."})
+        "help": "Extract the features again into a cache_dir that holds another base's or other rows' features "
+                "(the runs of a comparison cut short are then trained again too)."})
     labels: list[str] | None = field(default=None, metadata={
         "help": "The label set (completion strings, leading spaces included). Default: every completion of the rows."})
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer folder or Hub id (default: the base's)."})
     threads: int = field(default=0, metadata={"help": "CPU threads of the training and scoring, for this command only (0: torch's default)."})
     plots: bool = field(default=True, metadata={"help": f"Write {' and '.join(PLOT_FILES)} (needs matplotlib)."})
     overwrite: bool = field(default=False, metadata={
-        "help": "Replace an earlier run's comparison.json, .md and plots (with --no_plots its plots are removed)."})
+        "help": "Replace an earlier run's comparison.json, .md and plots (with --no_plots its plots are removed), "
+                "and start again a comparison cut short instead of resuming it."})
 
 
 def protocol_of(args: CompareArguments) -> Protocol:
@@ -109,8 +114,9 @@ def check_arguments(args: CompareArguments) -> None:
 
 
 def prepare(args: CompareArguments):
-    """(tokenizer, label set, prompts' tokens, label indices, protocol): the rows read and checked, before the base
-    loads (a dataset with one class, labels sharing a first token or absent from the tokenizer are refused here)."""
+    """(tokenizer, label set, prompts' tokens, label indices, protocol, the runs finished earlier): the rows read and
+    checked, before the base loads (a dataset with one class, labels sharing a first token or absent from the
+    tokenizer are refused here, and so are another comparison's runs in --output_dir)."""
     rows = read_rows(args.dataset_name)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args))
     if tokenizer.eos_token_id is None:
@@ -122,7 +128,9 @@ def prepare(args: CompareArguments):
     prompts, targets = tokenize_prompts(tokenizer, rows, labels)
     protocol = protocol_of(args)
     check_protocol(protocol, len(set(targets)))
-    return tokenizer, labels, prompts, targets, protocol
+    key = comparison_key(protocol, data_fingerprint(prompts, targets, labels.token_ids), args.model_name_or_path)
+    progress = RunLog(args.output_dir, key, restart=args.overwrite or args.rebuild_cache)
+    return tokenizer, labels, prompts, targets, protocol, progress
 
 
 def summary(args: CompareArguments, labels, protocol: Protocol, out: dict, seconds: float) -> tuple[dict, str]:
@@ -160,12 +168,13 @@ def run(args: CompareArguments, prepared: tuple | None = None) -> dict:
 
 
 def _run(args: CompareArguments, prepared: tuple) -> dict:
-    tokenizer, labels, prompts, targets, protocol = prepared
+    tokenizer, labels, prompts, targets, protocol, progress = prepared
     base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).eval()
     cache = args.cache_dir or os.path.join(args.output_dir, "features")
     features = cached_features(cache, base, prompts, targets, labels.token_ids, rebuild=args.rebuild_cache)
     start = time.perf_counter()
-    out = run_comparison(base, features, labels, tokenizer.eos_token_id, protocol)
+    out = run_comparison(base, features, labels, tokenizer.eos_token_id, protocol, on_run=progress.add,
+                         done=progress.done)
     results, text = summary(args, labels, protocol, out, time.perf_counter() - start)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -176,6 +185,7 @@ def _run(args: CompareArguments, prepared: tuple) -> dict:
     else:  # only with --overwrite (checked before): an earlier run's plots would not show these results
         for name in PLOT_FILES:
             (output_dir / name).unlink(missing_ok=True)
+    progress.finish()  # comparison.json holds every run now
     print(text)
     return results
 

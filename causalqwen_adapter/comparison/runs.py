@@ -144,37 +144,46 @@ def _duration(seconds: float) -> str:
 
 
 def run_comparison(base, features: dict, labels: LabelSet, eos: int, protocol: Protocol, *, rates=RecipeRates(),
-                   log=print, on_run=None) -> dict:
+                   log=print, on_run=None, done: dict | None = None) -> dict:
     """Every (arm, seed, rate) run, arms outermost (an arm's fresh heads are built once, `FreshHeads`); returns {runs:
     [{arm, seed, lr, validation, test, seconds}], per_seed: {arm: {seed: test metrics at the chosen rate}}, chosen:
-    {arm: {seed: lr}}}. `on_run(run)` after each run."""
+    {arm: {seed: lr}}}. `on_run(run)` after each run trained; `done`: runs of this comparison already finished, by
+    (arm, seed, lr) (`progress.RunLog`), taken as they are instead of trained again."""
     check_protocol(protocol, len(labels.labels))
     data = {seed: seed_data(features, labels, protocol, seed) for seed in protocol.seeds}
     for seed, d in data.items():
         check_seed_data(d, seed, features, bool(protocol.unknown_fraction))
     heads = FreshHeads(base)
     runs, per_seed, chosen = [], {}, {}
-    total, began = len(protocol.arms) * len(protocol.seeds) * len(protocol.lrs), time.perf_counter()
+    planned = [(arm, seed, lr) for arm in protocol.arms for seed in protocol.seeds for lr in protocol.lrs]
+    done = {key: done[key] for key in planned if key in (done or {})}
+    if done:
+        log(f"{len(done)} of {len(planned)} runs finished earlier: training the other {len(planned) - len(done)}")
+    trained, trained_seconds = 0, 0.0
     for arm in protocol.arms:
         for seed in protocol.seeds:
             d, by_lr = data[seed], {}
             steps = protocol.steps or math.ceil(len(d.train_rows) / protocol.batch_rows)
             for lr in protocol.lrs:
-                start = time.perf_counter()
-                model = train_arm(base, arm, d.features, d.train_rows, d.train_labels, d.labels, eos, lr, steps,
-                                  protocol.batch_rows, seed, rates, heads=heads)
-                validation = accuracies(model, arm, features["z"][d.val_rows], d.val_target, d.labels)
-                validation = validation["ovr" if "ovr" in validation else "softmax"]
-                run = {"arm": arm, "seed": seed, "lr": lr, "steps": steps, "validation": validation,
-                       "test": test_metrics(model, arm, features, d), "seconds": time.perf_counter() - start}
+                run = done.get((arm, seed, lr))
+                if run is None:
+                    start = time.perf_counter()
+                    model = train_arm(base, arm, d.features, d.train_rows, d.train_labels, d.labels, eos, lr, steps,
+                                      protocol.batch_rows, seed, rates, heads=heads)
+                    validation = accuracies(model, arm, features["z"][d.val_rows], d.val_target, d.labels)
+                    validation = validation["ovr" if "ovr" in validation else "softmax"]
+                    run = {"arm": arm, "seed": seed, "lr": lr, "steps": steps, "validation": validation,
+                           "test": test_metrics(model, arm, features, d), "seconds": time.perf_counter() - start}
+                    trained, trained_seconds = trained + 1, trained_seconds + run["seconds"]
+                    if on_run is not None:
+                        on_run(run)
                 runs.append(run)
                 by_lr[lr] = run
-                left = (time.perf_counter() - began) / len(runs) * (total - len(runs))
-                log(f"[{len(runs)}/{total}] {arm} seed {seed} lr {lr:g}: validation {validation:.4f}, test accuracy "
-                    f"{run['test']['accuracy']:.4f} ({run['seconds']:.0f}s" + (f"; about {_duration(left)} left)"
-                                                                             if len(runs) < total else ")"))
-                if on_run is not None:
-                    on_run(run)
+                left = trained_seconds / trained * (len(planned) - len(done) - trained) if trained else 0
+                took = "finished earlier" if (arm, seed, lr) in done else f"{run['seconds']:.0f}s"
+                log(f"[{len(runs)}/{len(planned)}] {arm} seed {seed} lr {lr:g}: validation {run['validation']:.4f}, "
+                    f"test accuracy {run['test']['accuracy']:.4f} ({took}"
+                    + (f"; about {_duration(left)} left)" if left else ")"))
             lr = choose_rate({lr: run["validation"] for lr, run in by_lr.items()})
             chosen.setdefault(arm, {})[seed] = lr
             per_seed.setdefault(arm, {})[seed] = by_lr[lr]["test"]
