@@ -255,6 +255,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         nll_sum = torch.zeros((), dtype=torch.float64, device=dev)
         ovr_sum = torch.zeros((), dtype=torch.float64, device=dev)
         u_row_sum, p_target = buf["u_row_sum"], buf["p_target"]
+        row_nll, row_ovr = buf["row_nll"], buf["row_ovr"]  # the operator's per-row terms of the two sums
         blocks = [(v0, min(v0 + vblock, vocab)) for v0 in range(0, vocab, vblock)]
         # With candidates: each position's k largest loc_S (per block, then across blocks) and its log-partition.
         cand_top, cand_lse = buf["cand_top"], buf["cand_lse"]
@@ -338,14 +339,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 col_t = g_thr[v0:v1] if tile_flags & TILE_COL_T else col_t
             elif tile_flags & (TILE_COL_D | TILE_COL_T):
                 cols.zero_()
+            # one block (an accelerator's): every target's column is the target itself (check_labels: in [0, V))
+            cols_t = tgt if w == vocab else kernel_target_columns(tgt, v0, w)
             tile_kernel(stored, None, lse,
-                        thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, kernel_target_columns(tgt, v0, w),
+                        thr_tile[v0:v1] if thr_per_token else thr_tile, relative, s, cols_t,
                         degenerate[i], ce_tile, of_tile,
                         tile_flags, d, g, rows_out[: 4 * r], col_d, col_t, tile_threads)
             sums = rows_out[: 4 * r].view(4, r)
-            nll_sum -= sums[0].sum(dtype=torch.float64)
+            row_nll[r0:r1] -= sums[0]  # per row, summed once after the last chunk: one launch, not two per sum
             if ovr:
-                ovr_sum -= sums[1].sum(dtype=torch.float64)
+                row_ovr[r0:r1] -= sums[1]
                 u_row_sum[r0:r1] += sums[2]
                 p_target[r0:r1] += sums[3]
             if g_thr is not None and ovr_grads and tile_threads > 1:
@@ -382,8 +385,12 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 top = x.amax(1, keepdim=True)  # logsumexp, with d_buf for its exponentials
                 exps = torch.sub(x, top, out=d_buf[: x.numel()].view_as(x)).exp_()
                 block_lse[:, i] = exps.sum(1).log_().add_(top.squeeze(1))
-            lse = torch.logsumexp(block_lse, 1)
-            nll_sum += lse.sum(dtype=torch.float64)
+            # one block (an accelerator's): its logsumexp is the chunk's, without logsumexp's five launches on [r × 1]
+            lse = block_lse[:, 0] if len(blocks) == 1 else torch.logsumexp(block_lse, 1)
+            if tile_kernel is None:
+                nll_sum += lse.sum(dtype=torch.float64)
+            else:
+                row_nll[r0:r1] = lse
             if candidates:  # the k largest of the blocks' k largest
                 values = torch.cat([t.values.float() for t in block_top], 1)
                 ids = torch.cat([t.indices + v0 for t, (v0, _) in zip(block_top, blocks)], 1)
@@ -426,6 +433,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 if grad_scale is not None:
                     grad_scale.index_copy_(0, idx, g_scale_r.mul_(-ovr_factor).to(grad_scale.dtype))
 
+        if tile_kernel is not None:
+            nll_sum, ovr_sum = row_nll.sum(), row_ovr.sum()
         n_tok = max(n_valid, 1)
         loss = ((softmax_weight * nll_sum + ovr_sum) / denom).to(torch.float32)
         # Σ_k P_k = Σ_{k≠y} (1 − a_k) + P_y, where a_y = P_y: rows summed in float64.
@@ -513,6 +522,9 @@ def lm_loss_buffers(n_valid: int, chunk: int, vblock: int, vocab: int, width: in
         "g_lo": ((torch_tile * low,), mm_dtype, False),
         "tmp_W": ((vblock * uses.scale_path_W, width), dtype, False),
         "u_row_sum": ((n_valid,), torch.float64, True),
+        # the operator's path: each row's −log softmax of its target (its lse, less the target's logit) and OvR term
+        "row_nll": ((n_valid * op,), torch.float64, False),
+        "row_ovr": ((n_valid * (op and uses.ovr),), torch.float64, True),
         "p_target": ((n_valid,), torch.float64, True),
         "cand_top": ((n_valid * bool(k), k), torch.long, False),
         "cand_lse": ((n_valid * bool(k),), torch.float32, False),
