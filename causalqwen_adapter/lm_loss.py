@@ -391,7 +391,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 nll_sum += lse.sum(dtype=torch.float64)
             else:
                 row_nll[r0:r1] = lse
-            if candidates:  # the k largest of the blocks' k largest
+            if candidates and len(blocks) == 1:  # one block's k largest are the chunk's
+                cand_top[r0:r1] = block_top[0].indices
+                cand_lse[r0:r1] = lse
+            elif candidates:  # the k largest of the blocks' k largest
                 values = torch.cat([t.values.float() for t in block_top], 1)
                 ids = torch.cat([t.indices + v0 for t, (v0, _) in zip(block_top, blocks)], 1)
                 cand_top[r0:r1] = ids.gather(1, values.topk(candidates, 1).indices)

@@ -119,13 +119,13 @@ def loss_launches(uses: LossUses, dtype: torch.dtype) -> int:
     tests/test_loss_plan.py counts them under the interpreter (torch operators dispatched, three per Triton call):
     18 for the cross-entropy (the chunk's rows of loc_U gathered, the product, the logsumexp, the tile, the
     gradients' products, loc_U's gradient rows written, each row's loss term kept; with one vocabulary block the
-    targets are their own columns and the block's logsumexp the chunk's), 8 for the candidates' top-k (on the stored logits; 1
-    more for bf16 ones), 19 for the OvR term over the vocabulary (the scale's rows gathered and widened, the |W|
+    targets are their own columns and the block's logsumexp the chunk's), 3 for the candidates (the top-k on the stored
+    logits, the block's k largest being the chunk's, and their log-partition kept), 19 for the OvR term over the vocabulary (the scale's rows gathered and widened, the |W|
     products, its sums, the scale's gradient zeroed, summed over rows for b_noise's, scaled and written; 2 more casts
     in bfloat16); 4 fewer with a GPU's one row of column sums (the kernel adds them into b_A's gradient: no
     zero-fill, sum, add and its write-back)."""
     low = dtype != torch.float32
-    return (18 - 4 * (uses.threads == 1 and uses.bias and uses.D) + bool(uses.candidates) * (8 + low)
+    return (18 - 4 * (uses.threads == 1 and uses.bias and uses.D) + bool(uses.candidates) * 3
             + uses.ovr * (19 + 2 * low))
 
 
