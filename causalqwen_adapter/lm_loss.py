@@ -385,7 +385,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 top = x.amax(1, keepdim=True)  # logsumexp, with d_buf for its exponentials
                 exps = torch.sub(x, top, out=d_buf[: x.numel()].view_as(x)).exp_()
                 block_lse[:, i] = exps.sum(1).log_().add_(top.squeeze(1))
-            # one block (an accelerator's): its logsumexp is the chunk's, without logsumexp's five launches on [r × 1]
+            # one block (an accelerator's): its logsumexp is the chunk's (no logsumexp over an [r × 1] tensor)
             lse = block_lse[:, 0] if len(blocks) == 1 else torch.logsumexp(block_lse, 1)
             if tile_kernel is None:
                 nll_sum += lse.sum(dtype=torch.float64)
