@@ -324,7 +324,8 @@ def loss(sizes: list[int], rounds: int, repeat: int, device: torch.device, dtype
                                  chunk=wider[v], operator=device.type == "cuda")
                 names[v] = f"(d), chunks of {wider[v]}"
                 print(f"N={n}: ({v}) in chunks of {plan.chunk} tokens ({plan.chunks} chunks), planned peak "
-                      f"{plan.peak_bytes / 2**20:.0f} MiB, {plan.launches_per_chunk * plan.chunks} launches (loss_plan)")
+                      f"{plan.peak_bytes / 2**20:.0f} MiB, {plan.launches_per_chunk * plan.chunks} launches of the pass (loss_plan; "
+                      "the candidates' term is the same in every variant)")
         steps = {}
         for v in [*variants, *wider]:  # build_step sets `dtype` as the default dtype, as bench/loss.py's --dtype runs
             empty_cache(device)
