@@ -165,8 +165,12 @@ def pool_features(args, base, data: dict, labels, tokenizer) -> dict:
     splits = {"pool": data["splits"]["train"][: family["pool"]["train"]]
               + data["splits"]["validation"][: family["pool"]["validation"]],
               "test": data["splits"]["test"][: family["test"]]}
-    features = {}
+    # Each split is kept as it ends: a process stopped in the test split keeps the pool's hour of extraction.
+    partial, temporary = path.with_suffix(".partial.pt"), path.with_suffix(".tmp")
+    features = torch.load(partial) if partial.exists() else {}
     for split, rows in splits.items():
+        if split in features:
+            continue
         start, ids = time.perf_counter(), None
         if split == "pool":
             ids = [labels.token_ids + ([fine.token_ids[fine.labels.index(evidence.TREC_FINE[r["fine"]])]] if fine
@@ -178,8 +182,10 @@ def pool_features(args, base, data: dict, labels, tokenizer) -> dict:
         if fine:
             features[split]["fine"] = torch.tensor([fine.labels.index(evidence.TREC_FINE[r["fine"]]) for r in rows])
         print(f"features {data['name']} {split}: {len(rows)} rows ({time.perf_counter() - start:.0f}s)", flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(features, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(features, temporary)
+        os.replace(temporary, partial)  # a save cut short leaves the last whole file
+    os.replace(partial, path)
     return features
 
 

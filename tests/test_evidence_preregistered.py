@@ -256,3 +256,35 @@ def test_the_family_runs_resumes_and_never_chooses_on_the_test_split(stand_in, t
     assert driver.merge([out, out], family) == runs
     with pytest.raises(ValueError, match="two results"):
         driver.merge([out, tmp_path / "swapped.json"], family)
+
+
+def test_features_are_kept_split_by_split(tmp_path, monkeypatch):
+    """A process stopped in the test split keeps the pool's features: the same call extracts only the test split."""
+    from types import SimpleNamespace
+
+    rows = [{"text": f"row {n}", "label": n % 2} for n in range(6)]
+    data = {"name": "tweets", "prompt": "{text}", "splits": {"train": rows[:3], "validation": rows[3:5],
+                                                               "test": rows[5:]}}
+    extracted = []
+
+    def extract(model, prompts, ids):
+        extracted.append(len(prompts))
+        if len(extracted) == 2 and fail:
+            raise KeyboardInterrupt  # stopped in the test split
+        return {"z": torch.full((len(prompts), 2), float(len(extracted)))}
+
+    monkeypatch.setattr(driver.evidence, "row_tokens", lambda tokenizer, text, ids: [1, 2])
+    monkeypatch.setattr(driver.evidence, "extract", extract)
+    monkeypatch.setattr(protocol, "FAMILY", {**protocol.FAMILY, "pool": {"train": 3, "validation": 2}, "test": 1})
+    args, labels = SimpleNamespace(cache=str(tmp_path)), SimpleNamespace(token_ids=[5, 6])
+    fail = True
+    with pytest.raises(KeyboardInterrupt):
+        driver.pool_features(args, SimpleNamespace(model=None), data, labels, None)
+    assert [p.name for p in tmp_path.iterdir()] == ["preregistered-tweets-3-2-1.partial.pt"]
+    fail = False
+    features = driver.pool_features(args, SimpleNamespace(model=None), data, labels, None)
+    assert extracted == [5, 1, 1]  # the pool once, the test split again
+    assert [p.name for p in tmp_path.iterdir()] == ["preregistered-tweets-3-2-1.pt"]
+    assert features["pool"]["z"].eq(1).all() and features["test"]["z"].eq(3).all()
+    assert features["pool"]["label"].tolist() == [0, 1, 0, 1, 0] and features["test"]["label"].tolist() == [1]
+    assert driver.pool_features(args, SimpleNamespace(model=None), data, labels, None).keys() == {"pool", "test"} and len(extracted) == 3
