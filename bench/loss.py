@@ -178,10 +178,10 @@ def torch_code_only():
     adapter folder loaded without this package."""
     from unittest import mock
 
-    from causalqwen_adapter import lm_loss, losses
+    from causalqwen_adapter import candidate_loss, lm_loss, losses
 
     stack = contextlib.ExitStack()
-    for module in (lm_loss, losses):
+    for module in (lm_loss, losses, candidate_loss):
         stack.enter_context(mock.patch.object(module, "lookup_operator", lambda *args: None))
     return stack
 

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from .cauchy import check_labels, few_rows_linear, fuse_noise
+from .dispatch import lookup_operator
 from .losses import (
     LOGITS_BUDGET_BYTES,
     DecisionHead,
@@ -96,7 +97,8 @@ def candidate_ovr_loss(
 
     Memory is flat in N: token chunks of ``chunk_size`` (default `candidate_chunk_tokens`) read their k + 1 rows of
     W_A each in float32, and each chunk's gradients are computed in the forward and summed (W_A's and b_A's rows
-    into [V]-row tensors), so that no [N, k + 1, C] tensor outlives its chunk.
+    into [V]-row tensors), so that no [N, k + 1, C] tensor outlives its chunk. On a GPU with this package installed
+    and ``trains_location`` off, one kernel (`causalqwen::candidate_term`) takes every position instead: no chunks.
     """
     vocab = head.weight.shape[0]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < vocab:
@@ -125,6 +127,7 @@ def candidate_ovr_loss(
     return loss, stats
 
 
+KERNEL_DTYPES = {torch.bfloat16, torch.float32}  # of loc_U and scale_U, for causalqwen::candidate_term
 CANDIDATE_CHUNK_BYTES_PER_ROW = 8  # per element of [chunk, k + 1, C]: W_A's rows and their |W_A| in float32 (W_A's
 # rows' gradient, when the locations train, is written over the rows; a bf16 gather is freed by its cast)
 
@@ -134,8 +137,9 @@ def candidate_chunk_tokens(k: int, width: int, device: torch.device | str = "cpu
     """Tokens per chunk of `candidate_ovr_loss`: its [chunk, k + 1, C] tensors, `CANDIDATE_CHUNK_BYTES_PER_ROW` per
     element, within a budget: the cross-entropy's logits budget on the CPU (a chunk's tensors stay small next to its
     tiles), the cross-entropy's on an accelerator (Liger-Kernel's logits for ``n_tokens`` at ``vocab``,
-    `losses.liger_logits_bytes`: 316 tokens at k = 16, C = 896, V = 151,936, 16k targets), where each chunk costs
-    about 19 kernel launches whatever its size (`loss_plan.candidate_launches` counts them)."""
+    `losses.liger_logits_bytes`: 316 tokens at k = 16, C = 896, V = 151,936, 16k targets), where each chunk of the
+    torch code costs about 19 kernel launches whatever its size (`loss_plan.candidate_launches` counts them; the
+    package's kernel, where it serves, takes every position at once)."""
     cpu = torch.device(device).type == "cpu"
     budget = LOGITS_BUDGET_BYTES if cpu else liger_logits_bytes(n_tokens, vocab, width)
     per_element = 16 if cpu else CANDIDATE_CHUNK_BYTES_PER_ROW  # the CPU's chunks as they were timed
@@ -207,10 +211,19 @@ class _CandidateOvRLoss(torch.autograd.Function):
         one = torch.ones((), dtype=dtype, device=weight.device)
         backward = need_loc or need_scale or need_W or need_bias or need_noise or need_thr
         grad_loc = loc_U.new_zeros(loc_U.shape, dtype=dtype) if need_loc else None  # −∂ℓ/∂loc_U until the end
-        grad_scale = scale_U.new_zeros(scale_U.shape, dtype=dtype) if need_scale or need_noise else None
+        grad_scale = scale_U.new_empty(scale_U.shape, dtype=dtype) if need_scale or need_noise else None  # every row written
         grad_W = weight.new_zeros(vocab, width, dtype=dtype) if need_W else None
         xs, d_thresholds = [], []
-        for r0 in range(0, n, chunk):
+        # On a GPU (the package's Triton kernel) every position in one launch, when only the scale path trains and
+        # the operands are of the kernel's dtypes (its query reads W_A's)
+        served = not (need_loc or need_W or need_bias) and {loc_U.dtype, scale_U.dtype} <= KERNEL_DTYPES
+        term = lookup_operator("candidate_term", weight) if served else None
+        if term is not None:
+            xs.append(torch.empty(rows.ids.shape, dtype=torch.float32, device=weight.device))
+            d_thresholds += [torch.empty_like(xs[0])] if need_thr and backward else []
+            term(loc_U.detach(), scale_U.detach(), widen, weight.detach(), rows.ids.contiguous(), shift.contiguous(),
+                 sign, minus_weight, xs[0], d_thresholds[0] if d_thresholds else None, grad_scale)
+        for r0 in range(0 if term is None else n, n, chunk):
             r1 = min(r0 + chunk, n)
             flat = flat_ids[r0 * k1 : r1 * k1]
             w_rows = weight.detach().index_select(0, flat).to(dtype).view(r1 - r0, k1, width)
@@ -233,7 +246,7 @@ class _CandidateOvRLoss(torch.autograd.Function):
                     grad_W.index_add_(0, flat, w_rows.view(-1, width))
             del w_rows, abs_rows, loc, fused_scale  # freed before the next chunk's
         del shift, minus_weight
-        x = torch.cat(xs) if xs else sign.new_zeros(0, k1)
+        x = xs[0] if len(xs) == 1 else torch.cat(xs) if xs else sign.new_zeros(0, k1)
         del xs
         minus_log, probs = _candidate_losses(x, sign)
         loss = (minus_log * weight_of).sum(dtype=torch.float64)

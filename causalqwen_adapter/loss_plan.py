@@ -145,8 +145,17 @@ def candidate_launches(dtype: torch.dtype = torch.bfloat16, trains_location: boo
     return launches
 
 
+def candidate_call_launches(dtype: torch.dtype = torch.bfloat16) -> int:
+    """Kernel launches of one call of `candidate_loss.candidate_ovr_loss` through the package's kernel
+    (`causalqwen::candidate_term`: a GPU, ``trains_location`` off), every position at once: 3 for the kernel (a Triton
+    call, as `loss_launches` counts one) and 50 torch operators around it, per call whatever N (the candidate rows'
+    checks; the per-position sign, weights and shift; the losses, probabilities and sums from x; b_noise's gradient;
+    the gradients' casts), 4 casts more from bfloat16 inputs. tests/test_candidate_term_kernel.py counts them."""
+    return 3 + 50 + 4 * (dtype != torch.float32)
+
+
 def candidate_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16, k: int = 16,
-                   device_type: str = "cuda", *, chunk: int | None = None) -> LossPlan:
+                   device_type: str = "cuda", *, chunk: int | None = None, operator: bool | None = None) -> LossPlan:
     """The plan of `candidate_loss.candidate_ovr_loss` (the default loss's second part, ``trains_location`` off: the
     gradient reaches scale_U and b_noise; the threshold a buffer) for ``n_tokens`` positions. Its peak is the larger of
     two phases. Over the chunks: the [chunk, k + 1, C] float32 tensors `candidate_loss.CANDIDATE_CHUNK_BYTES_PER_ROW`
@@ -154,9 +163,16 @@ def candidate_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = t
     [chunk, k + 1] terms (x, scale_S, the gradient's: 29 bytes per element at the peak), the per-position [N, k + 1]
     terms (sign, weight, shift, the x kept, the target mask: 25 bytes) and the scale's float32 gradient [N × C]. At the
     end: that gradient with the [N, k + 1] terms' values (x, its loss terms, P: 34 bytes per element) or, after them,
-    its copy returned in ``dtype``. Launches per chunk: `candidate_launches`."""
+    its copy returned in ``dtype``. Launches per chunk: `candidate_launches`.
+
+    With the package's kernel (``operator``, by default on any device but the CPU) one "chunk" spans every position,
+    no [chunk, k + 1, C] tensor exists, x [N, k + 1] is written whole, and the call makes `candidate_call_launches`."""
     from .candidate_loss import CANDIDATE_CHUNK_BYTES_PER_ROW, candidate_chunk_tokens
 
+    if operator is None:
+        operator = device_type != "cpu"
+    if operator:
+        chunk = max(n_tokens, 1)
     chunk = equal_chunk_size(n_tokens, chunk or candidate_chunk_tokens(k, width, device_type, n_tokens, vocab))
     low = dtype != torch.float32
     per_position = n_tokens * (k + 1)
@@ -164,13 +180,15 @@ def candidate_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = t
     over_chunks = {"candidate rows": chunk * (k + 1) * width * CANDIDATE_CHUNK_BYTES_PER_ROW,
                    "chunk operands": chunk * width * 4 * (1 + low), "chunk terms": chunk * (k + 1) * 29,
                    "position terms": per_position * 25, **fixed}
+    if operator:  # the terms and x, written by the kernel
+        over_chunks = {"position terms": per_position * (25 + 4), **fixed}
     # the values' [N, k + 1] terms, freed before the gradient's copy in dtype
     at_end = {**fixed, "position values": per_position * 34}
     if n_tokens * width * dtype.itemsize * low > per_position * 34:
         at_end = {**fixed, "grad_scale out": n_tokens * width * dtype.itemsize}
     buffers = max(over_chunks, at_end, key=lambda d: sum(d.values()))
-    return LossPlan(chunk, -(-n_tokens // chunk), buffers, sum(buffers.values()),
-                    sum(candidate_launches(dtype).values()))
+    launches = candidate_call_launches(dtype) if operator else sum(candidate_launches(dtype).values())
+    return LossPlan(chunk, -(-n_tokens // chunk), buffers, sum(buffers.values()), launches)
 
 
 def liger_flce_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.bfloat16,
@@ -203,9 +221,12 @@ def plan_table(n_tokens: int = 16384, vocab: int = 151936, widths=(896, 3584), d
                          f"= {plan.peak_bytes / liger.peak_bytes:.2f}x Liger, {plan.launches_per_chunk} launches/chunk"
                          f" (computed; largest: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in top) + ")")
         term, total = default_loss_plan(n_tokens, vocab, width, dtype)
-        lines.append(f"  candidates term: chunk {term.chunk} ({term.chunks} chunks), peak {term.peak_bytes / 1e9:.3f} GB, "
-                     f"{term.launches_per_chunk} launches/chunk; default loss (pass, then term): peak "
-                     f"{total / 1e9:.3f} GB = {total / liger.peak_bytes:.2f}x Liger (computed)")
+        pass_plan = loss_plan(n_tokens, vocab, width, dtype)
+        launches = pass_plan.chunks * pass_plan.launches_per_chunk + term.chunks * term.launches_per_chunk
+        lines.append(f"  candidates term: {term.chunks} call over every position, peak {term.peak_bytes / 1e9:.3f} GB, "
+                     f"{term.launches_per_chunk} launches; default loss (pass, then term): peak "
+                     f"{total / 1e9:.3f} GB = {total / liger.peak_bytes:.2f}x Liger, {launches:,} launches against "
+                     f"Liger's {liger.chunks * liger.launches_per_chunk:,} (computed)")
     return lines
 
 
@@ -217,4 +238,4 @@ def default_loss_plan(n_tokens: int, vocab: int, width: int, dtype: torch.dtype 
     return term, max(loss_plan(n_tokens, vocab, width, dtype).peak_bytes, kept + term.peak_bytes)
 
 
-__all__ = ["LossPlan", "MODES", "candidate_launches", "candidate_plan", "default_loss_plan", "liger_flce_plan", "loss_launches", "loss_plan", "plan_table", "training_uses"]
+__all__ = ["LossPlan", "MODES", "candidate_call_launches", "candidate_launches", "candidate_plan", "default_loss_plan", "liger_flce_plan", "loss_launches", "loss_plan", "plan_table", "training_uses"]

@@ -44,7 +44,7 @@ if not kt.INTERPRETED:  # TRITON_INTERPRET=0 on a GPU: the real CUDA registratio
     pytest.skip("the Triton kernels are compiled for the GPU in this run", allow_module_level=True)
 
 KERNELS = ("loss_tile_triton", "block_logsumexp_triton", "abs_linear_triton", "abs_matmul_triton",
-           "ovr_scores_triton", "cauchy_linear_triton")
+           "ovr_scores_triton", "cauchy_linear_triton", "candidate_term_triton")
 
 
 @pytest.fixture
@@ -202,7 +202,8 @@ def test_launches_per_chunk_are_few_and_do_not_grow_with_the_vocabulary(triton_o
     """The loss's launches per token chunk, counted as the torch operators dispatched plus up to three per Triton
     call (a kernel, its partial sums), at two chunk counts: the difference is per chunk, and it is the same at two
     vocabulary sizes (no loop over the vocabulary). The default loss is the cross-entropy's pass, which finds the
-    candidates, then the candidates' term in chunks of its own (`candidate_chunk_tokens`)."""
+    candidates, then the candidates' term, one kernel for every position (no launch per chunk:
+    tests/test_candidate_term_kernel.py counts its launches per call)."""
     for name in ("loss_tile_triton", "block_logsumexp_triton", "abs_linear_triton", "abs_matmul_triton"):
         counted = getattr(kt, name)
 
@@ -232,9 +233,10 @@ def test_launches_per_chunk_are_few_and_do_not_grow_with_the_vocabulary(triton_o
         return mode.count + 3 * sum(triton_operators.values())
 
     per_chunk = [(launches(vocab, 6) - launches(vocab, 2)) / 4 for vocab in (37, 150)]
-    # the candidates' term's hand-written gradient (about 19 launches), its rows within Liger's logits budget
     assert per_chunk[0] == per_chunk[1] <= 50
     if loss == "candidates":
+        assert per_chunk == [0, 0] and triton_operators["candidate_term_triton"] == 1
+        # the torch code's chunks (the CPU's, and where no kernel serves) within Liger's logits budget
         chunk, per_row = candidate_chunk_tokens(16, 896, "cuda", 16384, 151936), 17 * 896 * CANDIDATE_CHUNK_BYTES_PER_ROW
         assert chunk * per_row <= liger_logits_bytes(16384, 151936, 896) < (chunk + 1) * per_row
 
@@ -365,6 +367,10 @@ def _operator_calls():
         ("block_logsumexp", (loc.clone(), torch.randn(w, generator=g), True, torch.empty(r), 1)),
         ("abs_linear", (scale_U[0], weight, torch.empty(3, w))),
         ("abs_matmul_add", (loc, weight, torch.zeros(r, c))),
+        ("candidate_term", (loc_U[0], scale_U[0], torch.rand(c, generator=g), weight.bfloat16(),
+                            torch.randint(0, w, (3, 4), generator=g), torch.randn(3, 4, generator=g),
+                            torch.ones(3, 4), -torch.ones(3, 4), torch.empty(3, 4), torch.empty(3, 4),
+                            torch.empty(3, c))),
     ]
 
 

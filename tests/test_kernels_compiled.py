@@ -46,7 +46,7 @@ def test_float_literals_in_the_kernels_are_float32():
 
 
 KERNELS = ("_loss_tile_kernel", "_lse_partial_kernel", "_lse_finish_kernel", "_scores_kernel", "_accept_once_kernel",
-           "_cauchy_linear_kernel", "_abs_matmul_kernel")
+           "_cauchy_linear_kernel", "_abs_matmul_kernel", "_candidate_term_kernel")
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
                 torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}
 
@@ -109,7 +109,18 @@ def _gpu_launches():
                 a = torch.randn(rows, 70).to(dtype)
                 assert module.abs_matmul_triton(a, weight) is not None
                 assert module.abs_matmul_triton(a, weight, torch.zeros(rows, 40), segments=1) is not None
+        for d_thr, grad_scale in ((True, True), (False, True), (False, False)):  # per-token thresholds, b_noise, none
+            assert module.candidate_term_triton(*_candidate_term_inputs(dtype, 9, 17, 896, d_thr, grad_scale)) is not None
     return module, launches
+
+
+def _candidate_term_inputs(dtype, n, k1, width, d_thr=True, grad_scale=True, device="cpu"):
+    """The arguments of `candidate_term_triton` for n positions of k1 candidates at ``width``."""
+    weight = torch.randn(50, width).to(dtype)
+    terms = [torch.randn(n, k1) for _ in range(3)]
+    return (torch.randn(n, width).to(dtype), torch.rand(n, width).to(dtype), torch.rand(width), weight,
+            torch.randint(0, 50, (n, k1)), *terms, torch.empty(n, k1), torch.empty(n, k1) if d_thr else None,
+            torch.empty(n, width) if grad_scale else None)
 
 
 def _signature(kernel, args, kwargs):
@@ -293,6 +304,8 @@ def test_every_launch_runs_on_its_tensors_device(monkeypatch):
         assert module.cauchy_linear_triton(loc_U, scale_U, weight, b) is not None
         assert module.abs_linear_triton(scale_U, weight) is not None
         assert module.abs_matmul_triton(torch.randn(3, 300, device="cuda:1").bfloat16(), weight, segments=1) is not None
+        term = [t.to("cuda:1") if torch.is_tensor(t) else t for t in _candidate_term_inputs(torch.bfloat16, 3, 5, 40)]
+        assert module.candidate_term_triton(*term) is not None
     assert {kernel.fn.__name__ for kernel, _, _, _ in launches} == set(KERNELS)
     assert [where for _, _, _, where in launches] == [torch.device("cuda", 1)] * len(launches)
     assert current == [torch.device("cuda", 0)]  # restored after each

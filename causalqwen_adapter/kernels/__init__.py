@@ -16,6 +16,8 @@ The Triton functions, each with the contract of a torch or C function of this pa
 - `abs_matmul.cauchy_linear_triton`: `cauchy.cauchy_linear` (no gradient) in one read of W_A;
   `abs_matmul.abs_linear_triton`, x @ |W|ᵀ (the loss's scale_S), and `abs_matmul.abs_matmul_triton`, a @ |W| (its
   scale gradient), without a |W| tensor;
+- `candidate_term.candidate_term_triton`: `causalqwen::candidate_term`, the OvR loss over candidates
+  (`candidate_loss.candidate_ovr_loss` without ``trains_location``) for every position in one launch;
 - `triton_utils.py`: what they share (Triton's optional import, the float32 elementwise functions, launch helpers).
 
 Each Triton function returns None, and the caller runs its torch path, where it does not apply: Triton not installed,

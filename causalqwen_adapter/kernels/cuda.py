@@ -5,7 +5,8 @@ Registering is cheap and needs neither a GPU nor Triton: the queries say no wher
 imported at the first query. Where a Triton function declines its arguments although the query said yes (a layout
 the query does not look at), the decode and product operators compute the torch reference instead; the loss tile
 and logsumexp have no such fallback inside an operator, so their callers (lm_loss.py, losses.py) pass only what
-the kernels take and a refusal is an error that names the operator.
+the kernels take and a refusal is an error that names the operator (the candidates' term likewise:
+candidate_loss.py).
 
 Installed package only, never remote code, like cpu.py.
 """
@@ -22,7 +23,7 @@ from . import ops
 # prefill) two cuBLAS products are the better choice.
 CAUCHY_LINEAR_MAX_ROWS = 64
 DTYPES = (torch.bfloat16, torch.float32)
-TRITON_MODULES = ("triton_utils", "loss_tile", "logsumexp", "ovr_scores", "abs_matmul")
+TRITON_MODULES = ("triton_utils", "loss_tile", "logsumexp", "ovr_scores", "abs_matmul", "candidate_term")
 
 
 def triton_kernels(package: str = __package__) -> types.SimpleNamespace:
@@ -112,6 +113,12 @@ def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
         if triton().abs_matmul_triton(a, weight, out) is None:
             out.add_(a @ weight.abs())
 
+    def candidate_term(loc, scale, widen, weight, ids, shift, sign, minus_weight, x, d_thr, grad_scale):
+        if triton().candidate_term_triton(loc, scale, widen, weight, ids, shift, sign, minus_weight, x, d_thr,
+                                          grad_scale) is None:
+            raise RuntimeError("causalqwen::candidate_term: the Triton kernel does not take these arguments (every "
+                               "tensor on one device, rows of unit stride, the [N, k + 1] terms float32 and contiguous)")
+
     for name, kernel, query in (
         ("cauchy_linear", cauchy_linear, cauchy_linear_applies),
         ("ovr_scores", ovr_scores, ovr_scores_applies),
@@ -119,6 +126,7 @@ def register(dispatch_key: str = "CUDA", kernels=None, library=None) -> None:
         ("block_logsumexp", block_logsumexp, products_apply),
         ("abs_linear", abs_linear, products_apply),
         ("abs_matmul_add", abs_matmul_add, products_apply),
+        ("candidate_term", candidate_term, products_apply),
     ):
         library.impl(name, kernel, dispatch_key)
         library.impl(f"{name}_applies", query, dispatch_key)

@@ -10,6 +10,8 @@ Each operator computes, without gradient, what a torch function of the package c
     block_logsumexp  pass A's logsumexp of one block of lm_loss.chunked_lm_loss
     abs_linear       out = x |W|ᵀ: the loss's scale_S = scale_U |W_A|ᵀ without a |W_A| tensor
     abs_matmul_add   out += a |W|: the loss's scale gradient, idem
+    candidate_term   candidate_loss's OvR loss over candidates without trains_location: x, ∂ℓ/∂C and the scale's
+                     gradient of every position (float32, written in place)
 
 and `<name>_applies`, registered beside a device's kernel where it serves only some inputs, says whether it serves
 the arguments `dispatch.lookup` is given (the operator's own arguments; for the loss's operators a tensor of the
@@ -40,6 +42,9 @@ SCHEMAS = (
     "abs_linear_applies(Tensor products) -> bool",
     "abs_matmul_add(Tensor a, Tensor weight, Tensor(a!) out) -> ()",
     "abs_matmul_add_applies(Tensor products) -> bool",
+    "candidate_term(Tensor loc, Tensor scale, Tensor widen, Tensor weight, Tensor ids, Tensor shift, Tensor sign, "
+    "Tensor minus_weight, Tensor(a!) x, Tensor(b!)? d_thr, Tensor(c!)? grad_scale) -> ()",
+    "candidate_term_applies(Tensor products) -> bool",
 )
 
 library = torch.library.Library("causalqwen", "FRAGMENT")  # kept: the definitions live as long as it does
@@ -90,7 +95,8 @@ def _fake_in_place(*args):
 
 
 FAKES = {"cauchy_linear": _fake_cauchy_linear, "ovr_scores": _fake_ovr_scores, "loss_tile": _fake_in_place,
-         "block_logsumexp": _fake_in_place, "abs_linear": _fake_in_place, "abs_matmul_add": _fake_in_place}
+         "block_logsumexp": _fake_in_place, "abs_linear": _fake_in_place, "abs_matmul_add": _fake_in_place,
+         "candidate_term": _fake_in_place}
 
 for _name, _fake in FAKES.items():
     for _op, _impl in ((_name, _fake), (f"{_name}_applies", _fake_query(_name))):
