@@ -10,6 +10,7 @@ of its fresh heads — every run of an arm has the same shapes and steps.
 
     python bench/compare.py --base build/demo-base --threads 2               # a sample, extrapolated
     python bench/compare.py --base build/demo-base --threads 2 --full        # the whole 45 runs
+    python bench/compare.py --base build/demo-base --threads 1 --num_proc 2 --full   # 2 runs at once
 
 Prints one JSON line: the per-run seconds and the (extrapolated) total, wall and (sampled runs) process CPU time: on a
 machine shared with other jobs the wall time measures the sharing; the CPU time of one thread is what the run costs.
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--lrs", nargs="+", type=float, default=Protocol().lrs)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--full", action="store_true", help="run every run of the protocol instead of a sample")
+    parser.add_argument("--num_proc", type=int, default=1, help="with --full: processes training runs at once, "
+                        "--threads each (`causalqwen compare --num_proc`)")
     parser.add_argument("--sample", type=int, default=1, help="runs timed per arm without --full")
     parser.add_argument("--steps", type=int, default=0,
                         help="without --full: train the sampled runs this many steps and scale their training time "
@@ -56,7 +59,8 @@ def main() -> None:
     protocol = Protocol(arms=args.arms, lrs=args.lrs, seeds=seeds)
     start = time.perf_counter()
     if args.full:
-        out = run_comparison(base, features, labels, base.config.eos_token_id or 0, protocol)
+        out = run_comparison(base, features, labels, base.config.eos_token_id or 0, protocol, num_proc=args.num_proc,
+                             threads=args.threads)
         total = time.perf_counter() - start
         by_arm = {arm: [r["seconds"] for r in out["runs"] if r["arm"] == arm] for arm in args.arms}
     else:
@@ -88,7 +92,7 @@ def main() -> None:
         total = sum(statistics.fmean(v) * len(args.lrs) * len(seeds) + build[arm][0] for arm, v in by_arm.items())
         cpu_total = sum(statistics.fmean(v) * len(args.lrs) * len(seeds) + build[arm][1] for arm, v in cpu.items())
     print(json.dumps({"base": args.base, "vocab": V, "hidden": H, "rows": args.rows, "seeds": len(seeds),
-                      "arms": args.arms, "lrs": args.lrs, "threads": args.threads, "full": args.full,
+                      "arms": args.arms, "lrs": args.lrs, "threads": args.threads, "num_proc": args.num_proc, "full": args.full,
                       "seconds_per_run": {arm: [round(s, 1) for s in v] for arm, v in by_arm.items()},
                       "total_minutes": round(total / 60, 1),
                       "total_cpu_minutes": None if args.full else round(cpu_total / 60, 1), "extrapolated": not args.full,

@@ -4,7 +4,9 @@ and optional held-out classes (unknown in training, present at test); every arm 
 each seed's rate chosen on its own validation split by the arm's own rule; the test metrics at the chosen rates."""
 
 import math
+import multiprocessing
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -144,48 +146,115 @@ def _duration(seconds: float) -> str:
 
 
 def run_comparison(base, features: dict, labels: LabelSet, eos: int, protocol: Protocol, *, rates=RecipeRates(),
-                   log=print, on_run=None, done: dict | None = None) -> dict:
-    """Every (arm, seed, rate) run, arms outermost (an arm's fresh heads are built once, `FreshHeads`); returns {runs:
-    [{arm, seed, lr, validation, test, seconds}], per_seed: {arm: {seed: test metrics at the chosen rate}}, chosen:
-    {arm: {seed: lr}}}. `on_run(run)` after each run trained; `done`: runs of this comparison already finished, by
-    (arm, seed, lr) (`progress.RunLog`), taken as they are instead of trained again."""
+                   log=print, on_run=None, done: dict | None = None, num_proc: int = 1, threads: int = 1) -> dict:
+    """Every (arm, seed, rate) run, arms outermost (an arm's fresh heads are built once per process, `FreshHeads`);
+    returns {runs: [{arm, seed, lr, validation, test, seconds}], per_seed: {arm: {seed: test metrics at the chosen
+    rate}}, chosen: {arm: {seed: lr}}}. `on_run(run)` after each run trained; `done`: runs of this comparison already
+    finished, by (arm, seed, lr) (`progress.RunLog`), taken as they are instead of trained again. ``num_proc`` > 1:
+    that many forked processes of ``threads`` torch threads each train the runs (`parallel_runs`); each run is
+    seeded by itself, so the results are the one-process results whatever process trains it (within the rounding of
+    another thread count's products)."""
     check_protocol(protocol, len(labels.labels))
     data = {seed: seed_data(features, labels, protocol, seed) for seed in protocol.seeds}
     for seed, d in data.items():
         check_seed_data(d, seed, features, bool(protocol.unknown_fraction))
-    heads = FreshHeads(base)
-    runs, per_seed, chosen = [], {}, {}
     planned = [(arm, seed, lr) for arm in protocol.arms for seed in protocol.seeds for lr in protocol.lrs]
-    done = {key: done[key] for key in planned if key in (done or {})}
-    if done:
-        log(f"{len(done)} of {len(planned)} runs finished earlier: training the other {len(planned) - len(done)}")
-    trained, trained_seconds = 0, 0.0
+    finished = {key: done[key] for key in planned if key in (done or {})}
+    todo = [key for key in planned if key not in finished]
+    if finished:
+        log(f"{len(finished)} of {len(planned)} runs finished earlier: training the other {len(todo)}")
+    for key, run in finished.items():
+        log(_progress_line(planned.index(key) + 1, len(planned), run, "finished earlier"))
+    context = _RunContext(base, features, data, eos, protocol, rates)
+    trained_seconds = 0.0
+    runs = parallel_runs(context, todo, num_proc, threads) if num_proc > 1 else map(context.train, todo)
+    for count, run in enumerate(runs, 1):
+        finished[(run["arm"], run["seed"], run["lr"])] = run
+        trained_seconds += run["seconds"]
+        if on_run is not None:
+            on_run(run)
+        left = trained_seconds / count * (len(todo) - count) / max(1, min(num_proc, len(todo)))
+        log(_progress_line(len(finished), len(planned), run, f"{run['seconds']:.0f}s"
+                           + (f"; about {_duration(left)} left" if left else "")))
+    per_seed, chosen = {}, {}
     for arm in protocol.arms:
         for seed in protocol.seeds:
-            d, by_lr = data[seed], {}
-            steps = protocol.steps or math.ceil(len(d.train_rows) / protocol.batch_rows)
-            for lr in protocol.lrs:
-                run = done.get((arm, seed, lr))
-                if run is None:
-                    start = time.perf_counter()
-                    model = train_arm(base, arm, d.features, d.train_rows, d.train_labels, d.labels, eos, lr, steps,
-                                      protocol.batch_rows, seed, rates, heads=heads)
-                    validation = accuracies(model, arm, features["z"][d.val_rows], d.val_target, d.labels)
-                    validation = validation["ovr" if "ovr" in validation else "softmax"]
-                    run = {"arm": arm, "seed": seed, "lr": lr, "steps": steps, "validation": validation,
-                           "test": test_metrics(model, arm, features, d), "seconds": time.perf_counter() - start}
-                    trained, trained_seconds = trained + 1, trained_seconds + run["seconds"]
-                    if on_run is not None:
-                        on_run(run)
-                runs.append(run)
-                by_lr[lr] = run
-                left = trained_seconds / trained * (len(planned) - len(done) - trained) if trained else 0
-                took = "finished earlier" if (arm, seed, lr) in done else f"{run['seconds']:.0f}s"
-                log(f"[{len(runs)}/{len(planned)}] {arm} seed {seed} lr {lr:g}: validation {run['validation']:.4f}, "
-                    f"test accuracy {run['test']['accuracy']:.4f} ({took}"
-                    + (f"; about {_duration(left)} left)" if left else ")"))
+            by_lr = {lr: finished[(arm, seed, lr)] for lr in protocol.lrs}
             lr = choose_rate({lr: run["validation"] for lr, run in by_lr.items()})
             chosen.setdefault(arm, {})[seed] = lr
             per_seed.setdefault(arm, {})[seed] = by_lr[lr]["test"]
-    return {"runs": runs, "per_seed": per_seed, "chosen": chosen,
+    return {"runs": [finished[key] for key in planned], "per_seed": per_seed, "chosen": chosen,
             "known": {seed: [labels.labels[k] for k in d.known] for seed, d in data.items()}}
+
+
+def _progress_line(index: int, total: int, run: dict, took: str) -> str:
+    return (f"[{index}/{total}] {run['arm']} seed {run['seed']} lr {run['lr']:g}: validation {run['validation']:.4f}, "
+            f"test accuracy {run['test']['accuracy']:.4f} ({took})")
+
+
+@dataclass
+class _RunContext:
+    """What a run needs, shared by the processes that train runs (inherited by fork, never pickled)."""
+
+    base: object
+    features: dict
+    data: dict
+    eos: int
+    protocol: Protocol
+    rates: RecipeRates
+    heads: FreshHeads | None = None
+
+    def train(self, key: tuple) -> dict:
+        arm, seed, lr = key
+        if self.heads is None:
+            self.heads = FreshHeads(self.base)
+        d, protocol, start = self.data[seed], self.protocol, time.perf_counter()
+        steps = protocol.steps or math.ceil(len(d.train_rows) / protocol.batch_rows)
+        model = train_arm(self.base, arm, d.features, d.train_rows, d.train_labels, d.labels, self.eos, lr, steps,
+                          protocol.batch_rows, seed, self.rates, heads=self.heads)
+        validation = accuracies(model, arm, self.features["z"][d.val_rows], d.val_target, d.labels)
+        validation = validation["ovr" if "ovr" in validation else "softmax"]
+        return {"arm": arm, "seed": seed, "lr": lr, "steps": steps, "validation": validation,
+                "test": test_metrics(model, arm, self.features, d), "seconds": time.perf_counter() - start}
+
+
+_CONTEXT: _RunContext | None = None  # the forked processes' context (set by the parent before it forks them)
+
+
+def _start_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _train_in_worker(key: tuple) -> dict:
+    return _CONTEXT.train(key)
+
+
+def parallel_runs(context: _RunContext, keys: list, num_proc: int, threads: int = 1):
+    """Yields the runs of ``keys`` as ``num_proc`` forked processes of ``threads`` torch threads each finish them
+    (the base, the features and the splits inherited, not copied: each process holds its own heads, optimizer state
+    and gradients, about four copies of W_A). A run that fails stops the comparison: the runs not started are
+    cancelled, those under way are finished and yielded (`RunLog` keeps them), then its error is raised."""
+    global _CONTEXT
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"--num_proc {num_proc} forks processes, which this platform cannot: pass --num_proc 1")
+    _CONTEXT = context
+    pool = ProcessPoolExecutor(min(num_proc, max(1, len(keys))), mp_context=multiprocessing.get_context("fork"),
+                               initializer=_start_worker, initargs=(threads,))
+    try:
+        pending, failure = {pool.submit(_train_in_worker, key) for key in keys}, None
+        while pending:
+            ended, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in ended:
+                if future.cancelled():
+                    continue
+                if future.exception() is None:
+                    yield future.result()
+                elif failure is None:
+                    failure = future.exception()
+                    for other in pending:
+                        other.cancel()  # those not started; the ones under way end and are kept
+        if failure is not None:
+            raise failure
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _CONTEXT = None
