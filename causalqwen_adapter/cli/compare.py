@@ -43,7 +43,14 @@ from causalqwen_adapter.comparison.arms import ARMS
 from causalqwen_adapter.comparison.features import cached_features, data_fingerprint
 from causalqwen_adapter.comparison.plots import PLOT_FILES, write_plots
 from causalqwen_adapter.comparison.progress import RunLog, comparison_key
-from causalqwen_adapter.comparison.runs import NOISE_METRICS, UNKNOWN_METRICS, Protocol, check_protocol, run_comparison
+from causalqwen_adapter.comparison.runs import (
+    NOISE_METRICS,
+    UNKNOWN_METRICS,
+    Protocol,
+    check_num_proc,
+    check_protocol,
+    run_comparison,
+)
 from causalqwen_adapter.comparison.splits import parse_noise
 from causalqwen_adapter.comparison.verdicts import markdown, paired_table
 from causalqwen_adapter.configuration_causalqwen import check_number
@@ -89,7 +96,7 @@ class CompareArguments:
     threads: int = field(default=0, metadata={"help": "CPU threads of the training and scoring, for this command only, "
                                               "per process with --num_proc (0: torch's default; 1 per process)."})
     num_proc: int = field(default=1, metadata={
-        "help": "Processes training runs at once (forked; Linux and macOS). On a CPU, one per core with --threads 1 "
+        "help": "Processes training runs at once (forked; tested on Linux). On a CPU, one per core with --threads 1 "
                 "trains the most runs per second (each holds about 4 copies of the head's V × H weights)."})
     plots: bool = field(default=True, metadata={"help": f"Write {' and '.join(PLOT_FILES)} (needs matplotlib)."})
     overwrite: bool = field(default=False, metadata={
@@ -109,6 +116,7 @@ def check_arguments(args: CompareArguments) -> None:
     check_number("per_device_train_batch_size", args.per_device_train_batch_size, minimum=1, integer=True)
     check_number("threads", args.threads, minimum=0, integer=True)
     check_number("num_proc", args.num_proc, minimum=1, integer=True)
+    check_num_proc(args.num_proc)
     check_number("unknown_fraction", args.unknown_fraction, minimum=0)
     check_protocol(protocol_of(args))
     check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)

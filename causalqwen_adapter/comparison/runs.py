@@ -163,8 +163,8 @@ def run_comparison(base, features: dict, labels: LabelSet, eos: int, protocol: P
     todo = [key for key in planned if key not in finished]
     if finished:
         log(f"{len(finished)} of {len(planned)} runs finished earlier: training the other {len(todo)}")
-    for key, run in finished.items():
-        log(_progress_line(planned.index(key) + 1, len(planned), run, "finished earlier"))
+    for count, run in enumerate(finished.values(), 1):
+        log(_progress_line(count, len(planned), run, "finished earlier"))
     context = _RunContext(base, features, data, eos, protocol, rates)
     trained_seconds = 0.0
     runs = parallel_runs(context, todo, num_proc, threads) if num_proc > 1 else map(context.train, todo)
@@ -218,6 +218,11 @@ class _RunContext:
                 "test": test_metrics(model, arm, self.features, d), "seconds": time.perf_counter() - start}
 
 
+def check_num_proc(num_proc: int) -> None:
+    if num_proc > 1 and "fork" not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"--num_proc {num_proc} forks processes, which this platform cannot: pass --num_proc 1")
+
+
 _CONTEXT: _RunContext | None = None  # the forked processes' context (set by the parent before it forks them)
 
 
@@ -235,8 +240,7 @@ def parallel_runs(context: _RunContext, keys: list, num_proc: int, threads: int 
     and gradients, about four copies of W_A). A run that fails stops the comparison: the runs not started are
     cancelled, those under way are finished and yielded (`RunLog` keeps them), then its error is raised."""
     global _CONTEXT
-    if "fork" not in multiprocessing.get_all_start_methods():
-        raise ValueError(f"--num_proc {num_proc} forks processes, which this platform cannot: pass --num_proc 1")
+    check_num_proc(num_proc)
     _CONTEXT = context
     pool = ProcessPoolExecutor(min(num_proc, max(1, len(keys))), mp_context=multiprocessing.get_context("fork"),
                                initializer=_start_worker, initargs=(threads,))
