@@ -128,6 +128,7 @@ def candidate_ovr_loss(
 
 
 KERNEL_DTYPES = {torch.bfloat16, torch.float32}  # of loc_U and scale_U, for causalqwen::candidate_term
+KERNEL_MAX_CANDIDATES = 128  # k + 1 the kernel takes (kernels/candidate_term.py: its row block's accumulators)
 CANDIDATE_CHUNK_BYTES_PER_ROW = 8  # per element of [chunk, k + 1, C]: W_A's rows and their |W_A| in float32 (W_A's
 # rows' gradient, when the locations train, is written over the rows; a bf16 gather is freed by its cast)
 
@@ -215,14 +216,16 @@ class _CandidateOvRLoss(torch.autograd.Function):
         grad_W = weight.new_zeros(vocab, width, dtype=dtype) if need_W else None
         xs, d_thresholds = [], []
         # On a GPU (the package's Triton kernel) every position in one launch, when only the scale path trains and
-        # the operands are of the kernel's dtypes (its query reads W_A's)
-        served = not (need_loc or need_W or need_bias) and {loc_U.dtype, scale_U.dtype} <= KERNEL_DTYPES
+        # the operands are as the kernel takes them (its query reads W_A's dtype; the rest is checked here)
+        served = (not (need_loc or need_W or need_bias) and {loc_U.dtype, scale_U.dtype} <= KERNEL_DTYPES
+                  and k1 <= KERNEL_MAX_CANDIDATES and weight.stride(-1) == 1 and widen.shape == (width,))
         term = lookup_operator("candidate_term", weight) if served else None
         if term is not None:
             xs.append(torch.empty(rows.ids.shape, dtype=torch.float32, device=weight.device))
             d_thresholds += [torch.empty_like(xs[0])] if need_thr and backward else []
-            term(loc_U.detach(), scale_U.detach(), widen, weight.detach(), rows.ids.contiguous(), shift.contiguous(),
-                 sign, minus_weight, xs[0], d_thresholds[0] if d_thresholds else None, grad_scale)
+            loc, scale = (t.detach() if t.stride(-1) == 1 else t.detach().contiguous() for t in (loc_U, scale_U))
+            term(loc, scale, widen, weight.detach(), rows.ids.contiguous(), shift.contiguous(), sign, minus_weight,
+                 xs[0], d_thresholds[0] if d_thresholds else None, grad_scale)
         for r0 in range(0 if term is None else n, n, chunk):
             r1 = min(r0 + chunk, n)
             flat = flat_ids[r0 * k1 : r1 * k1]

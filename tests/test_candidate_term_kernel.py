@@ -123,3 +123,25 @@ def test_the_kernels_plan_is_what_it_holds(triton_operators, monkeypatch, dtype,
     assert triton_operators["candidate_term_triton"] == 1
     plan = candidate_plan(n, 600, width, dtype, 16, "cuda")
     assert seen.peak <= plan.peak_bytes <= 1.1 * seen.peak, (seen.peak, plan.peak_bytes)
+
+
+def test_layouts_the_kernel_does_not_take_run_the_torch_code_or_a_copy(triton_operators):  # noqa: F811
+    """loc_U and scale_U of column stride 2 (copied for the kernel), a transposed W_A, more candidates than the kernel
+    takes: the loss computes, through the kernel or the torch code, never an error from the operator."""
+    tensors, labels = make_inputs(12, 8, 300, threshold="scalar_buffer")
+    labels.clamp_(min=0)
+    head = DecisionHead(*(tensors[key] for key in ("weight", "bias", "b_noise", "threshold")))
+    wide = {name: torch.stack([tensors[name].detach()] * 2, -1).flatten(1)[:, ::2].requires_grad_()
+            for name in ("loc_U", "scale_U")}
+    rows, _ = candidate_rows(tensors["loc_U"].detach(), head, labels, 6)
+    want = candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, 6, rows=rows)[0]
+    assert wide["loc_U"].stride(-1) == 2
+    got = candidate_ovr_loss(wide["loc_U"], wide["scale_U"], head, labels, 6, rows=rows)[0]
+    torch.testing.assert_close(got, want)
+    assert triton_operators["candidate_term_triton"] == 2
+    transposed = DecisionHead(tensors["weight"].detach().T.contiguous().T, *head[1:])
+    torch.testing.assert_close(candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], transposed, labels, 6,
+                                                  rows=rows)[0], want)
+    many = candidate_rows(tensors["loc_U"].detach(), head, labels, 130)[0]
+    candidate_ovr_loss(tensors["loc_U"], tensors["scale_U"], head, labels, 130, rows=many)
+    assert triton_operators["candidate_term_triton"] == 2  # neither of the last two through the kernel

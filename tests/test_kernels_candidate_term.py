@@ -42,7 +42,7 @@ def reference(loc, scale, widen, weight, ids, shift, sign, minus_weight):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k1, width", [(5, 17, 200), (3, 2, 64), (1, 5, 7)])
+@pytest.mark.parametrize("n, k1, width", [(5, 17, 200), (3, 2, 64), (1, 5, 7), (2, 100, 40)])
 def test_the_kernel_is_its_definition(dtype, n, k1, width):
     t = _inputs(dtype, n, k1, width)
     args = {k: v.to(DEVICE) for k, v in t.items()}
@@ -59,12 +59,16 @@ def test_the_kernel_is_its_definition(dtype, n, k1, width):
 
 
 def test_the_kernel_declines_what_it_does_not_compute():
-    """Float64 operands, int32 ids, a float16 weight or a transposed weight: None, the caller's torch code runs."""
+    """Float64 operands, int32 ids, a float16 weight, a transposed weight or loc_U, more than 128 candidates: None,
+    the caller's torch code runs."""
     t = {k: v.to(DEVICE) for k, v in _inputs(torch.float32, 3, 4, 16).items()}
     x = torch.empty(3, 4, device=DEVICE)
     for name, value in (("loc", t["loc"].double()), ("ids", t["ids"].int()), ("weight", t["weight"].half()),
-                        ("weight", t["weight"].T.contiguous().T), ("shift", t["shift"].double())):
+                        ("weight", t["weight"].T.contiguous().T), ("shift", t["shift"].double()),
+                        ("loc", t["loc"][:, None].expand(3, 2, 16)[:, 0].T.contiguous().T)):
         assert kt.candidate_term_triton(*{**t, name: value}.values(), x) is None, name
+    wide = {k: v.to(DEVICE) for k, v in _inputs(torch.float32, 2, 129, 16).items()}
+    assert kt.candidate_term_triton(*wide.values(), torch.empty(2, 129, device=DEVICE)) is None
     assert kt.candidate_term_triton(*{**t, "loc": t["loc"][:0], "scale": t["scale"][:0], "ids": t["ids"][:0],
                                       "shift": t["shift"][:0], "sign": t["sign"][:0],
                                       "minus_weight": t["minus_weight"][:0]}.values(), x[:0]) is not None

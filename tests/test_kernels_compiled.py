@@ -111,6 +111,8 @@ def _gpu_launches():
                 assert module.abs_matmul_triton(a, weight, torch.zeros(rows, 40), segments=1) is not None
         for d_thr, grad_scale in ((True, True), (False, True), (False, False)):  # per-token thresholds, b_noise, none
             assert module.candidate_term_triton(*_candidate_term_inputs(dtype, 9, 17, 896, d_thr, grad_scale)) is not None
+        for k1 in (65, 128):  # row blocks of 128 candidates, narrower column blocks
+            assert module.candidate_term_triton(*_candidate_term_inputs(dtype, 3, k1, 896)) is not None
     return module, launches
 
 

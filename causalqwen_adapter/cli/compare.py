@@ -93,11 +93,11 @@ class CompareArguments:
     labels: list[str] | None = field(default=None, metadata={
         "help": "The label set (completion strings, leading spaces included). Default: every completion of the rows."})
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer folder or Hub id (default: the base's)."})
-    threads: int = field(default=0, metadata={"help": "CPU threads of the training and scoring, for this command only, "
-                                              "per process with --num_proc (0: torch's default; 1 per process)."})
+    threads: int = field(default=0, metadata={"help": "CPU threads of the training and scoring, for this command only "
+                                              "(0: torch's default; with --num_proc, 1 per process)."})
     num_proc: int = field(default=1, metadata={
-        "help": "Processes training runs at once (forked; tested on Linux). On a CPU, one per core with --threads 1 "
-                "trains the most runs per second (each holds about 4 copies of the head's V × H weights)."})
+        "help": "Processes training runs at once, one torch thread each (forked; tested on Linux). On a CPU, one per "
+                "core trains the most runs per second (each holds about 4 copies of the head's V × H weights)."})
     plots: bool = field(default=True, metadata={"help": f"Write {' and '.join(PLOT_FILES)} (needs matplotlib)."})
     overwrite: bool = field(default=False, metadata={
         "help": "Replace an earlier run's comparison.json, .md and plots (with --no_plots its plots are removed), "
@@ -116,7 +116,7 @@ def check_arguments(args: CompareArguments) -> None:
     check_number("per_device_train_batch_size", args.per_device_train_batch_size, minimum=1, integer=True)
     check_number("threads", args.threads, minimum=0, integer=True)
     check_number("num_proc", args.num_proc, minimum=1, integer=True)
-    check_num_proc(args.num_proc)
+    check_num_proc(args.num_proc, args.threads)
     check_number("unknown_fraction", args.unknown_fraction, minimum=0)
     check_protocol(protocol_of(args))
     check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)

@@ -3,10 +3,11 @@ the rows, optional label flips (training and validation labels, as noisy as each
 and optional held-out classes (unknown in training, present at test); every arm trained at every rate of one grid,
 each seed's rate chosen on its own validation split by the arm's own rule; the test metrics at the chosen rates."""
 
+import contextlib
 import math
 import multiprocessing
+import signal
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -167,15 +168,16 @@ def run_comparison(base, features: dict, labels: LabelSet, eos: int, protocol: P
         log(_progress_line(count, len(planned), run, "finished earlier"))
     context = _RunContext(base, features, data, eos, protocol, rates)
     trained_seconds = 0.0
-    runs = parallel_runs(context, todo, num_proc, threads) if num_proc > 1 else map(context.train, todo)
-    for count, run in enumerate(runs, 1):
-        finished[(run["arm"], run["seed"], run["lr"])] = run
-        trained_seconds += run["seconds"]
-        if on_run is not None:
-            on_run(run)
-        left = trained_seconds / count * (len(todo) - count) / max(1, min(num_proc, len(todo)))
-        log(_progress_line(len(finished), len(planned), run, f"{run['seconds']:.0f}s"
-                           + (f"; about {_duration(left)} left" if left else "")))
+    runs = parallel_runs(context, todo, num_proc, threads) if num_proc > 1 else (context.train(k) for k in todo)
+    with contextlib.closing(runs):  # an error here stops the processes at once
+        for count, run in enumerate(runs, 1):
+            finished[(run["arm"], run["seed"], run["lr"])] = run
+            trained_seconds += run["seconds"]
+            if on_run is not None:
+                on_run(run)
+            left = trained_seconds / count * (len(todo) - count) / max(1, min(num_proc, len(todo) - count))
+            log(_progress_line(len(finished), len(planned), run, f"{run['seconds']:.0f}s"
+                               + (f"; about {_duration(left)} left" if left else "")))
     per_seed, chosen = {}, {}
     for arm in protocol.arms:
         for seed in protocol.seeds:
@@ -218,15 +220,22 @@ class _RunContext:
                 "test": test_metrics(model, arm, self.features, d), "seconds": time.perf_counter() - start}
 
 
-def check_num_proc(num_proc: int) -> None:
+def check_num_proc(num_proc: int, threads: int = 1) -> None:
+    """--num_proc forks; a forked process runs one torch thread (GNU OpenMP, torch's CPU threads, does not survive a
+    fork with more: the processes hang)."""
     if num_proc > 1 and "fork" not in multiprocessing.get_all_start_methods():
         raise ValueError(f"--num_proc {num_proc} forks processes, which this platform cannot: pass --num_proc 1")
+    if num_proc > 1 and threads > 1:
+        raise ValueError(f"--threads {threads} with --num_proc {num_proc}: each forked process runs one torch thread "
+                         "(torch's OpenMP threads do not survive a fork): pass --threads 1, or --num_proc 1 for "
+                         f"{threads} threads in one process")
 
 
 _CONTEXT: _RunContext | None = None  # the forked processes' context (set by the parent before it forks them)
 
 
 def _start_worker(threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops every process
     torch.set_num_threads(threads)
 
 
@@ -237,28 +246,15 @@ def _train_in_worker(key: tuple) -> dict:
 def parallel_runs(context: _RunContext, keys: list, num_proc: int, threads: int = 1):
     """Yields the runs of ``keys`` as ``num_proc`` forked processes of ``threads`` torch threads each finish them
     (the base, the features and the splits inherited, not copied: each process holds its own heads, optimizer state
-    and gradients, about four copies of W_A). A run that fails stops the comparison: the runs not started are
-    cancelled, those under way are finished and yielded (`RunLog` keeps them), then its error is raised."""
+    and gradients, about four copies of W_A). A run that fails, Ctrl-C, or the caller closing the generator stops
+    every process at once (the runs under way are lost; those yielded before are the caller's to keep: `RunLog`)
+    and the error is raised."""
     global _CONTEXT
-    check_num_proc(num_proc)
+    check_num_proc(num_proc, threads)
     _CONTEXT = context
-    pool = ProcessPoolExecutor(min(num_proc, max(1, len(keys))), mp_context=multiprocessing.get_context("fork"),
-                               initializer=_start_worker, initargs=(threads,))
     try:
-        pending, failure = {pool.submit(_train_in_worker, key) for key in keys}, None
-        while pending:
-            ended, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in ended:
-                if future.cancelled():
-                    continue
-                if future.exception() is None:
-                    yield future.result()
-                elif failure is None:
-                    failure = future.exception()
-                    for other in pending:
-                        other.cancel()  # those not started; the ones under way end and are kept
-        if failure is not None:
-            raise failure
+        with multiprocessing.get_context("fork").Pool(min(num_proc, max(1, len(keys))), initializer=_start_worker,
+                                                      initargs=(threads,)) as pool:  # its exit terminates them
+            yield from pool.imap_unordered(_train_in_worker, keys, chunksize=1)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
         _CONTEXT = None

@@ -65,7 +65,11 @@ def _candidate_term_kernel(
                 tl.store(g_ptr + row * g_stride + cs, g, mask=cm)
 
 
-_BLOCK_C = 64
+# k + 1 ≤ MAX_CANDIDATES rows per position in one block (candidate_loss.KERNEL_MAX_CANDIDATES says the same); the
+# column block shrinks as the row block grows, so that its two [BLOCK_J × BLOCK_C] float32 accumulators stay within
+# 2,048 elements each (the registers of 4 warps, without spills at BLOCK_J = 32: BENCHMARKS.md, Registers)
+MAX_CANDIDATES = 128
+_TILE = 2048
 _NUM_WARPS_TERM = 4
 
 
@@ -81,8 +85,8 @@ def candidate_term_triton(loc, scale, widen, weight, ids, shift, sign, minus_wei
     ``grad_scale`` (float32, written), as `candidate_loss._score_gradients` and the scale's product compute them from
     ``sign`` and ``minus_weight`` [N, k + 1]. Returns x, or None where the kernel does not apply (the caller
     runs its torch code): Triton missing, tensors on several devices or one it does not run on, W_A not bf16 or
-    float32, a layout other than rows of unit stride."""
-    if not available() or loc.dim() != 2 or weight.dim() != 2 or ids.dim() != 2:
+    float32, a layout other than rows of unit stride, more than `MAX_CANDIDATES` rows per position."""
+    if not available() or loc.dim() != 2 or weight.dim() != 2 or ids.dim() != 2 or ids.shape[1] > MAX_CANDIDATES:
         return None
     (n, width), k1 = loc.shape, ids.shape[1]
     pairs = (n, k1)
@@ -108,12 +112,13 @@ def candidate_term_triton(loc, scale, widen, weight, ids, shift, sign, minus_wei
     if n == 0:
         return x
     grad = d_thr is not None or grad_scale is not None
+    block_j = max(32, 1 << (k1 - 1).bit_length())
     dummy = x  # an unused pointer argument
     _candidate_term_kernel[(n,)](
         loc, loc.stride(0), scale, scale.stride(0), widen, weight, weight.stride(0), ids, shift, sign, minus_weight,
         x, dummy if d_thr is None else d_thr, dummy if grad_scale is None else grad_scale,
         0 if grad_scale is None else grad_scale.stride(0), k1, width,
         GRAD=grad, STORE_DTHR=d_thr is not None, STORE_G=grad_scale is not None,
-        BLOCK_J=max(2, 1 << (k1 - 1).bit_length()), BLOCK_C=_BLOCK_C, num_warps=_NUM_WARPS_TERM,
+        BLOCK_J=block_j, BLOCK_C=_TILE // block_j, num_warps=_NUM_WARPS_TERM,
     )
     return x
