@@ -259,7 +259,7 @@ def test_remote_code_without_a_compiler_runs_the_torch_reference(trained_like, t
     for name, grad in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, msg=name)
     said = [m.split(" on ")[0] for m in got["log"]]  # once per operator: "<name> on cpu <dtype> tensors: ..."
-    assert sorted(said) == ["block_logsumexp", "cauchy_linear", "ovr_scores"], got["log"]
+    assert sorted(said) == ["block_logsumexp", "candidate_term", "cauchy_linear", "ovr_scores"], got["log"]
     assert all("the torch code (no causalqwen::" in m for m in got["log"]), got["log"]
     assert "not installed here" in got["push"] and "pip install ." in got["push"]
 
