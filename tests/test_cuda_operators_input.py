@@ -119,7 +119,7 @@ def test_ovr_scores_run_the_reference_where_their_kernel_does_not_apply(triton_o
     assert len(told) == 1 and ("does not apply" in told[0]) != taken, told
 
 
-@pytest.mark.parametrize("name", ["loss_tile", "block_logsumexp", "abs_linear", "abs_matmul_add"])
+@pytest.mark.parametrize("name", ["loss_tile", "block_logsumexp", "abs_linear", "abs_matmul_add", "candidate_term"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 def test_the_losss_operators_are_not_looked_up_for_other_dtypes(triton_operators, caplog, name, dtype):
     """lm_loss and losses look the loss's operators up with their products' dtype: float64 or float16 products get
