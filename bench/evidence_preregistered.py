@@ -166,7 +166,8 @@ def pool_features(args, base, data: dict, labels, tokenizer) -> dict:
               + data["splits"]["validation"][: family["pool"]["validation"]],
               "test": data["splits"]["test"][: family["test"]]}
     # Each split is kept as it ends: a process stopped in the test split keeps the pool's hour of extraction.
-    partial, temporary = path.with_suffix(".partial.pt"), path.with_suffix(".tmp")
+    # The temporary file is the process's own: two processes extracting one task into one cache never write one file.
+    partial, temporary = path.with_suffix(".partial.pt"), path.with_suffix(f".{os.getpid()}.tmp")
     features = torch.load(partial) if partial.exists() else {}
     for split, rows in splits.items():
         if split in features:
@@ -185,7 +186,9 @@ def pool_features(args, base, data: dict, labels, tokenizer) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(features, temporary)
         os.replace(temporary, partial)  # a save cut short leaves the last whole file
-    os.replace(partial, path)
+    torch.save(features, temporary)  # the whole file from this process's own copy: another's partial may be gone
+    os.replace(temporary, path)
+    partial.unlink(missing_ok=True)
     return features
 
 

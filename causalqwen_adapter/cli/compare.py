@@ -25,7 +25,10 @@ the baseline with their mean and its Bonferroni α/m interval, and `comparison_r
 in `--output_dir`'s `comparison_runs.jsonl` as it ends: the same command again after an interruption trains only the
 runs still missing (the results are an uninterrupted run's); the file goes once comparison.json is written. The library is
 `causalqwen_adapter.comparison`; docs/evidence.md, "On your own data", says how to read it. `--num_proc N` trains N
-runs at once in forked processes (one per core with `--threads 1` is the fastest on a CPU).
+runs at once in forked processes (one per core with `--threads 1` is the fastest on a CPU). `--device` (default
+`auto`: CUDA when available) is where the base extracts the features and the heads train: on a GPU the runs go one
+after another in this process (a forked process cannot share the CUDA context, so `--num_proc` stays 1); the cached
+features and the metrics stay on the CPU.
 """
 
 import json
@@ -55,6 +58,7 @@ from causalqwen_adapter.comparison.splits import parse_noise
 from causalqwen_adapter.comparison.verdicts import markdown, paired_table
 from causalqwen_adapter.configuration_causalqwen import check_number
 from causalqwen_adapter.data import check_data_source
+from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
 
 from .classify import read_rows, tokenizer_source
 from .parsing import CliHfArgumentParser, check_output_folder, install_hint, missing_modules, usage_errors
@@ -98,6 +102,7 @@ class CompareArguments:
     num_proc: int = field(default=1, metadata={
         "help": "Processes training runs at once, one torch thread each (forked; tested on Linux). On a CPU, one per "
                 "core trains the most runs per second (each holds about 4 copies of the head's V × H weights)."})
+    device: str = field(default=AUTO, metadata={"help": DEVICE_HELP})
     plots: bool = field(default=True, metadata={"help": f"Write {' and '.join(PLOT_FILES)} (needs matplotlib)."})
     overwrite: bool = field(default=False, metadata={
         "help": "Replace an earlier run's comparison.json, .md and plots (with --no_plots its plots are removed), "
@@ -116,7 +121,7 @@ def check_arguments(args: CompareArguments) -> None:
     check_number("per_device_train_batch_size", args.per_device_train_batch_size, minimum=1, integer=True)
     check_number("threads", args.threads, minimum=0, integer=True)
     check_number("num_proc", args.num_proc, minimum=1, integer=True)
-    check_num_proc(args.num_proc, args.threads)
+    check_num_proc(args.num_proc, args.threads, resolve_device(args.device))
     check_number("unknown_fraction", args.unknown_fraction, minimum=0)
     check_protocol(protocol_of(args))
     check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
@@ -164,7 +169,7 @@ def summary(args: CompareArguments, labels, protocol: Protocol, out: dict, secon
              *markdown(table, protocol.baseline), "",
              f"{len(out['runs'])} runs in {seconds / 60:.1f} min of training and scoring ("
              + (f"{args.num_proc} processes of {args.threads or 1} thread(s))." if args.num_proc > 1
-                else f"threads: {torch.get_num_threads()}).")]
+                else f"on {resolve_device(args.device)}; CPU threads: {torch.get_num_threads()}).")]
     results = {"args": vars(args), "labels": labels.labels, "table": table, "alpha": protocol.alpha,
                "seconds": seconds, **out}
     return results, "\n".join(lines) + "\n"
@@ -185,7 +190,8 @@ def run(args: CompareArguments, prepared: tuple | None = None) -> dict:
 
 def _run(args: CompareArguments, prepared: tuple) -> dict:
     tokenizer, labels, prompts, targets, protocol, progress = prepared
-    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).eval()
+    device = resolve_device(args.device)
+    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).to(device).eval()
     cache = args.cache_dir or os.path.join(args.output_dir, "features")
     features = cached_features(cache, base, prompts, targets, labels.token_ids, rebuild=args.rebuild_cache)
     start = time.perf_counter()

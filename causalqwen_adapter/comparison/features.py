@@ -31,16 +31,20 @@ def row_tokens(tokenizer, prompt: str, label_ids: list[int]) -> list[int]:
 @torch.no_grad()
 def extract(backbone, prompts: list[list[int]], label_ids: list[list[int]] | None) -> dict[str, torch.Tensor]:
     """z [N, H] at each prompt's end; with `label_ids` (K token ids per prompt), z_label [N, K, H] at the label
-    position for each of them (the prompt's KV cache repeated over the K labels: one forward of K tokens)."""
+    position for each of them (the prompt's KV cache repeated over the K labels: one forward of K tokens). The
+    backbone runs on its own device; the features come back to the CPU (the cache, the splits and the metrics live
+    there)."""
+    device = next(backbone.parameters()).device
     z, z_label = [], []
     for n, ids in enumerate(prompts):
-        out = backbone(input_ids=torch.tensor([ids]), use_cache=label_ids is not None)
-        z.append(out.last_hidden_state[0, -1].float())
+        out = backbone(input_ids=torch.tensor([ids], device=device), use_cache=label_ids is not None)
+        z.append(out.last_hidden_state[0, -1].float().cpu())
         if label_ids is not None:
             cache = out.past_key_values
             cache.batch_repeat_interleave(len(label_ids[n]))
-            step = backbone(input_ids=torch.tensor(label_ids[n])[:, None], past_key_values=cache, use_cache=False)
-            z_label.append(step.last_hidden_state[:, 0].float())
+            step = backbone(input_ids=torch.tensor(label_ids[n], device=device)[:, None], past_key_values=cache,
+                            use_cache=False)
+            z_label.append(step.last_hidden_state[:, 0].float().cpu())
     out = {"z": torch.stack(z)}
     if label_ids is not None:
         out["z_label"] = torch.stack(z_label)

@@ -28,12 +28,14 @@ def logistic(arm: str) -> bool:
 def label_odds(model, z, labels, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, scale_S) [N, K] of the labels, standard mode, in chunks of prompts (no [N, V] tensor): x is what the OvR
     link reads, P_k = F(x_k) with F the Cauchy CDF, or σ for the logistic arms."""
-    ids = torch.tensor(labels.token_ids)
+    device = model.action.bias.device  # the heads'; z and the results on the CPU
+    ids = torch.tensor(labels.token_ids, device=device)
     x, scale = [], []
     for start in range(0, len(z), chunk_size):
-        _, scale_S, x_k = label_heads(model, z[start : start + chunk_size], ids, model.config.causal_temperature)
-        x.append(x_k)
-        scale.append(scale_S)
+        _, scale_S, x_k = label_heads(model, z[start : start + chunk_size].to(device), ids,
+                                      model.config.causal_temperature)
+        x.append(x_k.cpu())
+        scale.append(scale_S.cpu())
     return torch.cat(x), torch.cat(scale)
 
 

@@ -220,9 +220,14 @@ class _RunContext:
                 "test": test_metrics(model, arm, self.features, d), "seconds": time.perf_counter() - start}
 
 
-def check_num_proc(num_proc: int, threads: int = 1) -> None:
+def check_num_proc(num_proc: int, threads: int = 1, device: torch.device | str = "cpu") -> None:
     """--num_proc forks; a forked process runs one torch thread (GNU OpenMP, torch's CPU threads, does not survive a
-    fork with more: the processes hang)."""
+    fork with more: the processes hang) and no accelerator (a CUDA context does not survive a fork either)."""
+    device = torch.device(device)
+    if num_proc > 1 and device.type != "cpu":
+        raise ValueError(f"--num_proc {num_proc} with --device {device}: forked processes cannot share the "
+                         f"{device.type} device's context; on it one process trains the runs one after another: "
+                         "pass --num_proc 1 (or --device cpu to train runs in parallel processes on the CPU)")
     if num_proc > 1 and "fork" not in multiprocessing.get_all_start_methods():
         raise ValueError(f"--num_proc {num_proc} forks processes, which this platform cannot: pass --num_proc 1")
     if num_proc > 1 and threads > 1:
@@ -250,7 +255,7 @@ def parallel_runs(context: _RunContext, keys: list, num_proc: int, threads: int 
     every process at once (the runs under way are lost; those yielded before are the caller's to keep: `RunLog`)
     and the error is raised."""
     global _CONTEXT
-    check_num_proc(num_proc, threads)
+    check_num_proc(num_proc, threads, next(context.base.parameters()).device)
     _CONTEXT = context
     try:
         with multiprocessing.get_context("fork").Pool(min(num_proc, max(1, len(keys))), initializer=_start_worker,

@@ -87,8 +87,9 @@ def train_arm(base, arm, features, rows, train_labels, labels, eos, lr, steps, b
     `on_step(step, model, loss)` after each optimizer step (the gradients still in place). `heads`: a `FreshHeads`
     of `base` to take the fresh heads from (the model it returns is reset by its next run)."""
     model = heads(arm) if heads is not None else CausalQwenForCausalLM.from_base(base, **ARMS[arm]["heads"])
+    device = model.action.bias.device  # the heads' (the base's); the features stay on the CPU, a batch moves
     if model.config.objective == "ovr" and not model.config.ovr_relative_threshold:
-        calibrate_threshold_on_features(model, features["z"][rows])  # as the trainer does for fresh heads
+        calibrate_threshold_on_features(model, features["z"][rows].to(device))  # as the trainer does for fresh heads
     optimizer = optimizer_for(model, lr, trainer_defaults.location_lr_ratio, trainer_defaults.threshold_lr_ratio,
                               fused=True, scale_lr_ratio=ARMS[arm].get("scale_lr_ratio", 1.0))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
@@ -100,7 +101,7 @@ def train_arm(base, arm, features, rows, train_labels, labels, eos, lr, steps, b
     for step in range(steps):
         batch = order[step * batch_rows : (step + 1) * batch_rows]
         z, targets = training_targets(features, train_labels, batch, labels.token_ids, eos, position)
-        loss = arm_loss(model, arm, z, targets)
+        loss = arm_loss(model, arm, z.to(device), targets.to(device))
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"{arm}: loss {loss.item()} at step {step + 1}")
         optimizer.zero_grad()
