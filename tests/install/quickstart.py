@@ -4,11 +4,13 @@ Run by the fresh venv's python from a folder outside the clone: the package must
 and the `causalqwen` console script from its bin/. It builds a tiny random Qwen2 base (tied and untied) with a
 word-level tokenizer, attaches heads, saves the adapter, loads it back with `AutoModelForCausalLM` +
 `trust_remote_code`, generates in every inference mode, trains 5 steps with `causalqwen train` on a small JSONL and
-generates with the result through `causalqwen generate`. Any problem is an exception or a non-zero exit.
+generates with the result through `causalqwen generate`, and runs `causalqwen compare` on 30 labelled rows. Any problem
+is an exception or a non-zero exit.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -101,6 +103,26 @@ def main() -> None:
                  "--no_chat", "--max_new_tokens", "4", "--inference_mode", "standard", "--device", "cpu")
     check(answer.strip() != "", "causalqwen generate printed nothing")
     print(f"causalqwen generate: {answer.strip()!r}")
+
+    # "do the heads help on my rows?": the paired comparison, two seeds, one step per run (the plots need the
+    # `plots` extra, not installed here)
+    # the word-level tokenizer alone: beside the base's config.json transformers reads it as a Qwen2Tokenizer, which
+    # maps these words to nothing (tests/test_classify.py)
+    tokenizer = work / "tokenizer"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(work / "base-untied" / name, tokenizer / name)
+    rows = work / "labelled.jsonl"
+    words = " ".join(p for p, _ in PAIRS).split()
+    rows.write_text("".join(json.dumps({"prompt": " ".join(words[(3 * n + k) % len(words)] for k in range(4)),
+                                        "completion": [" blue", " mat", " four"][n % 3]}) + "\n" for n in range(30)))
+    table = run(str(script), "compare", "--model_name_or_path", str(work / "base-untied"), "--dataset_name", str(rows),
+                "--tokenizer", str(tokenizer), "--output_dir", str(work / "compare"), "--arms", "ovr_candidates", "softmax", "--lrs", "1e-3",
+                "--seeds", "0", "1", "--max_steps", "1", "--per_device_train_batch_size", "4", "--no_plots",
+                "--device", "cpu")
+    check("| accuracy" in table and (work / "compare" / "comparison.json").is_file(),
+          f"causalqwen compare printed no table:\n{table[-2000:]}")
+    print("causalqwen compare: the paired table of 4 runs")
     print(f"quickstart passed in {time.perf_counter() - start:.0f}s")
 
 
