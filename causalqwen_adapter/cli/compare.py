@@ -17,7 +17,9 @@ rate its own validation split scores best. The table: per arm mean ± s.e. over 
 against `--baseline` (the softmax), a two-sided paired t-test, Holm-adjusted over every comparison printed, and the
 verdict ahead / behind / tie at α = 0.05. Metrics: accuracy, macro-F1 and ECE of the arm's own rule (argmax P_k for
 the OvR arms, the label logits otherwise) on the test rows of known classes; with held-out classes also the AUROC,
-FPR at 95 % TPR and open-set macro-F1 of the arm's rejection score (max_k P_k, or the softmax's energy score).
+FPR at 95 % TPR and open-set macro-F1 of the arm's rejection score (max_k P_k, or the softmax's energy score). Under
+the table, each OvR arm's P_top on the test rows, and a warning where it is the same for every row (heads whose scale
+ran away at the chosen rate: the accuracy stays, the probabilities say nothing).
 Writes `comparison.json` (every run) and `comparison.md` to `--output_dir`, and the plots (needs matplotlib, the
 `plots` extra; `--no_plots` skips them): `comparison_differences.png`, per metric each arm's per-seed differences from
 the baseline with their mean and its Bonferroni α/m interval, and `comparison_rates.png`, the rate each seed chose.
@@ -55,7 +57,7 @@ from causalqwen_adapter.comparison.runs import (
     run_comparison,
 )
 from causalqwen_adapter.comparison.splits import parse_noise
-from causalqwen_adapter.comparison.verdicts import markdown, paired_table
+from causalqwen_adapter.comparison.verdicts import confidence_lines, markdown, paired_table
 from causalqwen_adapter.configuration_causalqwen import check_number
 from causalqwen_adapter.data import check_data_source
 from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
@@ -161,12 +163,15 @@ def summary(args: CompareArguments, labels, protocol: Protocol, out: dict, secon
     chosen = "; ".join(f"{arm} " + ", ".join(f"{lr:g}×{sum(v == lr for v in by_seed.values())}"
                                              for lr in protocol.lrs) for arm, by_seed in out["chosen"].items())
     others = [arm for arm in protocol.arms if arm != protocol.baseline]
+    heads = confidence_lines(out["per_seed"])  # what the OvR arms' P_top says across rows
+    heads = ["What the OvR heads' P_top says, at the chosen rates:", "", *heads, ""] if heads else []
     lines = [f"# {Path(args.dataset_name).name}: {', '.join(others)} against {protocol.baseline}", "",
              f"Base {args.model_name_or_path}; {len(labels.labels)} labels; {setting}; seeds "
              f"{' '.join(map(str, protocol.seeds))}; rates {' '.join(f'{lr:g}' for lr in protocol.lrs)}, each seed's "
              f"chosen on its validation split ({chosen}). Paired t on the seeds, two-sided, Holm-adjusted over the "
              f"{len(table)} comparisons below, α = {protocol.alpha}. A tie is a tie.", "",
              *markdown(table, protocol.baseline), "",
+             *heads,
              f"{len(out['runs'])} runs in {seconds / 60:.1f} min of training and scoring ("
              + (f"{args.num_proc} processes of {args.threads or 1} thread(s))." if args.num_proc > 1
                 else f"on {resolve_device(args.device)}; CPU threads: {torch.get_num_threads()}).")]

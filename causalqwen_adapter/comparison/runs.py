@@ -14,7 +14,7 @@ import torch
 
 from ..classification import LabelSet, macro_f1
 from .arms import check_arms
-from .metrics import accuracies, arm_scores, noise_metrics, open_set, own_rule
+from .metrics import accuracies, arm_scores, noise_metrics, open_set, own_rule, p_top_spread
 from .splits import inject_noise, known_classes, split_rows
 from .stats import choose_rate
 from .training import FreshHeads, RecipeRates, train_arm
@@ -116,6 +116,8 @@ def test_metrics(model, arm: str, features: dict, data: SeedData) -> dict[str, f
     scores = arm_scores(model, arm, features["z"][rows], data.labels)
     out = noise_metrics(model, arm, None, target, data.labels, scores=scores)
     out["macro_f1"] = macro_f1(scores.decide(own_rule(model))[0], target)
+    if own_rule(model) == "ovr":  # reported beside the table: heads whose P_top is flat carry no confidence
+        out.update(p_top_spread(arm, scores))
     if len(data.known) < len(set(y)):
         score = "ovr_max_prob" if model.config.objective == "ovr" else "energy"
         sets = open_set(model, arm, features["z"][data.test_rows], features["label"][data.test_rows], data.known,

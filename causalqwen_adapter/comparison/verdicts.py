@@ -6,6 +6,7 @@ direction)."""
 import math
 import statistics
 
+from .metrics import FLAT_SPREAD
 from .stats import holm, mean_se, paired, paired_t
 
 # the better direction of every metric a comparison reports
@@ -63,6 +64,27 @@ def paired_table(per_seed: dict[str, dict[int, dict]], baseline: str, metrics, s
     for row in rows:
         row["verdict"] = verdict(row, BETTER[row["metric"]], alpha)
     return rows
+
+
+def confidence_lines(per_seed: dict[str, dict[int, dict]]) -> list[str]:
+    """Under the table, per OvR arm: its P_top on the test rows at the chosen rates (the seeds' median of the median,
+    of the 10th and of the 90th percentile), and a warning when on some seeds it says the same of every row (a 10–90 %
+    range under FLAT_SPREAD: the scale ran away; the accuracy stays, the ECE reads accuracy − P_top)."""
+    lines = []
+    for arm, by_seed in per_seed.items():
+        runs = [r for r in by_seed.values() if "p_top_median" in r]
+        if not runs:
+            continue
+        median = {k: statistics.median(r[k] for r in runs) for k in ("p_top_p10", "p_top_median", "p_top_p90")}
+        flat = sum(r["p_top_p90"] - r["p_top_p10"] < FLAT_SPREAD for r in runs)
+        line = (f"- {arm}: P_top on the test rows {median['p_top_median']:.3f} (10–90 %: {median['p_top_p10']:.3f}–"
+                f"{median['p_top_p90']:.3f}; medians over the seeds)")
+        if flat:
+            line += (f". **On {flat} of {len(runs)} seeds it is the same for every row**: the heads' scale ran away "
+                     "at the chosen rate, so their probabilities carry no confidence there (the accuracy does not "
+                     "show it; the ECE reads accuracy − P_top). Prefer a lower rate for these heads (docs/training.md)")
+        lines.append(line + ".")
+    return lines
 
 
 def _mean(values):
