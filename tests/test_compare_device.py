@@ -10,14 +10,16 @@ from transformers import AutoModelForCausalLM
 
 from causalqwen_adapter.classification import LabelSet, label_scores
 from causalqwen_adapter.cli import compare
+from causalqwen_adapter.comparison.arms import ARMS
 from causalqwen_adapter.comparison.runs import check_num_proc
 from causalqwen_adapter.comparison.training import RecipeRates, train_arm
+from causalqwen_adapter.modeling_causalqwen import CausalQwenForCausalLM
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)")
 
 
-def test_a_device_the_machine_lacks_is_refused_before_anything_is_written(base_folder, tokenizer_dir, tmp_path,  # noqa: F811
-                                                                          capsys):
+def test_a_device_the_machine_lacks_is_refused_before_anything_is_written(base_folder, tokenizer_dir,  # noqa: F811
+                                                                          tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
     data = write_rows(tmp_path / "rows.jsonl")
@@ -25,6 +27,17 @@ def test_a_device_the_machine_lacks_is_refused_before_anything_is_written(base_f
         compare.main([*argv(base_folder, data, tmp_path / "out", tokenizer=tokenizer_dir), "--device", "cuda"])
     assert exit_info.value.code == 2 and "no cuda device on this machine" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_auto_is_cuda_else_the_cpu_and_mps_is_refused(monkeypatch):
+    """`auto` never picks MPS (the loss accumulates in float64, which MPS lacks), and an MPS asked for is refused with
+    what to pass instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)  # a Mac: the package's auto would pick it
+    assert compare.compare_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(compare, "resolve_device", lambda spec: torch.device("mps"))
+    with pytest.raises(ValueError, match="MPS does not support: pass --device cpu"):
+        compare.compare_device("mps")
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps"])
@@ -41,31 +54,38 @@ def test_processes_on_an_accelerator_are_refused(device):
 @needs_cuda
 @pytest.mark.parametrize("arm", ["ovr_candidates", "softmax", "gce", "ovr_alone_absolute_logistic"])
 def test_a_run_on_cuda_trains_the_cpus_heads(base_folder, arm):  # noqa: F811
-    """The same run (features on the CPU, the heads on each device): the trained heads and the label scores of the
+    """The same run (features on the CPU, the heads on each device): the heads' updates and the label scores of the
     test rows agree within float32 rounding (the package's loss runs its Triton kernels on the GPU, torch on the
-    CPU)."""
+    CPU). The updates are compared as wholes: Adam moves a weight whose gradient is near 0 by ±lr whichever sign
+    rounding gives it, so single elements may differ by 2·lr per step."""
     features, labels = None, LabelSet([" a", " b", " c"], [10, 11, 12])
-    trained = {}
+    trained, initial = {}, None
     for device in ("cpu", "cuda"):
         base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32).to(device).eval()
         features = features or _features(base, n=40)
+        if initial is None:
+            fresh = CausalQwenForCausalLM.from_base(base, **ARMS[arm]["heads"])
+            initial = {n: t.detach().clone() for n, t in fresh.named_parameters()
+                       if not n.startswith(fresh.base_model_prefix + ".")}
         rows = torch.arange(32)
-        model = train_arm(base, arm, features, rows, features["label"].tolist(), labels, 2, 1e-2, 4, 8, 0,
+        model = train_arm(base, arm, features, rows, features["label"].tolist(), labels, 2, 1e-3, 4, 8, 0,
                           RecipeRates())
-        heads = {name: t.detach().cpu() for name, t in model.named_parameters() if not name.startswith(model.base_model_prefix + ".")}
+        heads = {name: t.detach().cpu() for name, t in model.named_parameters()
+                 if not name.startswith(model.base_model_prefix + ".")}
         trained[device] = heads, label_scores(model, features["z"][32:], labels, label_columns=True)
         assert all(t.device.type == device for n, t in model.named_parameters()
                    if not n.startswith(model.base_model_prefix + "."))
     (cpu_heads, cpu_scores), (gpu_heads, gpu_scores) = trained["cpu"], trained["cuda"]
     assert cpu_heads.keys() == gpu_heads.keys()
     for name in cpu_heads:
-        torch.testing.assert_close(gpu_heads[name], cpu_heads[name], rtol=1e-4, atol=1e-5, msg=name)
+        on_cpu, on_gpu = cpu_heads[name] - initial[name], gpu_heads[name] - initial[name]
+        assert (on_gpu - on_cpu).norm() <= 1e-2 * on_cpu.norm() + 1e-7, name
     for field in ("loc", "log_partition", "log_P", "x"):
         a, b = getattr(gpu_scores, field), getattr(cpu_scores, field)
         assert (a is None) == (b is None)
         if a is not None:
             assert a.device.type == "cpu"
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=field)
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3, msg=field)
 
 
 @pytest.mark.gpu

@@ -18,8 +18,8 @@ against `--baseline` (the softmax), a two-sided paired t-test, Holm-adjusted ove
 verdict ahead / behind / tie at α = 0.05. Metrics: accuracy, macro-F1 and ECE of the arm's own rule (argmax P_k for
 the OvR arms, the label logits otherwise) on the test rows of known classes; with held-out classes also the AUROC,
 FPR at 95 % TPR and open-set macro-F1 of the arm's rejection score (max_k P_k, or the softmax's energy score). Under
-the table, each OvR arm's P_top on the test rows, and a warning where it is the same for every row (heads whose scale
-ran away at the chosen rate: the accuracy stays, the probabilities say nothing).
+the table, each OvR arm's P_top on the test rows, and a warning where it is about the same for 80 % of the rows (at ½:
+heads whose scale ran away at the chosen rate; the accuracy stays, P_top as a probability is uncalibrated).
 Writes `comparison.json` (every run) and `comparison.md` to `--output_dir`, and the plots (needs matplotlib, the
 `plots` extra; `--no_plots` skips them): `comparison_differences.png`, per metric each arm's per-seed differences from
 the baseline with their mean and its Bonferroni α/m interval, and `comparison_rates.png`, the rate each seed chose.
@@ -28,9 +28,9 @@ in `--output_dir`'s `comparison_runs.jsonl` as it ends: the same command again a
 runs still missing (the results are an uninterrupted run's); the file goes once comparison.json is written. The library is
 `causalqwen_adapter.comparison`; docs/evidence.md, "On your own data", says how to read it. `--num_proc N` trains N
 runs at once in forked processes (one per core with `--threads 1` is the fastest on a CPU). `--device` (default
-`auto`: CUDA when available) is where the base extracts the features and the heads train: on a GPU the runs go one
-after another in this process (a forked process cannot share the CUDA context, so `--num_proc` stays 1); the cached
-features and the metrics stay on the CPU.
+`auto`: CUDA when available, else the CPU) is where the base extracts the features and the heads train: on a GPU the
+runs go one after another in this process (a forked process cannot share the CUDA context, so `--num_proc` stays 1);
+the cached features and the metrics stay on the CPU.
 """
 
 import json
@@ -60,7 +60,7 @@ from causalqwen_adapter.comparison.splits import parse_noise
 from causalqwen_adapter.comparison.verdicts import confidence_lines, markdown, paired_table
 from causalqwen_adapter.configuration_causalqwen import check_number
 from causalqwen_adapter.data import check_data_source
-from causalqwen_adapter.devices import AUTO, DEVICE_HELP, resolve_device
+from causalqwen_adapter.devices import AUTO, resolve_device
 
 from .classify import read_rows, tokenizer_source
 from .parsing import CliHfArgumentParser, check_output_folder, install_hint, missing_modules, usage_errors
@@ -104,11 +104,25 @@ class CompareArguments:
     num_proc: int = field(default=1, metadata={
         "help": "Processes training runs at once, one torch thread each (forked; tested on Linux). On a CPU, one per "
                 "core trains the most runs per second (each holds about 4 copies of the head's V × H weights)."})
-    device: str = field(default=AUTO, metadata={"help": DEVICE_HELP})
+    device: str = field(default=AUTO, metadata={
+        "help": "Where the features are extracted and the heads trained: auto (CUDA when available, else the CPU), "
+                "cpu, cuda, cuda:1, ... (not mps: the training loss sums in float64)."})
     plots: bool = field(default=True, metadata={"help": f"Write {' and '.join(PLOT_FILES)} (needs matplotlib)."})
     overwrite: bool = field(default=False, metadata={
         "help": "Replace an earlier run's comparison.json, .md and plots (with --no_plots its plots are removed), "
                 "and start again a comparison cut short instead of resuming it."})
+
+
+def compare_device(spec: str) -> torch.device:
+    """--device as a torch.device: `auto` is CUDA when available, else the CPU; MPS is refused (the training loss
+    accumulates in float64, which MPS lacks)."""
+    if spec.strip().lower() == AUTO:
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(spec)
+    if device.type == "mps":
+        raise ValueError(f"--device {spec}: the comparison's training loss sums in float64, which MPS does not "
+                         "support: pass --device cpu")
+    return device
 
 
 def protocol_of(args: CompareArguments) -> Protocol:
@@ -123,7 +137,7 @@ def check_arguments(args: CompareArguments) -> None:
     check_number("per_device_train_batch_size", args.per_device_train_batch_size, minimum=1, integer=True)
     check_number("threads", args.threads, minimum=0, integer=True)
     check_number("num_proc", args.num_proc, minimum=1, integer=True)
-    check_num_proc(args.num_proc, args.threads, resolve_device(args.device))
+    check_num_proc(args.num_proc, args.threads, compare_device(args.device))
     check_number("unknown_fraction", args.unknown_fraction, minimum=0)
     check_protocol(protocol_of(args))
     check_found(args.model_name_or_path, "--model_name_or_path", MODEL_HINT)
@@ -174,7 +188,7 @@ def summary(args: CompareArguments, labels, protocol: Protocol, out: dict, secon
              *heads,
              f"{len(out['runs'])} runs in {seconds / 60:.1f} min of training and scoring ("
              + (f"{args.num_proc} processes of {args.threads or 1} thread(s))." if args.num_proc > 1
-                else f"on {resolve_device(args.device)}; CPU threads: {torch.get_num_threads()}).")]
+                else f"on {compare_device(args.device)}; CPU threads: {torch.get_num_threads()}).")]
     results = {"args": vars(args), "labels": labels.labels, "table": table, "alpha": protocol.alpha,
                "seconds": seconds, **out}
     return results, "\n".join(lines) + "\n"
@@ -195,7 +209,7 @@ def run(args: CompareArguments, prepared: tuple | None = None) -> dict:
 
 def _run(args: CompareArguments, prepared: tuple) -> dict:
     tokenizer, labels, prompts, targets, protocol, progress = prepared
-    device = resolve_device(args.device)
+    device = compare_device(args.device)
     base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).to(device).eval()
     cache = args.cache_dir or os.path.join(args.output_dir, "features")
     features = cached_features(cache, base, prompts, targets, labels.token_ids, rebuild=args.rebuild_cache)

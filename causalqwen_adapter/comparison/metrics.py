@@ -101,16 +101,17 @@ def noise_metrics(model, arm: str, z, target, labels, scores=None) -> dict[str, 
             "confidence_auroc": auroc(rank[correct], rank[~correct]) if both else float("nan")}
 
 
-FLAT_SPREAD = 0.01  # a P_top whose 10–90 % range is narrower than this says the same thing of every row
+FLAT_SPREAD = 0.01  # a P_top whose 10–90 % range is narrower than this says about the same of 80 % of the rows
+FLAT_MIN_ROWS = 10  # fewer test rows say nothing about the spread
 
 
 def p_top_spread(arm: str, scores) -> dict[str, float]:
     """What an OvR arm's confidence says across rows: the 10th, 50th and 90th percentiles of P_top = F(max_k x_k)
-    (float64, under the arm's link). Heads whose scale ran away give P_top = ½ on every row (a 10–90 % range near 0)
-    while their argmax, and so the accuracy, is intact: the ECE then reads accuracy − ½."""
+    (float64, under the arm's link) and the rows counted. Heads whose scale ran away give P_top ≈ ½ on every row (a
+    10–90 % range near 0) while their argmax, and so the accuracy, is intact: the ECE then reads |accuracy − ½|."""
     p_top = link_probs(arm, scores.x.max(-1).values)
     q = torch.quantile(p_top, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
-    return {"p_top_p10": q[0], "p_top_median": q[1], "p_top_p90": q[2]}
+    return {"p_top_p10": q[0], "p_top_median": q[1], "p_top_p90": q[2], "p_top_rows": len(p_top)}
 
 
 def head_outputs(model, arm: str, z, labels) -> dict[str, float] | None:

@@ -6,7 +6,7 @@ direction)."""
 import math
 import statistics
 
-from .metrics import FLAT_SPREAD
+from .metrics import FLAT_MIN_ROWS, FLAT_SPREAD
 from .stats import holm, mean_se, paired, paired_t
 
 # the better direction of every metric a comparison reports
@@ -68,21 +68,31 @@ def paired_table(per_seed: dict[str, dict[int, dict]], baseline: str, metrics, s
 
 def confidence_lines(per_seed: dict[str, dict[int, dict]]) -> list[str]:
     """Under the table, per OvR arm: its P_top on the test rows at the chosen rates (the seeds' median of the median,
-    of the 10th and of the 90th percentile), and a warning when on some seeds it says the same of every row (a 10–90 %
-    range under FLAT_SPREAD: the scale ran away; the accuracy stays, the ECE reads accuracy − P_top)."""
+    of the 10th and of the 90th percentile), and a warning for the seeds (of FLAT_MIN_ROWS test rows or more) where
+    it is about the same for 80 % of the rows (a 10–90 % range under FLAT_SPREAD): at ½, the heads' scale ran away;
+    elsewhere (near 0: heads that accept nothing yet), a P_top as uninformative. The accuracy does not show either;
+    the ECE reads |accuracy − P_top|."""
     lines = []
     for arm, by_seed in per_seed.items():
         runs = [r for r in by_seed.values() if "p_top_median" in r]
         if not runs:
             continue
         median = {k: statistics.median(r[k] for r in runs) for k in ("p_top_p10", "p_top_median", "p_top_p90")}
-        flat = sum(r["p_top_p90"] - r["p_top_p10"] < FLAT_SPREAD for r in runs)
+        flat = [r for r in runs if r.get("p_top_rows", 0) >= FLAT_MIN_ROWS
+                and r["p_top_p90"] - r["p_top_p10"] < FLAT_SPREAD]
+        half = [r for r in flat if abs(r["p_top_median"] - 0.5) < FLAT_SPREAD]
         line = (f"- {arm}: P_top on the test rows {median['p_top_median']:.3f} (10–90 %: {median['p_top_p10']:.3f}–"
                 f"{median['p_top_p90']:.3f}; medians over the seeds)")
-        if flat:
-            line += (f". **On {flat} of {len(runs)} seeds it is the same for every row**: the heads' scale ran away "
-                     "at the chosen rate, so their probabilities carry no confidence there (the accuracy does not "
-                     "show it; the ECE reads accuracy − P_top). Prefer a lower rate for these heads (docs/training.md)")
+        if half:
+            line += (f". **On {len(half)} of {len(runs)} seeds P_top is ½ for 80 % of the test rows**: the heads' "
+                     "scale ran away at the chosen rate. The accuracy and the ranking by the largest score stay, but "
+                     "as a probability P_top is uncalibrated (the ECE reads |accuracy − ½|): prefer a lower rate for "
+                     "these heads (docs/training.md)")
+        if len(flat) > len(half):
+            values = ", ".join(f"{r['p_top_median']:.3f}" for r in flat if r not in half)
+            line += (f". On {len(flat) - len(half)} of {len(runs)} seeds P_top is about the same for 80 % of the "
+                     f"test rows ({values}): as a probability it says little about each row (the ECE reads "
+                     "|accuracy − P_top|)")
         lines.append(line + ".")
     return lines
 

@@ -117,7 +117,8 @@ def main() -> None:
     rows.write_text("".join(json.dumps({"prompt": " ".join(words[(3 * n + k) % len(words)] for k in range(4)),
                                         "completion": [" blue", " mat", " four"][n % 3]}) + "\n" for n in range(30)))
     table = run(str(script), "compare", "--model_name_or_path", str(work / "base-untied"), "--dataset_name", str(rows),
-                "--tokenizer", str(tokenizer), "--output_dir", str(work / "compare"), "--arms", "ovr_candidates", "softmax", "--lrs", "1e-3",
+                "--tokenizer", str(tokenizer), "--output_dir", str(work / "compare"), "--arms", "ovr_candidates",
+                "softmax", "--lrs", "1e-3",
                 "--seeds", "0", "1", "--max_steps", "1", "--per_device_train_batch_size", "4", "--no_plots",
                 "--device", "cpu")
     check("| accuracy" in table and (work / "compare" / "comparison.json").is_file(),
