@@ -13,7 +13,8 @@ arm, every metric, the paired difference against the softmax with its s.e., raw 
         --out bench/results/preregistered.json                              # merge the shares, write the report
 
 Arms, rates, seeds or cells may be narrowed to share the runs among processes; anything outside the declared family,
-or fewer than two seeds, is refused.
+or fewer than two seeds, is refused. `--device cuda` extracts the features and trains on a GPU (one process per
+device); each result file records its device in its `meta`.
 """
 
 import argparse
@@ -214,6 +215,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", default="build/evidence")
     parser.add_argument("--out", default="build/evidence/preregistered.json")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where the base extracts features and the heads train (cpu, "
+                        "cuda, ...): the features, splits and metrics stay on the CPU; each file records its device")
     args = parser.parse_args(argv)
     try:
         family = protocol.restrict(protocol.FAMILY, arms=args.arms, lrs=args.lrs, seeds=args.seeds, cells=args.cells)
@@ -240,7 +243,10 @@ def main(argv=None) -> None:
     from evidence_data import task
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
-    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+    from causalqwen_adapter.devices import resolve_device
+
+    meta["device"] = str(resolve_device(args.device))
+    base = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32).to(meta["device"])
     tasks = {}
     for name in dict.fromkeys(protocol.parse_cell(cell)[0] for cell in family["cells"]):
         data = task(name, Path(args.data))
