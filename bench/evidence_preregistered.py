@@ -186,10 +186,13 @@ def pool_features(args, base, data: dict, labels, tokenizer) -> dict:
         print(f"features {data['name']} {split}: {len(rows)} rows ({time.perf_counter() - start:.0f}s)", flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(features, temporary)
-        os.replace(temporary, partial)  # a save cut short leaves the last whole file
-    torch.save(features, temporary)  # the whole file from this process's own copy: another's partial may be gone
-    os.replace(temporary, path)
-    partial.unlink(missing_ok=True)
+        # a save cut short leaves the last whole file; the last split's goes straight to the cache (this process's
+        # own copy: another process's partial may be gone)
+        os.replace(temporary, partial if len(features) < len(splits) else path)
+    if path.exists():  # not when every split came from the partial file: it becomes the cache
+        partial.unlink(missing_ok=True)
+    else:
+        os.replace(partial, path)
     return features
 
 

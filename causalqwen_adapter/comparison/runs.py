@@ -116,7 +116,7 @@ def test_metrics(model, arm: str, features: dict, data: SeedData) -> dict[str, f
     scores = arm_scores(model, arm, features["z"][rows], data.labels)
     out = noise_metrics(model, arm, None, target, data.labels, scores=scores)
     out["macro_f1"] = macro_f1(scores.decide(own_rule(model))[0], target)
-    if own_rule(model) == "ovr":  # reported beside the table: heads whose P_top is flat carry no confidence
+    if own_rule(model) == "ovr":  # reported under the table: a flat P_top is an uncalibrated probability
         out.update(p_top_spread(arm, scores))
     if len(data.known) < len(set(y)):
         score = "ovr_max_prob" if model.config.objective == "ovr" else "energy"

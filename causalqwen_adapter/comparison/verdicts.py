@@ -81,6 +81,7 @@ def confidence_lines(per_seed: dict[str, dict[int, dict]]) -> list[str]:
         flat = [r for r in runs if r.get("p_top_rows", 0) >= FLAT_MIN_ROWS
                 and r["p_top_p90"] - r["p_top_p10"] < FLAT_SPREAD]
         half = [r for r in flat if abs(r["p_top_median"] - 0.5) < FLAT_SPREAD]
+        elsewhere = [r for r in flat if abs(r["p_top_median"] - 0.5) >= FLAT_SPREAD]
         line = (f"- {arm}: P_top on the test rows {median['p_top_median']:.3f} (10–90 %: {median['p_top_p10']:.3f}–"
                 f"{median['p_top_p90']:.3f}; medians over the seeds)")
         if half:
@@ -88,9 +89,9 @@ def confidence_lines(per_seed: dict[str, dict[int, dict]]) -> list[str]:
                      "scale ran away at the chosen rate. The accuracy and the ranking by the largest score stay, but "
                      "as a probability P_top is uncalibrated (the ECE reads |accuracy − ½|): prefer a lower rate for "
                      "these heads (docs/training.md)")
-        if len(flat) > len(half):
-            values = ", ".join(f"{r['p_top_median']:.3f}" for r in flat if r not in half)
-            line += (f". On {len(flat) - len(half)} of {len(runs)} seeds P_top is about the same for 80 % of the "
+        if elsewhere:
+            values = ", ".join(f"{r['p_top_median']:.3f}" for r in elsewhere)
+            line += (f". On {len(elsewhere)} of {len(runs)} seeds P_top is about the same for 80 % of the "
                      f"test rows ({values}): as a probability it says little about each row (the ECE reads "
                      "|accuracy − P_top|)")
         lines.append(line + ".")
